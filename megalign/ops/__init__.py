@@ -1,0 +1,9 @@
+"""Native RLHF kernels with a pure-torch reference for each (`megalign.ops.reference`).
+
+Each op validates its inputs, runs the C++/CUDA kernel when `megalign._C` is built for the
+tensors' device (see `megalign.ops._backend` for the MEGALIGN_OPS switch), supports autograd, and
+has a fake (meta) implementation so `torch.compile` can trace it.
+"""
+from megalign.ops._backend import HAVE_EXTENSION, WITH_CUDA
+
+__all__ = ["HAVE_EXTENSION", "WITH_CUDA"]

@@ -1,0 +1,63 @@
+"""Build megalign._C: the CPU kernels always, the CUDA kernels where a CUDA torch and nvcc exist.
+
+Environment:
+  MEGALIGN_SKIP_CUDA_BUILD=1   build the CPU kernels only, even with a CUDA torch.
+  MEGALIGN_CUDA_ARCHS          semicolon list of SM versions for the CUDA kernels (default "80;90").
+  MEGALIGN_CPU_ARCH            value for -march (default "native": the kernels' inner loops are
+                               vectorised for the building machine; use e.g. "x86-64-v3" when the
+                               build machine differs from the machines that run it, "" for none).
+  MAX_JOBS                     parallel compile jobs (torch's cpp_extension honours it).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _extensions():
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
+
+    cpu_arch = os.environ.get("MEGALIGN_CPU_ARCH", "native")
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    if cpu_arch:
+        cxx.append(f"-march={cpu_arch}")
+    include = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "torch")]
+    sources = _sources("csrc/cpu/*.cpp") + _sources("csrc/torch/*.cpp")
+
+    with_cuda = (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and os.environ.get("MEGALIGN_SKIP_CUDA_BUILD", "0") != "1"
+    )
+    if not with_cuda:
+        return [CppExtension("megalign._C", sources, include_dirs=include,
+                             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
+
+    archs = [a.strip() for a in os.environ.get("MEGALIGN_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    for a in archs:
+        nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    sources += _sources("csrc/cuda/*.cu") + _sources("csrc/torch/cuda/*.cpp")
+    return [CUDAExtension("megalign._C", sources, include_dirs=include,
+                          define_macros=[("MEGALIGN_WITH_CUDA", "1")],
+                          extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])]
+
+
+def _cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    packages=find_packages(include=["megalign", "megalign.*"]),
+    ext_modules=_extensions(),
+    cmdclass=_cmdclass(),
+)
