@@ -1,9 +1,8 @@
 """The launcher itself: a failure on one rank fails the test even while the other rank waits in a collective."""
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .dist_utils import run_distributed
+from .dist_utils import RankFailure, run_distributed
 
 
 def _rank1_fails():
@@ -13,5 +12,5 @@ def _rank1_fails():
 
 
 def test_failure_on_one_rank_reaches_pytest():
-    with pytest.raises(mp.ProcessRaisedException, match="boom on rank 1"):
+    with pytest.raises(RankFailure, match="boom on rank 1"):
         run_distributed(_rank1_fails, timeout_s=20)
