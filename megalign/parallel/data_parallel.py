@@ -113,8 +113,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, layout: ParallelLayout, 
     sharded = {id(p) for p in tp_sharded_parameters(module)}
     params = [p for p in module.parameters() if p.grad is not None]
     counted = [p.grad for p in params if id(p) in sharded or layout.tp_rank == 0]
-    device = params[0].grad.device if params else torch.device(layout.mesh.device_type if layout.mesh else "cpu")
-    local = torch.nn.utils.get_total_norm(counted, norm_type).to(device=device, dtype=torch.float32)
+    local = torch.nn.utils.get_total_norm(counted, norm_type).to(device=layout.device, dtype=torch.float32)
     if math.isinf(norm_type):
         total = all_reduce(all_reduce(local, layout.tp_group, dist.ReduceOp.MAX), layout.pp_group, dist.ReduceOp.MAX)
     else:

@@ -174,6 +174,13 @@ class ParallelLayout:
         """Global rank of the next pipeline stage (receives our activations), None on the last stage."""
         return None if self.is_last_stage else self.stage_rank(self.pp_rank + 1)
 
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on: the current CUDA device for a "cuda" mesh, else the CPU."""
+        if self.mesh is not None and self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     # ----- process groups (need the mesh)
 
     def group(self, dim: Dim) -> dist.ProcessGroup:

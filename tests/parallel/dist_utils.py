@@ -9,7 +9,8 @@ the traceback of every rank that raised: the root cause is kept even when a peer
 
 Processes are forked: they inherit the imported torch and test module, which costs a fraction of a
 second instead of seconds per spawn (torch's at-fork handler resets the intra-op thread pool, and
-the parent never initialises a process group). Still, one test runs several checks per start.
+the parent never initialises a process group). Forked ranks must not use CUDA (the parent may have
+initialised it); multi-rank tests here are gloo/CPU only. One test still runs several checks per start.
 """
 from __future__ import annotations
 

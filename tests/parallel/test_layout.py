@@ -51,6 +51,7 @@ def test_layout_plan_neighbours_and_stages():
     assert layout.group_ranks("pp") == [3, 7, 11]
     assert (layout.prev_stage_rank, layout.next_stage_rank) == (3, 11)
     assert not layout.is_first_stage and not layout.is_last_stage
+    assert layout.device == torch.device("cpu")
     first = ParallelLayout(tp=2, pp=3, dp=2, world_size=12, rank=2)
     last = ParallelLayout(tp=2, pp=3, dp=2, world_size=12, rank=9)
     assert first.is_first_stage and first.prev_stage_rank is None and first.next_stage_rank == 6
