@@ -80,8 +80,9 @@ class VocabParallelEmbedding(nn.Module):
     rows are zero when loaded from a full weight and are never looked up by valid ids.
 
     Input: integer ids of any shape with values in [0, num_embeddings). Output: [*ids.shape,
-    embedding_dim], replicated across the group. Ids outside [0, padded_vocab_size) embed to zero
-    (no rank owns them) rather than raising as `nn.Embedding` would.
+    embedding_dim], replicated across the group. At tp > 1, ids outside [0, padded_num_embeddings)
+    embed to zero (no rank owns them) instead of raising as `nn.Embedding` does at tp = 1; checking
+    would cost a device-to-host sync per call, so the data pipeline validates token ids instead.
     """
 
     def __init__(
@@ -123,7 +124,8 @@ class VocabParallelEmbedding(nn.Module):
 
     @torch.no_grad()
     def load_full_weight(self, weight: torch.Tensor) -> None:
-        """Copy this rank's rows of the full weight ([num_embeddings or padded_num_embeddings, dim]); padding rows -> 0."""
+        """Copy this rank's rows of the full weight, [num_embeddings, dim] (padding rows become zero) or
+        already padded [padded_num_embeddings, dim] (copied as is)."""
         if weight.ndim != 2 or weight.shape[1] != self.embedding_dim or weight.shape[0] not in (
             self.num_embeddings, self.padded_num_embeddings
         ):
