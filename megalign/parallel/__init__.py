@@ -1,0 +1,31 @@
+"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers, data parallelism.
+
+Everything takes its process groups explicitly (from a `ParallelLayout`); nothing here keeps global
+process-group state. The same code runs on gloo/CPU and NCCL/GPU.
+"""
+from .collectives import (
+    all_gather_last_dim,
+    all_reduce,
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    scatter_to_group,
+    split_last_dim,
+)
+from .data_parallel import allreduce_gradients, clip_grad_norm_, zero1_optimizer
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pad_vocab_size,
+    tp_sharded_parameters,
+)
+from .layout import ParallelLayout, group_ranks, rank_coords
+
+__all__ = [
+    "ParallelLayout", "rank_coords", "group_ranks",
+    "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
+    "all_reduce", "all_gather_last_dim", "split_last_dim",
+    "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
+    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_",
+]

@@ -1,0 +1,148 @@
+"""Autograd-aware collectives for tensor parallelism (Megatron-core `tensor_parallel/mappings.py` style).
+
+Each collective is a small `torch.autograd.Function` whose backward is the adjoint of its forward,
+with a plain functional wrapper. Every function takes its process group explicitly and returns its
+input unchanged (the same tensor object) when the group has one rank, so tp=1 costs nothing.
+
+    function            forward                             backward
+    copy_to_group       identity                            all-reduce (sum)
+    reduce_from_group   all-reduce (sum)                    identity
+    scatter_to_group    split last dim, keep own chunk      all-gather along last dim
+    gather_from_group   all-gather along last dim           split last dim, keep own chunk
+
+`copy_to_group` / `reduce_from_group` bracket a column-parallel -> row-parallel pair; the scatter /
+gather pair converts between replicated and last-dim-sharded activations. The plain (non-autograd)
+helpers `all_reduce`, `all_gather_last_dim` and `split_last_dim` never modify their input.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def group_size(group: Group) -> int:
+    """Number of ranks in `group` (None means the default group)."""
+    return dist.get_world_size(group)
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduction (default: sum) of `x` over the ranks of `group`, as a new tensor (`x` is left untouched)."""
+    if group_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dim: [..., n] -> [..., n * group_size]."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def split_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's contiguous chunk of the last dim: [..., n] -> [..., n / group_size]."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[-1] % size:
+        raise ValueError(
+            f"split_last_dim: last dim {x.shape[-1]} of shape {tuple(x.shape)} is not divisible by the group size {size}"
+        )
+    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_last_dim(grad, ctx.group), None
+
+
+def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward; all-reduce the gradient backward.
+
+    Use where a replicated activation enters rank-local (sharded) computation, e.g. the input of a
+    column-parallel linear: each rank's gradient covers only its shard's contribution, and the sum over
+    ranks is the full gradient. Shape unchanged.
+    """
+    if group_size(group) == 1:
+        return x
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward.
+
+    Use where rank-local partial sums become one replicated activation, e.g. the output of a
+    row-parallel linear. The gradient of a replicated output is already the same on every rank.
+    Shape unchanged.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromGroup.apply(x, group)
+
+
+def scatter_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim forward; all-gather the gradient backward.
+
+    [..., n] -> [..., n / group_size]; `x` must be replicated across the group.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ScatterToGroup.apply(x, group)
+
+
+def gather_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather along the last dim forward; keep this rank's chunk of the gradient backward.
+
+    [..., n] -> [..., n * group_size]; whatever consumes the output must be replicated across the group.
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherFromGroup.apply(x, group)
