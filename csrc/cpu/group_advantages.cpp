@@ -8,6 +8,9 @@
 namespace megalign::cpu {
 namespace {
 
+// Groups run in parallel only above this many scores (about 0.4 ms of serial work); see cpu/gae.cpp.
+constexpr int64_t kParallelGrain = int64_t(1) << 17;
+
 // Two passes over the members of one group (mean around the first member, then squared
 // deviations), then the advantages. member(k) is the index of the k-th member, k < n.
 template <typename T, typename Member>
@@ -33,7 +36,7 @@ template <typename T>
 void contiguous(const T* scores, int64_t stride, int64_t n, int64_t group_size, math::GroupMode mode, double eps,
                 bool unbiased, acc_t<T>* out) {
   const int64_t groups = group_size > 0 ? n / group_size : 0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelGrain)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * group_size;
     normalize_group(scores, stride, group_size, [first](int64_t k) { return first + k; }, mode,
@@ -51,7 +54,7 @@ void indexed(const T* scores, int64_t stride, const int64_t* ids, int64_t n, int
   std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
   for (int64_t i = 0; i < n; ++i) order[fill[ids[i]]++] = i;
   const int64_t* members = order.data();
-#pragma omp parallel for schedule(dynamic, 64)
+#pragma omp parallel for schedule(dynamic, 64) if (n >= kParallelGrain)
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t* m = members + offset[g];
     normalize_group(scores, stride, offset[g + 1] - offset[g], [m](int64_t k) { return m[k]; }, mode,

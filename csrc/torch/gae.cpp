@@ -7,13 +7,12 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
                                            const at::Tensor& mask, double gamma, double lam) {
-  const GaeArgs a = check_gae(rewards, values, mask, gamma, lam);
   check_cpu(rewards, "gae", "rewards");
-  at::Tensor adv = at::empty({a.batch, a.steps}, rewards.options().dtype(a.out_type));
-  at::Tensor ret = at::empty_like(adv);
-  cpu::gae(a.dtype, rewards.data_ptr(), strides2d(rewards), values.data_ptr(), strides2d(values),
-           mask.data_ptr<bool>(), strides2d(mask), a.batch, a.steps, gamma, lam, adv.data_ptr(), ret.data_ptr());
-  return {adv, ret};
+  const GaeCall c = prepare_gae(rewards, values, mask, gamma, lam);
+  cpu::gae(c.dtype, rewards.data_ptr(), strides2d(rewards), values.data_ptr(), strides2d(values),
+           mask.data_ptr<bool>(), strides2d(mask), rewards.size(0), rewards.size(1), gamma, lam,
+           c.advantages.data_ptr(), c.returns.data_ptr());
+  return {c.advantages, c.returns};
 }
 
 }  // namespace

@@ -8,14 +8,14 @@
 
 namespace megalign::torch_glue {
 
-struct GaeArgs {
+// The checked call: the kernel dtype and the outputs, [B, T] float32 (float64 for float64 inputs).
+struct GaeCall {
   DType dtype;
-  at::ScalarType out_type;  // float32, or float64 for float64 inputs
-  int64_t batch;
-  int64_t steps;
+  at::Tensor advantages;
+  at::Tensor returns;
 };
 
-inline GaeArgs check_gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask, double gamma,
+inline GaeCall prepare_gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask, double gamma,
                          double lam) {
   const char* op = "gae";
   check_dim(rewards, 2, op, "rewards");
@@ -29,7 +29,8 @@ inline GaeArgs check_gae(const at::Tensor& rewards, const at::Tensor& values, co
   check_same_device(rewards, mask, op, "rewards", "mask");
   TORCH_CHECK(std::isfinite(gamma), "megalign::gae: gamma must be finite, got ", gamma);
   TORCH_CHECK(std::isfinite(lam), "megalign::gae: lam must be finite, got ", lam);
-  return GaeArgs{dtype, dtype == DType::kFloat64 ? at::kDouble : at::kFloat, rewards.size(0), rewards.size(1)};
+  at::Tensor adv = at::empty(rewards.sizes(), rewards.options().dtype(dtype == DType::kFloat64 ? at::kDouble : at::kFloat));
+  return GaeCall{dtype, adv, at::empty_like(adv)};
 }
 
 inline Strides2d strides2d(const at::Tensor& t) { return Strides2d{t.stride(0), t.stride(1)}; }

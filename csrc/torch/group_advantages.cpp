@@ -8,29 +8,23 @@ namespace {
 
 at::Tensor group_advantages_cpu(const at::Tensor& scores, int64_t group_size, c10::string_view mode, double eps,
                                 bool unbiased) {
-  const char* op = "group_advantages";
-  const DType dtype = check_group_scores(scores, eps, op);
-  const math::GroupMode m = parse_group_mode(std::string(mode), op);
+  check_cpu(scores, "group_advantages", "scores");
+  const GroupCall c = prepare_group_call(scores, mode, eps, "group_advantages");
   check_group_size(scores, group_size);
-  check_cpu(scores, op, "scores");
-  at::Tensor out = at::empty({scores.size(0)}, scores.options().dtype(group_out_type(dtype)));
-  cpu::group_advantages(dtype, scores.data_ptr(), scores.stride(0), scores.size(0), group_size, m, eps, unbiased,
-                        out.data_ptr());
-  return out;
+  cpu::group_advantages(c.dtype, scores.data_ptr(), scores.stride(0), scores.size(0), group_size, c.mode, eps,
+                        unbiased, c.out.data_ptr());
+  return c.out;
 }
 
 at::Tensor group_advantages_indexed_cpu(const at::Tensor& scores, const at::Tensor& group_ids, int64_t num_groups,
                                         c10::string_view mode, double eps, bool unbiased) {
-  const char* op = "group_advantages_indexed";
-  const DType dtype = check_group_scores(scores, eps, op);
-  const math::GroupMode m = parse_group_mode(std::string(mode), op);
+  check_cpu(scores, "group_advantages_indexed", "scores");
+  const GroupCall c = prepare_group_call(scores, mode, eps, "group_advantages_indexed");
   check_group_ids(scores, group_ids, num_groups);
-  check_cpu(scores, op, "scores");
   const at::Tensor ids = group_ids.contiguous();
-  at::Tensor out = at::empty({scores.size(0)}, scores.options().dtype(group_out_type(dtype)));
-  cpu::group_advantages_indexed(dtype, scores.data_ptr(), scores.stride(0), ids.data_ptr<int64_t>(), scores.size(0),
-                                num_groups, m, eps, unbiased, out.data_ptr());
-  return out;
+  cpu::group_advantages_indexed(c.dtype, scores.data_ptr(), scores.stride(0), ids.data_ptr<int64_t>(),
+                                scores.size(0), num_groups, c.mode, eps, unbiased, c.out.data_ptr());
+  return c.out;
 }
 
 }  // namespace

@@ -16,11 +16,21 @@ inline math::GroupMode parse_group_mode(const std::string& mode, const char* op)
   TORCH_CHECK(false, "megalign::", op, ": mode must be one of grpo, dr_grpo, rloo, got '", mode, "'");
 }
 
-// Checks shared by both layouts; returns the scores' dtype.
-inline DType check_group_scores(const at::Tensor& scores, double eps, const char* op) {
+// The checked call of either layout: kernel dtype, mode, and the output [N], float32 (float64 for
+// float64 scores).
+struct GroupCall {
+  DType dtype;
+  math::GroupMode mode;
+  at::Tensor out;
+};
+
+inline GroupCall prepare_group_call(const at::Tensor& scores, c10::string_view mode, double eps, const char* op) {
   check_dim(scores, 1, op, "scores");
+  const DType dtype = to_dtype(scores, op, "scores");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "megalign::", op, ": eps must be finite and >= 0, got ", eps);
-  return to_dtype(scores, op, "scores");
+  const math::GroupMode m = parse_group_mode(std::string(mode), op);
+  return GroupCall{dtype, m,
+                   at::empty({scores.size(0)}, scores.options().dtype(dtype == DType::kFloat64 ? at::kDouble : at::kFloat))};
 }
 
 inline void check_group_size(const at::Tensor& scores, int64_t group_size) {
@@ -44,7 +54,5 @@ inline void check_group_ids(const at::Tensor& scores, const at::Tensor& group_id
   TORCH_CHECK(lo_v >= 0 && hi_v < num_groups, "megalign::", op, ": group_ids must lie in [0, num_groups=", num_groups,
               "), got values in [", lo_v, ", ", hi_v, "]");
 }
-
-inline at::ScalarType group_out_type(DType dtype) { return dtype == DType::kFloat64 ? at::kDouble : at::kFloat; }
 
 }  // namespace megalign::torch_glue

@@ -88,7 +88,8 @@ def test_odd_shapes(kernels, shape):
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
 def test_long_rows(kernels, gamma, lam):
-    r, v, m = _batch(2, 32768, torch.float64, seed=1)
+    # 17 x 32768 elements: above the CPU kernel's parallel grain, so rows run on several threads.
+    r, v, m = _batch(17, 32768, torch.float64, seed=1)
     a, ret = gae(r, v, m, gamma, lam)
     ra, rret = ref_gae.gae(r, v, m, gamma, lam)
     torch.testing.assert_close(a, ra, **TOL[torch.float64])
