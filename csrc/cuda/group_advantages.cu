@@ -84,30 +84,31 @@ __global__ void count_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t
 }
 
 template <typename T>
-__global__ void sum_kernel(const T* __restrict__ scores, int64_t stride, const int64_t* __restrict__ ids, int64_t n,
-                           int64_t groups, Workspace<acc_t<T>> ws) {
-  MEGALIGN_GRID_STRIDE(i, n) {
-    const int64_t g = ids[i];
-    if (!in_range(g, groups)) continue;
-    const acc_t<T> pivot = to_acc(scores[int64_t(ws.first[g]) * stride]);
-    atomicAdd(ws.shifted + g, to_acc(scores[i * stride]) - pivot);
-  }
+__device__ __forceinline__ acc_t<T> indexed_pivot(const T* scores, int64_t stride, const Workspace<acc_t<T>>& ws,
+                                                  int64_t g) {
+  return to_acc(scores[int64_t(ws.first[g]) * stride]);
 }
 
 template <typename T>
 __device__ __forceinline__ acc_t<T> indexed_mean(const T* scores, int64_t stride, const Workspace<acc_t<T>>& ws,
                                                  int64_t g) {
-  return math::group_mean(to_acc(scores[int64_t(ws.first[g]) * stride]), ws.shifted[g], ws.count[g]);
+  return math::group_mean(indexed_pivot(scores, stride, ws, g), ws.shifted[g], ws.count[g]);
 }
 
-template <typename T>
-__global__ void sq_kernel(const T* __restrict__ scores, int64_t stride, const int64_t* __restrict__ ids, int64_t n,
-                          int64_t groups, Workspace<acc_t<T>> ws) {
+// kSquares = false: shifted[g] += r - pivot;  kSquares = true (after the first pass): sq[g] += (r - mean)^2.
+template <typename T, bool kSquares>
+__global__ void accumulate_kernel(const T* __restrict__ scores, int64_t stride, const int64_t* __restrict__ ids,
+                                  int64_t n, int64_t groups, Workspace<acc_t<T>> ws) {
   MEGALIGN_GRID_STRIDE(i, n) {
     const int64_t g = ids[i];
     if (!in_range(g, groups)) continue;
-    const acc_t<T> d = to_acc(scores[i * stride]) - indexed_mean(scores, stride, ws, g);
-    atomicAdd(ws.sq + g, d * d);
+    const acc_t<T> x = to_acc(scores[i * stride]);
+    if (kSquares) {
+      const acc_t<T> d = x - indexed_mean(scores, stride, ws, g);
+      atomicAdd(ws.sq + g, d * d);
+    } else {
+      atomicAdd(ws.shifted + g, x - indexed_pivot(scores, stride, ws, g));
+    }
   }
 }
 
@@ -163,8 +164,8 @@ void group_advantages_indexed(DType dtype, const void* scores, int64_t stride, c
     const Workspace<acc> ws(workspace, num_groups);
     if (num_groups > 0) init_kernel<acc><<<grid_for(num_groups), kThreads, 0, stream>>>(ws, num_groups);
     count_kernel<acc><<<grid_for(n), kThreads, 0, stream>>>(group_ids, n, num_groups, ws);
-    sum_kernel<scalar_t><<<grid_for(n), kThreads, 0, stream>>>(s, stride, group_ids, n, num_groups, ws);
-    sq_kernel<scalar_t><<<grid_for(n), kThreads, 0, stream>>>(s, stride, group_ids, n, num_groups, ws);
+    accumulate_kernel<scalar_t, false><<<grid_for(n), kThreads, 0, stream>>>(s, stride, group_ids, n, num_groups, ws);
+    accumulate_kernel<scalar_t, true><<<grid_for(n), kThreads, 0, stream>>>(s, stride, group_ids, n, num_groups, ws);
     advantage_kernel<scalar_t><<<grid_for(n), kThreads, 0, stream>>>(s, stride, group_ids, n, num_groups, ws, mode,
                                                                      static_cast<acc>(eps), unbiased,
                                                                      static_cast<acc*>(out));
