@@ -23,8 +23,8 @@ from harness import Row, format_table, median_time  # noqa: E402
 from megalign.ops import _backend  # noqa: E402
 from megalign.ops.gae import gae  # noqa: E402
 from megalign.ops.group_advantages import group_advantages  # noqa: E402
-from megalign.ops.reference import gae as ref_gae  # noqa: E402
-from megalign.ops.reference import group_advantages as ref_group  # noqa: E402
+from megalign.ops.reference.gae import gae as reference_gae  # noqa: E402
+from megalign.ops.reference.group_advantages import group_advantages as reference_group_advantages  # noqa: E402
 
 
 def gae_python_loop(rewards, values, mask, gamma, lam):
@@ -76,7 +76,7 @@ def bench_gae(B, T, repeats):
     run = lambda f: median_time(lambda: f(r, v, m, 0.99, 0.95), repeats=repeats)  # noqa: E731
     return [Row("gae", case, "megalign", run(gae)),
             Row("gae", case, "verl/TRL reversed loop", run(gae_python_loop)),
-            Row("gae", case, "megalign reference (where loop)", run(ref_gae.gae))]
+            Row("gae", case, "megalign reference (where loop)", run(reference_gae))]
 
 
 def bench_group(N, repeats):
@@ -94,7 +94,7 @@ def bench_group(N, repeats):
             Row("group_advantages", case, "verl uid dictionary loop",
                 median_time(lambda: grpo_dict_loop(scores, index), repeats=max(1, repeats // 3))),
             Row("group_advantages", case, "torch vectorised (index_add)",
-                median_time(lambda: ref_group.group_advantages(scores, group_index=uid), repeats=repeats))]
+                median_time(lambda: reference_group_advantages(scores, group_index=uid), repeats=repeats))]
 
 
 def run(quick: bool = False) -> list[Row]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.reference import gae as _reference
+from megalign.ops.reference.gae import check_gae_args
+from megalign.ops.reference.gae import gae as reference_gae
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
@@ -42,10 +43,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     No gradients: GAE targets are constants of the PPO loss, so the inputs are detached and the
     outputs never require grad.
     """
-    valid = _reference.check_gae_args(rewards, values, mask, gamma, lam)
+    valid = check_gae_args(rewards, values, mask, gamma, lam)
     rewards, values = rewards.detach(), values.detach()
     if not _backend.use_kernels(rewards):
-        return _reference.gae(rewards, values, valid, gamma, lam)
+        return reference_gae(rewards, values, valid, gamma, lam)
     return torch.ops.megalign.gae(rewards, values, valid, float(gamma), float(lam))
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.reference import group_advantages as _reference
+from megalign.ops.reference.group_advantages import check_group_args, grouped_advantages
+from megalign.ops.reference.group_advantages import group_advantages as reference_group_advantages
 
 
 def group_advantages(scores: torch.Tensor, group_size: int | None = None, group_index: torch.Tensor | None = None,
@@ -38,14 +39,14 @@ def group_advantages(scores: torch.Tensor, group_size: int | None = None, group_
     with eps = 0. Statistics are two-pass (mean, then squared deviations) in float32 (float64 for
     float64). No gradients: advantages are constants of the policy loss; the scores are detached.
     """
-    ids, groups = _reference.check_group_args(scores, group_size, group_index, mode, eps)
+    ids, groups = check_group_args(scores, group_size, group_index, mode, eps)
     scores = scores.detach()
     if ids is None and _backend.use_kernels(scores):
         return torch.ops.megalign.group_advantages(scores, groups, mode, float(eps), bool(unbiased))
     if ids is None:
-        return _reference.group_advantages(scores, groups, None, mode, eps, unbiased)
+        return reference_group_advantages(scores, groups, None, mode, eps, unbiased)
     if not _backend.use_kernels(scores):
-        return _reference.grouped_advantages(scores, ids, groups, mode, eps, unbiased)
+        return grouped_advantages(scores, ids, groups, mode, eps, unbiased)
     return torch.ops.megalign.group_advantages_indexed(scores, ids, groups, mode, float(eps), bool(unbiased))
 
 

@@ -4,7 +4,7 @@ import torch
 from conftest import TOL, requires_cuda
 
 from megalign.ops.gae import gae, masked_reward_count
-from megalign.ops.reference import gae as ref_gae
+from megalign.ops.reference.gae import gae as reference_gae
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 GAMMA_LAM = [(1.0, 1.0), (0.99, 0.95), (0.0, 0.95), (0.99, 0.0)]
@@ -39,7 +39,7 @@ def _hand_case():
 
 def test_reference_hand_worked():
     r, v, m, want_a, want_r = _hand_case()
-    a, ret = ref_gae.gae(r, v, m, 0.5, 0.5)
+    a, ret = reference_gae(r, v, m, 0.5, 0.5)
     torch.testing.assert_close(a, want_a)
     torch.testing.assert_close(ret, want_r)
 
@@ -55,7 +55,7 @@ def test_reference_matches_plain_gae_without_mask():
     # With every position valid, the skip rule is the textbook recursion; gamma = lam = 1 gives
     # A_t = sum_{k>=t} r_k - V_t (Monte-Carlo return minus value).
     r, v = torch.randn(3, 9, dtype=torch.float64), torch.randn(3, 9, dtype=torch.float64)
-    a, ret = ref_gae.gae(r, v, torch.ones(3, 9, dtype=torch.bool), 1.0, 1.0)
+    a, ret = reference_gae(r, v, torch.ones(3, 9, dtype=torch.bool), 1.0, 1.0)
     mc = r.flip(1).cumsum(1).flip(1)
     torch.testing.assert_close(a, mc - v)
     torch.testing.assert_close(ret, mc)
@@ -66,7 +66,7 @@ def test_reference_matches_plain_gae_without_mask():
 def test_kernel_vs_reference(kernels, dtype, gamma, lam):
     r, v, m = _batch(11, 203, dtype)
     a, ret = gae(r, v, m, gamma, lam)
-    ra, rret = ref_gae.gae(r, v, m, gamma, lam)
+    ra, rret = reference_gae(r, v, m, gamma, lam)
     out = torch.float64 if dtype == torch.float64 else torch.float32
     assert a.dtype == ret.dtype == out and a.shape == ret.shape == r.shape
     tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]  # same rounded inputs, fp32 math
@@ -81,7 +81,7 @@ def test_odd_shapes(kernels, shape):
     r, v = torch.randn(shape), torch.randn(shape)
     m = torch.rand(shape) < 0.6
     a, ret = gae(r, v, m, 0.9, 0.8)
-    ra, rret = ref_gae.gae(r, v, m, 0.9, 0.8)
+    ra, rret = reference_gae(r, v, m, 0.9, 0.8)
     torch.testing.assert_close(a, ra, **TOL[torch.float32])
     torch.testing.assert_close(ret, rret, **TOL[torch.float32])
 
@@ -91,7 +91,7 @@ def test_long_rows(kernels, gamma, lam):
     # 17 x 32768 elements: above the CPU kernel's parallel grain, so rows run on several threads.
     r, v, m = _batch(17, 32768, torch.float64, seed=1)
     a, ret = gae(r, v, m, gamma, lam)
-    ra, rret = ref_gae.gae(r, v, m, gamma, lam)
+    ra, rret = reference_gae(r, v, m, gamma, lam)
     torch.testing.assert_close(a, ra, **TOL[torch.float64])
     torch.testing.assert_close(ret, rret, **TOL[torch.float64])
     a32, _ = gae(r.float(), v.float(), m, gamma, lam)
@@ -117,11 +117,11 @@ def test_non_contiguous(kernels):
     rt, vt, mt = r.t().contiguous().t(), v.t().contiguous().t(), m.t().contiguous().t()
     assert not rt.is_contiguous()
     a, ret = gae(rt, vt, mt[:, :], 0.9, 0.7)
-    ra, rret = ref_gae.gae(r, v, m, 0.9, 0.7)
+    ra, rret = reference_gae(r, v, m, 0.9, 0.7)
     torch.testing.assert_close(a, ra, **TOL[torch.float32])
     torch.testing.assert_close(ret, rret, **TOL[torch.float32])
     a2, _ = gae(r[:, ::2], v[:, ::2], m[:, ::2], 0.9, 0.7)
-    torch.testing.assert_close(a2, ref_gae.gae(r[:, ::2], v[:, ::2], m[:, ::2], 0.9, 0.7)[0], **TOL[torch.float32])
+    torch.testing.assert_close(a2, reference_gae(r[:, ::2], v[:, ::2], m[:, ::2], 0.9, 0.7)[0], **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("path", ["kernels", "reference"])
@@ -170,7 +170,7 @@ def test_opcheck(kernels):
 @pytest.mark.parametrize("T", [1, 7, 2047, 2048, 2049, 5000, 32768])
 def test_cuda_vs_reference(kernels, dtype, T):
     r, v, m = _batch(5, T, dtype)
-    ra, rret = ref_gae.gae(r, v, m, 0.99, 0.95)
+    ra, rret = reference_gae(r, v, m, 0.99, 0.95)
     a, ret = gae(r.cuda(), v.cuda(), m.cuda(), 0.99, 0.95)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype != torch.float64 else TOL[torch.float64]
     torch.testing.assert_close(a.cpu(), ra, **tol)
@@ -180,6 +180,6 @@ def test_cuda_vs_reference(kernels, dtype, T):
 @requires_cuda
 def test_cuda_long_rows_undiscounted(kernels):
     r, v, m = _batch(2, 32768, torch.float64, seed=2)
-    ra, _ = ref_gae.gae(r, v, m, 1.0, 1.0)
+    ra, _ = reference_gae(r, v, m, 1.0, 1.0)
     a, _ = gae(r.cuda(), v.cuda(), m.cuda(), 1.0, 1.0)
     torch.testing.assert_close(a.cpu(), ra, **TOL[torch.float64])

@@ -6,7 +6,7 @@ import torch
 from conftest import TOL, requires_cuda
 
 from megalign.ops.group_advantages import group_advantages
-from megalign.ops.reference import group_advantages as ref
+from megalign.ops.reference.group_advantages import group_advantages as reference
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 MODES = ["grpo", "dr_grpo", "rloo"]
@@ -83,10 +83,10 @@ def test_kernel_vs_reference(kernels, dtype, mode, unbiased):
     for size in (1, 2, 5, 12, 60):
         out = group_advantages(s, group_size=size, mode=mode, unbiased=unbiased)
         assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-        torch.testing.assert_close(out, ref.group_advantages(s, group_size=size, mode=mode, unbiased=unbiased), **tol)
+        torch.testing.assert_close(out, reference(s, group_size=size, mode=mode, unbiased=unbiased), **tol)
     ids = _ids(60, 1)
     out = group_advantages(s, group_index=ids, mode=mode, unbiased=unbiased)
-    torch.testing.assert_close(out, ref.group_advantages(s, group_index=ids, mode=mode, unbiased=unbiased), **tol)
+    torch.testing.assert_close(out, reference(s, group_index=ids, mode=mode, unbiased=unbiased), **tol)
 
 
 @pytest.mark.parametrize("n", [0, 1])
@@ -100,11 +100,11 @@ def test_int32_ids_and_non_contiguous(kernels):
     s = torch.randn(40, 2)[:, 1]
     assert not s.is_contiguous()
     ids = _ids(40, 2)
-    want = ref.group_advantages(s.contiguous(), group_index=ids)
+    want = reference(s.contiguous(), group_index=ids)
     torch.testing.assert_close(group_advantages(s, group_index=(ids % 1000).to(torch.int32)),
-                               ref.group_advantages(s.contiguous(), group_index=ids % 1000))
+                               reference(s.contiguous(), group_index=ids % 1000))
     torch.testing.assert_close(group_advantages(s, group_index=ids), want)
-    torch.testing.assert_close(group_advantages(s, group_size=8), ref.group_advantages(s.contiguous(), group_size=8))
+    torch.testing.assert_close(group_advantages(s, group_size=8), reference(s.contiguous(), group_size=8))
 
 
 def test_no_gradients(path):
@@ -165,10 +165,10 @@ def test_cuda_vs_reference(kernels, dtype, mode):
     tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
     for size in (1, 4, 16, 64, 4096):
         out = group_advantages(s.cuda(), group_size=size, mode=mode)
-        torch.testing.assert_close(out.cpu(), ref.group_advantages(s, group_size=size, mode=mode), **tol)
+        torch.testing.assert_close(out.cpu(), reference(s, group_size=size, mode=mode), **tol)
     ids = torch.randint(0, 3000, (16384,), generator=g) * 7
     out = group_advantages(s.cuda(), group_index=ids.cuda(), mode=mode, unbiased=False)
-    want = ref.group_advantages(s, group_index=ids, mode=mode, unbiased=False)
+    want = reference(s, group_index=ids, mode=mode, unbiased=False)
     torch.testing.assert_close(out.cpu(), want, atol=1e-4 if dtype != torch.float64 else 1e-10, rtol=1e-4)
     eq = torch.full((64,), 0.7, dtype=dtype).cuda()
     assert torch.equal(group_advantages(eq, group_index=torch.arange(64).cuda() % 3, eps=0.0).cpu(), torch.zeros(64))
