@@ -1,0 +1,127 @@
+// Per-element advantage math shared by the CPU and CUDA kernels (gae, group_advantages).
+//
+// GAE with skipped positions (verl's multi-turn rule: tool outputs and padding are removed from
+// the recursion). Walking t from right to left, the state carried between valid positions is
+// (V_next, A_next): the value and advantage of the next valid position (0, 0 past the end). A valid
+// position t maps that state to
+//     V' = V_t
+//     A' = r_t + gamma * V_next - V_t + gamma * lam * A_next      (Schulman et al. 2016, eq. 16)
+// and a masked position leaves it unchanged. Both are affine maps of (V, A):
+//     V' = p * V_next + v
+//     A' = ca * V_next + cb * A_next + e
+// (valid: p=0, v=V_t, ca=gamma, cb=gamma*lam, e=r_t-V_t; masked: the identity p=1, cb=1, rest 0).
+// Affine maps compose associatively, so a row can be cut into chunks: each chunk is summarised by
+// the composition of its maps, a scan over the summaries gives every chunk its incoming state, and
+// each chunk then re-walks its elements with gae_step. The CPU kernel walks rows sequentially; the
+// CUDA kernel uses this decomposition (and the C++ test runs it on the CPU against the walk).
+//
+// Group advantages (GRPO, Shao et al. 2024; Dr. GRPO, Liu et al. 2025; RLOO, Ahmadian et al. 2024):
+// the group mean is computed around a pivot member (mean = pivot + sum(r - pivot) / n), so a group
+// of equal scores has a mean equal to them bit for bit and gets exactly 0, whatever eps is.
+#pragma once
+
+#include <cmath>
+
+#include "megalign/common.h"
+
+namespace megalign::math {
+
+// One GAE step at a valid position: the advantage given the next valid position's value and advantage.
+template <typename acc>
+MEGALIGN_HD acc gae_step(acc reward, acc value, acc next_value, acc next_adv, acc gamma, acc gamma_lam) {
+  return reward + gamma * next_value - value + gamma_lam * next_adv;
+}
+
+// The affine map (V_next, A_next) -> (V', A') of a run of positions, see the file comment.
+template <typename acc>
+struct GaeMap {
+  acc p, v, ca, cb, e;
+
+  MEGALIGN_HD static GaeMap identity() { return GaeMap{acc(1), acc(0), acc(0), acc(1), acc(0)}; }
+
+  MEGALIGN_HD static GaeMap step(bool valid, acc reward, acc value, acc gamma, acc gamma_lam) {
+    return valid ? GaeMap{acc(0), value, gamma, gamma_lam, reward - value} : identity();
+  }
+};
+
+// left ∘ right: apply `right` (the later positions) first, then `left`. Associative; exact when
+// either side is the identity.
+template <typename acc>
+MEGALIGN_HD GaeMap<acc> gae_compose(const GaeMap<acc>& left, const GaeMap<acc>& right) {
+  return GaeMap<acc>{left.p * right.p,
+                     left.p * right.v + left.v,
+                     left.ca * right.p + left.cb * right.ca,
+                     left.cb * right.cb,
+                     left.ca * right.v + left.cb * right.e + left.e};
+}
+
+// The carried state (V, A) after applying `m` to the incoming state (next_value, next_adv).
+template <typename acc>
+MEGALIGN_HD void gae_apply(const GaeMap<acc>& m, acc& next_value, acc& next_adv) {
+  const acc value = m.p * next_value + m.v;
+  next_adv = m.ca * next_value + m.cb * next_adv + m.e;
+  next_value = value;
+}
+
+// Reverse walk over positions [lo, hi) of one row, starting from the state (next_value, next_adv)
+// of position hi, writing advantages and returns (0 at masked positions) and leaving the state of
+// position lo in (next_value, next_adv). `load(t, valid, r, v)` reads one position.
+template <typename acc, typename Load, typename Out>
+MEGALIGN_HD void gae_walk(int64_t lo, int64_t hi, acc gamma, acc gamma_lam, acc& next_value, acc& next_adv,
+                          Load load, Out* adv_out, Out* ret_out) {
+  for (int64_t t = hi - 1; t >= lo; --t) {
+    bool valid;
+    acc r, v;
+    load(t, valid, r, v);
+    if (valid) {
+      next_adv = gae_step(r, v, next_value, next_adv, gamma, gamma_lam);
+      next_value = v;
+      adv_out[t] = next_adv;
+      ret_out[t] = next_adv + v;
+    } else {
+      adv_out[t] = Out(0);
+      ret_out[t] = Out(0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Group advantages.
+
+enum class GroupMode : int { kGrpo = 0, kDrGrpo = 1, kRloo = 2 };
+
+// Per-group statistics: mean and the baseline-scaling denominator, from the member count, the pivot,
+// the sum of (r - pivot) and (second pass) the sum of squared deviations from the mean.
+template <typename acc>
+MEGALIGN_HD acc group_mean(acc pivot, acc shifted_sum, int64_t n) {
+  return n > 0 ? pivot + shifted_sum / acc(n) : acc(0);
+}
+
+// Standard deviation from the sum of squared deviations: unbiased (n - 1) or population (n).
+template <typename acc>
+MEGALIGN_HD acc group_std(acc sq_dev_sum, int64_t n, bool unbiased) {
+  const int64_t dof = unbiased ? n - 1 : n;
+  return dof > 0 ? std::sqrt(sq_dev_sum / acc(dof)) : acc(0);
+}
+
+// The advantage of one member with score r in a group of n with the given mean and std.
+//   grpo:    (r - mean) / (std + eps)
+//   dr_grpo: r - mean
+//   rloo:    r - mean of the other n-1 members = n / (n - 1) * (r - mean)
+// A group of one gives 0; a zero deviation gives 0 (no 0/0 when eps = 0).
+template <typename acc>
+MEGALIGN_HD acc group_advantage(acc r, acc mean, acc stdev, int64_t n, GroupMode mode, acc eps) {
+  if (n <= 1) return acc(0);
+  const acc d = r - mean;
+  switch (mode) {
+    case GroupMode::kGrpo: {
+      const acc den = stdev + eps;
+      return (d != acc(0) && den > acc(0)) ? d / den : acc(0);
+    }
+    case GroupMode::kDrGrpo: return d;
+    case GroupMode::kRloo: return d * (acc(n) / acc(n - 1));
+  }
+  return acc(0);
+}
+
+}  // namespace megalign::math

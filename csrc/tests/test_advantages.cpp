@@ -1,0 +1,258 @@
+// The GAE and group-advantage CPU launchers and the shared math (math/advantage.h) against naive
+// loops written from the definitions, including the chunked affine-map scan the CUDA kernel runs.
+#include "megalign/gae.h"
+#include "megalign/group_advantages.h"
+#include "megalign/math/advantage.h"
+#include "test_util.h"
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <vector>
+
+using megalign::DType;
+using megalign::Strides2d;
+using megalign::math::GaeMap;
+using megalign::math::GroupMode;
+
+namespace {
+
+// GAE by the definition: for each valid t, n(t) is the next valid position (none: V = A = 0).
+void naive_gae(const std::vector<double>& r, const std::vector<double>& v, const std::vector<bool>& m,
+               double gamma, double lam, std::vector<double>& adv, std::vector<double>& ret) {
+  const int64_t T = static_cast<int64_t>(r.size());
+  adv.assign(T, 0.0);
+  ret.assign(T, 0.0);
+  for (int64_t t = T - 1; t >= 0; --t) {
+    if (!m[t]) continue;
+    int64_t n = t + 1;
+    while (n < T && !m[n]) ++n;
+    const double vn = n < T ? v[n] : 0.0, an = n < T ? adv[n] : 0.0;
+    adv[t] = r[t] + gamma * vn - v[t] + gamma * lam * an;
+    ret[t] = adv[t] + v[t];
+  }
+}
+
+// The CUDA decomposition on the CPU: chunk maps, an exclusive right-to-left scan of them, then a
+// re-walk of each chunk from its incoming state.
+void chunked_gae(const std::vector<double>& r, const std::vector<double>& v, const std::vector<bool>& m,
+                 double gamma, double lam, int64_t chunk, std::vector<double>& adv, std::vector<double>& ret) {
+  const int64_t T = static_cast<int64_t>(r.size());
+  const int64_t chunks = (T + chunk - 1) / chunk;
+  adv.assign(T, -1.0);
+  ret.assign(T, -1.0);
+  std::vector<GaeMap<double>> maps(chunks, GaeMap<double>::identity());
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t t = std::min(T, (c + 1) * chunk) - 1; t >= c * chunk; --t)
+      maps[c] = megalign::math::gae_compose(GaeMap<double>::step(m[t], r[t], v[t], gamma, gamma * lam), maps[c]);
+  GaeMap<double> suffix = GaeMap<double>::identity();  // composition of the chunks right of c
+  for (int64_t c = chunks - 1; c >= 0; --c) {
+    double next_value = 0, next_adv = 0;
+    megalign::math::gae_apply(suffix, next_value, next_adv);
+    auto load = [&](int64_t t, bool& valid, double& rt, double& vt) {
+      valid = m[t];
+      rt = r[t];
+      vt = v[t];
+    };
+    megalign::math::gae_walk(c * chunk, std::min(T, (c + 1) * chunk), gamma, gamma * lam, next_value, next_adv,
+                             load, adv.data(), ret.data());
+    suffix = megalign::math::gae_compose(maps[c], suffix);
+  }
+}
+
+void test_gae_hand_worked() {
+  // r = [1, 5, 2, 3], V = [0.5, 9, 1, 2], mask = [1, 0, 1, 1], gamma = 0.5, lam = 0.5 (gamma*lam = 0.25).
+  // t=3: A = 3 + 0 - 2 + 0 = 1, R = 3.  t=2: A = 2 + 0.5*2 - 1 + 0.25*1 = 2.25, R = 3.25.
+  // t=1 masked: 0, 0.  t=0 (next valid is 2): A = 1 + 0.5*1 - 0.5 + 0.25*2.25 = 1.5625, R = 2.0625.
+  const float r[4] = {1, 5, 2, 3}, v[4] = {0.5f, 9, 1, 2};
+  const bool m[4] = {true, false, true, true};
+  float adv[4], ret[4];
+  megalign::cpu::gae(DType::kFloat32, r, {4, 1}, v, {4, 1}, m, {4, 1}, 1, 4, 0.5, 0.5, adv, ret);
+  const float want_adv[4] = {1.5625f, 0, 2.25f, 1}, want_ret[4] = {2.0625f, 0, 3.25f, 3};
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_CLOSE(adv[t], want_adv[t], 1e-6, 1e-6);
+    EXPECT_CLOSE(ret[t], want_ret[t], 1e-6, 1e-6);
+  }
+}
+
+void test_gae_random() {
+  std::mt19937 rng(1);
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> unif;
+  const int64_t B = 7, T = 301;
+  const double params[][2] = {{1.0, 1.0}, {0.99, 0.95}, {0.0, 0.95}, {0.99, 0.0}};
+  for (const auto& gl : params) {
+    // Row kinds: dense, random holes, leading+trailing padding, all masked, single valid position.
+    std::vector<double> r(B * T), v(B * T);
+    std::vector<bool> m(B * T);
+    for (int64_t i = 0; i < B * T; ++i) {
+      r[i] = normal(rng);
+      v[i] = normal(rng);
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        bool valid = true;
+        if (b == 1 || b == 5) valid = unif(rng) < 0.6;
+        if (b == 2) valid = t >= 17 && t < T - 40 && (t % 9 != 4);
+        if (b == 3) valid = false;
+        if (b == 4) valid = t == 150;
+        m[b * T + t] = valid;
+      }
+    std::vector<double> rd(r), vd(v);
+    std::vector<float> rf(r.begin(), r.end()), vf(v.begin(), v.end());
+    std::unique_ptr<bool[]> mb(new bool[B * T]);
+    for (int64_t i = 0; i < B * T; ++i) mb[i] = m[i];
+    std::vector<double> adv64(B * T), ret64(B * T);
+    std::vector<float> adv32(B * T), ret32(B * T);
+    megalign::cpu::gae(DType::kFloat64, rd.data(), {T, 1}, vd.data(), {T, 1}, mb.get(), {T, 1}, B, T, gl[0], gl[1],
+                       adv64.data(), ret64.data());
+    megalign::cpu::gae(DType::kFloat32, rf.data(), {T, 1}, vf.data(), {T, 1}, mb.get(), {T, 1}, B, T, gl[0], gl[1],
+                       adv32.data(), ret32.data());
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<double> rr(r.begin() + b * T, r.begin() + (b + 1) * T), vv(v.begin() + b * T, v.begin() + (b + 1) * T);
+      std::vector<bool> mm(m.begin() + b * T, m.begin() + (b + 1) * T);
+      std::vector<double> adv, ret, cadv, cret;
+      naive_gae(rr, vv, mm, gl[0], gl[1], adv, ret);
+      for (int64_t t = 0; t < T; ++t) {
+        EXPECT_CLOSE(adv64[b * T + t], adv[t], 1e-10, 1e-10);
+        EXPECT_CLOSE(ret64[b * T + t], ret[t], 1e-10, 1e-10);
+        EXPECT_CLOSE(adv32[b * T + t], adv[t], 1e-4, 1e-4);
+        EXPECT_CLOSE(ret32[b * T + t], ret[t], 1e-4, 1e-4);
+      }
+      for (int64_t chunk : {1, 2, 7, 64, 1000}) {
+        chunked_gae(rr, vv, mm, gl[0], gl[1], chunk, cadv, cret);
+        for (int64_t t = 0; t < T; ++t) {
+          EXPECT_CLOSE(cadv[t], adv[t], 1e-9, 1e-9);
+          EXPECT_CLOSE(cret[t], ret[t], 1e-9, 1e-9);
+        }
+      }
+    }
+  }
+}
+
+void test_gae_strided() {
+  // A transposed [T, B] buffer read as [B, T] (column stride B) matches the contiguous result.
+  const int64_t B = 3, T = 5;
+  std::vector<float> r(B * T), v(B * T), rt(B * T), vt(B * T);
+  std::unique_ptr<bool[]> m(new bool[B * T]), mt(new bool[B * T]);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      r[b * T + t] = rt[t * B + b] = 0.25f * static_cast<float>(b + t);
+      v[b * T + t] = vt[t * B + b] = 0.5f * static_cast<float>(t) - static_cast<float>(b);
+      m[b * T + t] = mt[t * B + b] = (b + t) % 3 != 1;
+    }
+  std::vector<float> a1(B * T), r1(B * T), a2(B * T), r2(B * T);
+  megalign::cpu::gae(DType::kFloat32, r.data(), {T, 1}, v.data(), {T, 1}, m.get(), {T, 1}, B, T, 0.9, 0.8,
+                     a1.data(), r1.data());
+  megalign::cpu::gae(DType::kFloat32, rt.data(), {1, B}, vt.data(), {1, B}, mt.get(), {1, B}, B, T, 0.9, 0.8,
+                     a2.data(), r2.data());
+  for (int64_t i = 0; i < B * T; ++i) {
+    EXPECT_TRUE(a1[i] == a2[i]);
+    EXPECT_TRUE(r1[i] == r2[i]);
+  }
+}
+
+void test_compose_associative() {
+  std::mt19937 rng(2);
+  std::normal_distribution<double> normal;
+  auto random_map = [&](int kind) {
+    return GaeMap<double>::step(kind != 0, normal(rng), normal(rng), 0.9, 0.9 * 0.7);
+  };
+  for (int i = 0; i < 100; ++i) {
+    const GaeMap<double> a = random_map(i % 2), b = random_map(i % 3), c = random_map(i % 5);
+    const auto x = megalign::math::gae_compose(megalign::math::gae_compose(a, b), c);
+    const auto y = megalign::math::gae_compose(a, megalign::math::gae_compose(b, c));
+    EXPECT_CLOSE(x.p, y.p, 1e-12, 1e-12);
+    EXPECT_CLOSE(x.v, y.v, 1e-12, 1e-12);
+    EXPECT_CLOSE(x.ca, y.ca, 1e-12, 1e-12);
+    EXPECT_CLOSE(x.cb, y.cb, 1e-12, 1e-12);
+    EXPECT_CLOSE(x.e, y.e, 1e-12, 1e-12);
+  }
+}
+
+// Naive group advantages from the textbook formulas, in double.
+double naive_advantage(const std::vector<double>& members, double r, GroupMode mode, double eps, bool unbiased) {
+  const double n = static_cast<double>(members.size());
+  if (members.size() <= 1) return 0.0;
+  double mean = 0, var = 0;
+  for (double x : members) mean += x / n;
+  for (double x : members) var += (x - mean) * (x - mean);
+  var /= unbiased ? n - 1 : n;
+  if (mode == GroupMode::kDrGrpo) return r - mean;
+  if (mode == GroupMode::kRloo) return r - (mean * n - r) / (n - 1);
+  return (r - mean) / (std::sqrt(var) + eps);
+}
+
+void test_group_hand_worked() {
+  // scores [1, 0, 0, 0, 0, 0], eps 1e-4: population std sqrt(5)/6 -> 2.23547 / -0.44709;
+  // unbiased std sqrt(1/6) -> 2.04074 / -0.40815.
+  const float s[6] = {1, 0, 0, 0, 0, 0};
+  float out[6];
+  megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kGrpo, 1e-4, false, out);
+  EXPECT_CLOSE(out[0], 2.23547, 1e-5, 0);
+  EXPECT_CLOSE(out[3], -0.44709, 1e-5, 0);
+  megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kGrpo, 1e-4, true, out);
+  EXPECT_CLOSE(out[0], 2.04074, 1e-5, 0);
+  EXPECT_CLOSE(out[5], -0.40815, 1e-5, 0);
+  // rloo: 1 - 0 = 1 and 0 - 1/5 = -0.2; dr_grpo: 1 - 1/6 and -1/6.
+  megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kRloo, 0, true, out);
+  EXPECT_CLOSE(out[0], 1.0, 1e-6, 0);
+  EXPECT_CLOSE(out[1], -0.2, 1e-6, 0);
+  megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kDrGrpo, 0, true, out);
+  EXPECT_CLOSE(out[0], 5.0 / 6.0, 1e-6, 0);
+  EXPECT_CLOSE(out[2], -1.0 / 6.0, 1e-6, 0);
+}
+
+void test_group_random() {
+  std::mt19937 rng(3);
+  std::normal_distribution<double> normal;
+  std::uniform_int_distribution<int64_t> pick(0, 9);
+  const int64_t N = 240;
+  std::vector<double> s(N);
+  for (auto& x : s) x = 3.0 + normal(rng);
+  for (int64_t i = 40; i < 48; ++i) s[i] = 0.1;  // a contiguous group of 8 equal scores (groups of 8)
+  std::vector<int64_t> ids(N);
+  for (auto& g : ids) g = pick(rng);
+  ids[7] = 10;  // group 10 has one member; group 11 has none
+  const int64_t num_groups = 12;
+  for (GroupMode mode : {GroupMode::kGrpo, GroupMode::kDrGrpo, GroupMode::kRloo})
+    for (bool unbiased : {true, false}) {
+      std::vector<double> out(N), outi(N);
+      for (int64_t G : {1, 8, 240}) {
+        megalign::cpu::group_advantages(DType::kFloat64, s.data(), 1, N, G, mode, 1e-6, unbiased, out.data());
+        for (int64_t i = 0; i < N; ++i) {
+          const int64_t first = (i / G) * G;
+          std::vector<double> members(s.begin() + first, s.begin() + first + G);
+          EXPECT_CLOSE(out[i], naive_advantage(members, s[i], mode, 1e-6, unbiased), 1e-9, 1e-9);
+        }
+        if (G == 8)
+          for (int64_t i = 40; i < 48; ++i) EXPECT_TRUE(out[i] == 0.0);
+      }
+      megalign::cpu::group_advantages_indexed(DType::kFloat64, s.data(), 1, ids.data(), N, num_groups, mode, 1e-6,
+                                              unbiased, outi.data());
+      for (int64_t i = 0; i < N; ++i) {
+        std::vector<double> members;
+        for (int64_t j = 0; j < N; ++j)
+          if (ids[j] == ids[i]) members.push_back(s[j]);
+        EXPECT_CLOSE(outi[i], naive_advantage(members, s[i], mode, 1e-6, unbiased), 1e-9, 1e-9);
+      }
+      EXPECT_TRUE(outi[7] == 0.0);
+    }
+  // Equal scores with eps = 0: exactly 0, not 0/0.
+  const float eq[5] = {0.3f, 0.3f, 0.3f, 0.3f, 0.3f};
+  float out[5];
+  megalign::cpu::group_advantages(DType::kFloat32, eq, 1, 5, 5, GroupMode::kGrpo, 0.0, true, out);
+  for (float x : out) EXPECT_TRUE(x == 0.0f);
+}
+
+}  // namespace
+
+int main() {
+  test_gae_hand_worked();
+  test_gae_random();
+  test_gae_strided();
+  test_compose_associative();
+  test_group_hand_worked();
+  test_group_random();
+  TEST_MAIN_RETURN();
+}

@@ -1,0 +1,51 @@
+// megalign::group_advantages{,_indexed} on CUDA: the checks of the CPU glue
+// (group_advantages_checks.h) plus the device, then the launchers on the current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <climits>
+
+#include "group_advantages_checks.h"
+#include "megalign/group_advantages.h"
+
+namespace megalign::torch_glue {
+namespace {
+
+at::Tensor group_advantages_cuda(const at::Tensor& scores, int64_t group_size, c10::string_view mode, double eps,
+                                 bool unbiased) {
+  check_cuda(scores, "group_advantages", "scores");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const GroupCall c = prepare_group_call(scores, mode, eps, "group_advantages");
+  check_group_size(scores, group_size);
+  cuda::group_advantages(c.dtype, scores.data_ptr(), scores.stride(0), scores.size(0), group_size, c.mode, eps,
+                         unbiased, c.out.data_ptr(), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return c.out;
+}
+
+at::Tensor group_advantages_indexed_cuda(const at::Tensor& scores, const at::Tensor& group_ids, int64_t num_groups,
+                                         c10::string_view mode, double eps, bool unbiased) {
+  const char* op = "group_advantages_indexed";
+  check_cuda(scores, op, "scores");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const GroupCall c = prepare_group_call(scores, mode, eps, op);
+  check_group_ids(scores, group_ids, num_groups);
+  TORCH_CHECK(scores.size(0) <= INT_MAX, "megalign::", op, ": scores may hold at most 2^31 - 1 entries on CUDA, got ",
+              scores.size(0));
+  const at::Tensor ids = group_ids.contiguous();
+  const auto bytes = static_cast<int64_t>(cuda::group_advantages_indexed_workspace_bytes(c.dtype, num_groups));
+  at::Tensor workspace = at::empty({bytes}, scores.options().dtype(at::kByte));
+  cuda::group_advantages_indexed(c.dtype, scores.data_ptr(), scores.stride(0), ids.data_ptr<int64_t>(),
+                                 scores.size(0), num_groups, c.mode, eps, unbiased, workspace.data_ptr(),
+                                 c.out.data_ptr(), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return c.out;
+}
+
+}  // namespace
+}  // namespace megalign::torch_glue
+
+TORCH_LIBRARY_IMPL(megalign, CUDA, m) {
+  m.impl("group_advantages", &megalign::torch_glue::group_advantages_cuda);
+  m.impl("group_advantages_indexed", &megalign::torch_glue::group_advantages_indexed_cuda);
+}

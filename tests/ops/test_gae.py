@@ -1,0 +1,185 @@
+"""megalign.ops.gae: kernel vs the reversed-loop reference, hand-worked numbers, skip rules."""
+import pytest
+import torch
+from conftest import TOL, requires_cuda
+
+from megalign.ops.gae import gae, masked_reward_count
+from megalign.ops.reference.gae import gae as reference_gae
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+GAMMA_LAM = [(1.0, 1.0), (0.99, 0.95), (0.0, 0.95), (0.99, 0.0)]
+
+
+def _batch(B, T, dtype=torch.float32, seed=0):
+    """Rows of every mask kind: dense, random holes, leading+trailing padding, all masked, one valid."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g).to(dtype)
+    values = torch.randn(B, T, generator=g).to(dtype)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    t = torch.arange(T)
+    kinds = {0: torch.ones(T, dtype=torch.bool), 2: (t >= T // 5) & (t < T - T // 4) & (t % 7 != 3),
+             3: torch.zeros(T, dtype=torch.bool), 4: t == T // 2}  # kind 1 keeps its random holes
+    for b in range(B):
+        if b % 5 in kinds:
+            mask[b] = kinds[b % 5]
+    return rewards, values, mask
+
+
+def _hand_case():
+    # r = [1, 5, 2, 3], V = [0.5, 9, 1, 2], mask = [1, 0, 1, 1], gamma = lam = 0.5 (gamma*lam = 0.25).
+    r = torch.tensor([[1.0, 5.0, 2.0, 3.0]])
+    v = torch.tensor([[0.5, 9.0, 1.0, 2.0]])
+    m = torch.tensor([[True, False, True, True]])
+    # t=3: A = 3 + 0.5*0 - 2 + 0.25*0 = 1;            R = 1 + 2 = 3
+    # t=2: A = 2 + 0.5*2 - 1 + 0.25*1 = 2.25;         R = 3.25
+    # t=1: masked -> 0, 0 (its reward 5 and value 9 are ignored)
+    # t=0: next valid is t=2: A = 1 + 0.5*1 - 0.5 + 0.25*2.25 = 1.5625; R = 2.0625
+    return r, v, m, torch.tensor([[1.5625, 0.0, 2.25, 1.0]]), torch.tensor([[2.0625, 0.0, 3.25, 3.0]])
+
+
+def test_reference_hand_worked():
+    r, v, m, want_a, want_r = _hand_case()
+    a, ret = reference_gae(r, v, m, 0.5, 0.5)
+    torch.testing.assert_close(a, want_a)
+    torch.testing.assert_close(ret, want_r)
+
+
+def test_kernel_hand_worked(kernels):
+    r, v, m, want_a, want_r = _hand_case()
+    a, ret = gae(r, v, m, 0.5, 0.5)
+    torch.testing.assert_close(a, want_a)
+    torch.testing.assert_close(ret, want_r)
+
+
+def test_reference_matches_plain_gae_without_mask():
+    # With every position valid, the skip rule is the textbook recursion; gamma = lam = 1 gives
+    # A_t = sum_{k>=t} r_k - V_t (Monte-Carlo return minus value).
+    r, v = torch.randn(3, 9, dtype=torch.float64), torch.randn(3, 9, dtype=torch.float64)
+    a, ret = reference_gae(r, v, torch.ones(3, 9, dtype=torch.bool), 1.0, 1.0)
+    mc = r.flip(1).cumsum(1).flip(1)
+    torch.testing.assert_close(a, mc - v)
+    torch.testing.assert_close(ret, mc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gamma,lam", GAMMA_LAM)
+def test_kernel_vs_reference(kernels, dtype, gamma, lam):
+    r, v, m = _batch(11, 203, dtype)
+    a, ret = gae(r, v, m, gamma, lam)
+    ra, rret = reference_gae(r, v, m, gamma, lam)
+    out = torch.float64 if dtype == torch.float64 else torch.float32
+    assert a.dtype == ret.dtype == out and a.shape == ret.shape == r.shape
+    tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]  # same rounded inputs, fp32 math
+    torch.testing.assert_close(a, ra, **tol)
+    torch.testing.assert_close(ret, rret, **tol)
+    assert (a[~m] == 0).all() and (ret[~m] == 0).all()
+    assert (a[3] == 0).all()  # the all-masked row
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (1, 1), (1, 7), (4, 1), (3, 0)])
+def test_odd_shapes(kernels, shape):
+    r, v = torch.randn(shape), torch.randn(shape)
+    m = torch.rand(shape) < 0.6
+    a, ret = gae(r, v, m, 0.9, 0.8)
+    ra, rret = reference_gae(r, v, m, 0.9, 0.8)
+    torch.testing.assert_close(a, ra, **TOL[torch.float32])
+    torch.testing.assert_close(ret, rret, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
+def test_long_rows(kernels, gamma, lam):
+    # 17 x 32768 elements: above the CPU kernel's parallel grain, so rows run on several threads.
+    r, v, m = _batch(17, 32768, torch.float64, seed=1)
+    a, ret = gae(r, v, m, gamma, lam)
+    ra, rret = reference_gae(r, v, m, gamma, lam)
+    torch.testing.assert_close(a, ra, **TOL[torch.float64])
+    torch.testing.assert_close(ret, rret, **TOL[torch.float64])
+    a32, _ = gae(r.float(), v.float(), m, gamma, lam)
+    torch.testing.assert_close(a32.double(), ra, atol=2e-3, rtol=1e-4)
+
+
+def test_mask_kinds_and_ignored_masked_inputs(kernels):
+    r, v, m = _batch(6, 40)
+    a, ret = gae(r, v, m, 0.99, 0.95)
+    for mask in (m.float(), m.to(torch.int64), m.to(torch.bfloat16)):
+        a2, ret2 = gae(r, v, mask, 0.99, 0.95)
+        assert torch.equal(a, a2) and torch.equal(ret, ret2)
+    # Rewards and values at masked positions do not matter, even NaN/inf.
+    r2 = r.masked_fill(~m, float("nan"))
+    v2 = v.masked_fill(~m, float("inf"))
+    a2, ret2 = gae(r2, v2, m, 0.99, 0.95)
+    assert torch.equal(a, a2) and torch.equal(ret, ret2)
+    assert masked_reward_count(r, m).item() == int((~m).sum())
+
+
+def test_non_contiguous(kernels):
+    r, v, m = _batch(5, 33)
+    rt, vt, mt = r.t().contiguous().t(), v.t().contiguous().t(), m.t().contiguous().t()
+    assert not rt.is_contiguous()
+    a, ret = gae(rt, vt, mt[:, :], 0.9, 0.7)
+    ra, rret = reference_gae(r, v, m, 0.9, 0.7)
+    torch.testing.assert_close(a, ra, **TOL[torch.float32])
+    torch.testing.assert_close(ret, rret, **TOL[torch.float32])
+    a2, _ = gae(r[:, ::2], v[:, ::2], m[:, ::2], 0.9, 0.7)
+    torch.testing.assert_close(a2, reference_gae(r[:, ::2], v[:, ::2], m[:, ::2], 0.9, 0.7)[0], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_no_gradients(request, path):
+    request.getfixturevalue(path)
+    r, v, m = _batch(2, 6)
+    a, ret = gae(r.requires_grad_(), v.requires_grad_(), m)
+    assert not a.requires_grad and not ret.requires_grad
+
+
+def test_bad_inputs():
+    r, v, m = _batch(2, 6)
+    with pytest.raises(ValueError, match="rewards"):
+        gae(r[0], v[0], m[0])
+    with pytest.raises(TypeError, match="rewards"):
+        gae(r.long(), v.long(), m)
+    with pytest.raises(ValueError, match="values"):
+        gae(r, v[:, :5], m)
+    with pytest.raises(TypeError, match="values"):
+        gae(r, v.double(), m)
+    with pytest.raises(ValueError, match="mask"):
+        gae(r, v, m[:1])
+    with pytest.raises(ValueError, match="gamma"):
+        gae(r, v, m, gamma=float("nan"))
+    with pytest.raises(ValueError, match="lam"):
+        gae(r, v, m, lam=None)
+
+
+def test_op_checks(kernels):
+    r, v, m = _batch(2, 6)
+    with pytest.raises(RuntimeError, match="mask must be Bool"):
+        torch.ops.megalign.gae(r, v, m.float(), 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="values must have the dtype of rewards"):
+        torch.ops.megalign.gae(r, v.half(), m, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="rewards must have 2 dimensions"):
+        torch.ops.megalign.gae(r[0], v[0], m[0], 1.0, 1.0)
+
+
+def test_opcheck(kernels):
+    r, v, m = _batch(3, 17)
+    torch.library.opcheck(torch.ops.megalign.gae.default, (r, v, m, 0.99, 0.95))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 7, 2047, 2048, 2049, 5000, 32768])
+def test_cuda_vs_reference(kernels, dtype, T):
+    r, v, m = _batch(5, T, dtype)
+    ra, rret = reference_gae(r, v, m, 0.99, 0.95)
+    a, ret = gae(r.cuda(), v.cuda(), m.cuda(), 0.99, 0.95)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype != torch.float64 else TOL[torch.float64]
+    torch.testing.assert_close(a.cpu(), ra, **tol)
+    torch.testing.assert_close(ret.cpu(), rret, **tol)
+
+
+@requires_cuda
+def test_cuda_long_rows_undiscounted(kernels):
+    r, v, m = _batch(2, 32768, torch.float64, seed=2)
+    ra, _ = reference_gae(r, v, m, 1.0, 1.0)
+    a, _ = gae(r.cuda(), v.cuda(), m.cuda(), 1.0, 1.0)
+    torch.testing.assert_close(a.cpu(), ra, **TOL[torch.float64])
