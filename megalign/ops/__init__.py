@@ -5,5 +5,13 @@ tensors' device (see `megalign.ops._backend` for the MEGALIGN_OPS switch), suppo
 has a fake (meta) implementation so `torch.compile` can trace it.
 """
 from megalign.ops._backend import HAVE_EXTENSION, WITH_CUDA
+from megalign.ops.gae import gae, masked_reward_count
+from megalign.ops.group_advantages import group_advantages
 
-__all__ = ["HAVE_EXTENSION", "WITH_CUDA"]
+__all__ = [
+    "HAVE_EXTENSION",
+    "WITH_CUDA",
+    "gae",
+    "group_advantages",
+    "masked_reward_count",
+]
