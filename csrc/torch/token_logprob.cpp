@@ -27,7 +27,7 @@ at::Tensor partials_cpu_checked(const char* op, const at::Tensor& logits, const 
       to_dtype(x, op, "logits"), x.data_ptr(), x.size(0), x.size(1), x.stride(0),
       tgt.data_ptr<int64_t>(), vocab_start, vocab_size, 1.0 / temperature, ignore_index,
       with_entropy, out.data_ptr());
-  TORCH_CHECK(bad < 0, "megalign::", op, ": targets[", bad, "] (flat row ", bad, ") = ",
+  TORCH_CHECK_INDEX(bad < 0, "megalign::", op, ": targets (flat row ", bad, ") = ",
               tgt.data_ptr<int64_t>()[bad], " is out of range: expected ",
               vocab_size >= 0 ? "0 <= target < " + std::to_string(vocab_size) : std::string("target >= 0"),
               " or ignore_index = ", ignore_index);

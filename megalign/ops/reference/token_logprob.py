@@ -34,8 +34,8 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     logp = logp.masked_fill(ignored, 0.0)
     if not return_entropy:
         return logp
-    # clamp_min keeps p * log p = 0 * finite for -inf logits (and its gradient finite).
-    finite_logp = logp_all.clamp_min(torch.finfo(logp_all.dtype).min)
+    # p log p = 0 where p = 0 and log p = -inf (a -inf logit); masked_fill also zeroes its gradient.
+    finite_logp = logp_all.masked_fill(logp_all == float("-inf"), 0.0)
     entropy = -(logp_all.exp() * finite_logp).sum(-1)
     return logp, entropy.masked_fill(ignored, 0.0)
 
@@ -78,7 +78,7 @@ def combine_vocab_partials(partials: torch.Tensor, targets: torch.Tensor, ignore
     t = torch.where(nonempty, a * (t_i + s_i * d), torch.zeros_like(t_i)).sum(0)
     log_s = s.log()
     lse = m + log_s
-    logp = z_i.sum(0) - lse
+    logp = (z_i.sum(0) - m) - log_s  # exact for large logits, where lse is rounded
     entropy = log_s - t / s
     ignored = targets == ignore_index
     return logp.masked_fill(ignored, 0.0), lse.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0)
@@ -98,7 +98,7 @@ def token_logprob_shard_backward(logits_shard, targets, lse, entropy, grad_logp,
         -1, local.clamp(0, max(z.shape[-1] - 1, 0)).unsqueeze(-1), 1.0) * in_shard.unsqueeze(-1)
     grad = grad + onehot * grad_logp.unsqueeze(-1)
     if entropy is not None:
-        finite_logp = logp_all.clamp_min(torch.finfo(z.dtype).min)
+        finite_logp = logp_all.masked_fill(logp_all == float("-inf"), 0.0)
         grad = grad - grad_entropy.unsqueeze(-1) * p * (finite_logp + entropy.unsqueeze(-1))
     grad = (grad / temperature).masked_fill((targets == ignore_index).unsqueeze(-1), 0.0)
     grad = grad.to(logits_shard.dtype)
