@@ -23,6 +23,9 @@ Design choices:
 - An out-of-range target id raises an IndexError naming `targets` and the flat row on the CPU;
   the CUDA kernels never read out of bounds and give NaN for such rows (no host sync).
 - A row whose logits are all -inf gives NaN, like torch.log_softmax.
+- logp and entropy are computed relative to the row max, exact for logits of any size; the
+  saved lse is fp32, so for |logits / temperature| ~ 1e4 the backward's p_j carries the relative
+  error of lse's rounding (~5e-4 there, ~1e-6 at typical LLM logit sizes).
 
 Vocab-parallel building blocks (Megatron-style vocab-parallel cross entropy, with one collective):
 each tensor-parallel rank computes `token_logprob_partials` of its shard, the ranks all-gather
