@@ -84,8 +84,7 @@ void bwd_inplace_cpu(at::Tensor& logits, const at::Tensor& targets, const at::Te
                      const c10::optional<at::Tensor>& entropy, const at::Tensor& grad_logp,
                      const c10::optional<at::Tensor>& grad_entropy, int64_t vocab_start,
                      double temperature, int64_t ignore_index) {
-  TORCH_CHECK(logits.dim() != 2 || logits.stride(1) == 1 || logits.size(1) <= 1, "megalign::", kBwd,
-              "_: logits must have a unit stride along the vocabulary for the in-place backward");
+  check_inplace_layout(logits);
   const BackwardArgs a = check_backward(kBwd, logits, targets, lse, entropy, grad_logp,
                                         grad_entropy, temperature);
   check_cpu(a.logits, kBwd, "logits");

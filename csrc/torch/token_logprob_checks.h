@@ -68,6 +68,13 @@ inline BackwardArgs check_backward(const char* op, const at::Tensor& logits,
   return a;
 }
 
+// The in-place backward writes through logits' own strides: it cannot go through a copy.
+inline void check_inplace_layout(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() != 2 || logits.stride(1) == 1 || logits.size(1) <= 1,
+              "megalign::token_logprob_bwd_: logits must have a unit stride along the vocabulary "
+              "for the in-place backward, got strides ", logits.strides());
+}
+
 inline const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 }  // namespace megalign::torch_glue::token_logprob

@@ -358,3 +358,11 @@ def test_cuda_vocab_parallel(kernels):
     rlogp, rent = ref.token_logprob(logits, targets, return_entropy=True)
     torch.testing.assert_close(logp, rlogp, **TOL[torch.float32])
     torch.testing.assert_close(ent, rent, **TOL[torch.float32])
+
+
+def test_nan_logit_propagates(kernels):
+    logits, targets = _inputs(3, 5000, torch.float32)
+    logits[1, 4321] = float("nan")
+    logp, ent = token_logprob(logits, targets, return_entropy=True)
+    assert torch.isnan(logp[1]) and torch.isnan(ent[1])
+    assert torch.isfinite(logp[[0, 2]]).all() and torch.isfinite(ent[[0, 2]]).all()

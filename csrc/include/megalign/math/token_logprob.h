@@ -73,12 +73,13 @@ MEGALIGN_HD float kernel_exp(float x) {
 MEGALIGN_HD double kernel_exp(double x) { return std::exp(x); }
 
 // Most negative finite value: z - m is clamped to it so e^{z-m} (z-m) is 0 * finite = 0 for -inf
-// logits instead of NaN. The clamp is a compare-select, which vectorises.
+// logits instead of NaN. The clamp is a compare-select, which vectorises; NaN stays NaN (a NaN
+// logit makes its row NaN rather than vanishing).
 template <typename A> MEGALIGN_HD A lowest();
 template <> MEGALIGN_HD float lowest<float>() { return -FLT_MAX; }
 template <> MEGALIGN_HD double lowest<double>() { return -DBL_MAX; }
 
-template <typename A> MEGALIGN_HD A clamp_low(A d) { return d > lowest<A>() ? d : lowest<A>(); }
+template <typename A> MEGALIGN_HD A clamp_low(A d) { return d < lowest<A>() ? lowest<A>() : d; }
 
 template <typename A>
 struct SoftmaxStats {
