@@ -21,6 +21,10 @@ using math::SoftmaxStats;
 
 constexpr int64_t kChunk = 2048;  // 8 KiB of fp32: the max pass leaves it in L1 for the exp pass
 
+// Below ~1M logits (~0.3 ms on one core) waking the OpenMP team costs more than it saves, and
+// far more on a loaded machine where a descheduled worker stalls the join.
+bool worth_threads(int64_t n_rows, int64_t vocab) { return n_rows > 1 && n_rows * vocab >= (1 << 20); }
+
 template <typename T, bool WithEntropy>
 SoftmaxStats<acc_t<T>> row_stats(const T* x, int64_t vocab, acc_t<T> inv_t) {
   using A = acc_t<T>;
@@ -54,7 +58,7 @@ int64_t partials_impl(const T* logits, int64_t n_rows, int64_t vocab, int64_t ro
                       acc_t<T> inv_t, int64_t ignore_index, acc_t<T>* out) {
   using A = acc_t<T>;
   int64_t bad_row = std::numeric_limits<int64_t>::max();
-#pragma omp parallel for schedule(static) reduction(min : bad_row)
+#pragma omp parallel for schedule(static) reduction(min : bad_row) if (worth_threads(n_rows, vocab))
   for (int64_t r = 0; r < n_rows; ++r) {
     A* o = out + 4 * r;
     const int64_t target = targets[r];
@@ -95,7 +99,7 @@ void backward_impl(const T* logits, int64_t n_rows, int64_t vocab, int64_t row_s
                    const acc_t<T>* grad_logp, const acc_t<T>* grad_entropy, int64_t vocab_start,
                    acc_t<T> inv_t, int64_t ignore_index, T* grad, int64_t grad_row_stride) {
   using A = acc_t<T>;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(n_rows, vocab))
   for (int64_t r = 0; r < n_rows; ++r) {
     const T* x = logits + r * row_stride;
     T* g = grad + r * grad_row_stride;
