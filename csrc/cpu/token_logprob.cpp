@@ -94,26 +94,26 @@ void finalize_impl(const A* partials, int64_t n_rows, A* logp, A* lse, A* entrop
 }
 
 template <typename T, bool WithEntropy>
-void backward_impl(const T* logits, int64_t n_rows, int64_t vocab, int64_t row_stride,
-                   const int64_t* targets, const acc_t<T>* lse, const acc_t<T>* entropy,
-                   const acc_t<T>* grad_logp, const acc_t<T>* grad_entropy, int64_t vocab_start,
-                   acc_t<T> inv_t, int64_t ignore_index, T* grad, int64_t grad_row_stride) {
+void backward_impl(const BackwardRows<T>& b, int64_t n_rows, int64_t vocab, int64_t row_stride,
+                   const int64_t* targets, int64_t vocab_start, int64_t ignore_index,
+                   int64_t grad_row_stride) {
   using A = acc_t<T>;
 #pragma omp parallel for schedule(static) if (worth_threads(n_rows, vocab))
   for (int64_t r = 0; r < n_rows; ++r) {
-    const T* x = logits + r * row_stride;
-    T* g = grad + r * grad_row_stride;
+    const T* x = b.logits + r * row_stride;
+    T* g = b.grad + r * grad_row_stride;
     if (targets[r] == ignore_index) {
       const T zero = from_acc<T>(A(0));
 #pragma omp simd
       for (int64_t j = 0; j < vocab; ++j) g[j] = zero;
       continue;
     }
-    const A row_lse = lse[r];
-    const A row_h = WithEntropy ? entropy[r] : A(0);
+    const A row_lse = b.lse[r];
+    const A row_h = WithEntropy ? b.entropy[r] : A(0);
     // The 1/temperature of dz/dlogits is folded into the row coefficients.
-    const A g_logp = grad_logp[r] * inv_t;
-    const A g_ent = WithEntropy ? grad_entropy[r] * inv_t : A(0);
+    const A inv_t = b.inv_t;
+    const A g_logp = b.grad_logp[r] * inv_t;
+    const A g_ent = WithEntropy ? b.grad_entropy[r] * inv_t : A(0);
     const int64_t local = targets[r] - vocab_start;
 #pragma omp simd
     for (int64_t j = 0; j < vocab; ++j) {
@@ -161,20 +161,14 @@ void token_logprob_backward(DType dtype, const void* logits, int64_t n_rows, int
                             int64_t vocab_start, double inv_temperature, int64_t ignore_index,
                             void* grad, int64_t grad_row_stride) {
   MEGALIGN_DISPATCH_FLOAT(dtype, "token_logprob_backward", [&] {
-    using A = acc_t<scalar_t>;
-    const auto* x = static_cast<const scalar_t*>(logits);
-    auto* g = static_cast<scalar_t*>(grad);
-    const auto* l = static_cast<const A*>(lse);
-    const auto* h = static_cast<const A*>(entropy);
-    const auto* gl = static_cast<const A*>(grad_logp);
-    const auto* gh = static_cast<const A*>(grad_entropy);
-    const A inv_t = static_cast<A>(inv_temperature);
+    const auto b = BackwardRows<scalar_t>::cast(logits, grad, lse, entropy, grad_logp, grad_entropy,
+                                                inv_temperature);
     if (entropy != nullptr) {
-      backward_impl<scalar_t, true>(x, n_rows, vocab, row_stride, targets, l, h, gl, gh,
-                                    vocab_start, inv_t, ignore_index, g, grad_row_stride);
+      backward_impl<scalar_t, true>(b, n_rows, vocab, row_stride, targets, vocab_start,
+                                    ignore_index, grad_row_stride);
     } else {
-      backward_impl<scalar_t, false>(x, n_rows, vocab, row_stride, targets, l, h, gl, gh,
-                                     vocab_start, inv_t, ignore_index, g, grad_row_stride);
+      backward_impl<scalar_t, false>(b, n_rows, vocab, row_stride, targets, vocab_start,
+                                     ignore_index, grad_row_stride);
     }
   });
 }

@@ -172,23 +172,22 @@ __global__ void finalize_kernel(const A* __restrict__ partials, int64_t n_rows, 
 
 template <typename T, bool WithEntropy>
 __global__ void __launch_bounds__(kMaxThreads)
-backward_kernel(const T* logits, int64_t vocab, int64_t row_stride,
-                const int64_t* __restrict__ targets, const acc_t<T>* __restrict__ lse,
-                const acc_t<T>* __restrict__ entropy, const acc_t<T>* __restrict__ grad_logp,
-                const acc_t<T>* __restrict__ grad_entropy, int64_t vocab_start, acc_t<T> inv_t,
-                int64_t ignore_index, T* grad, int64_t grad_row_stride) {
+backward_kernel(BackwardRows<T> b, int64_t vocab, int64_t row_stride,
+                const int64_t* __restrict__ targets, int64_t vocab_start, int64_t ignore_index,
+                int64_t grad_row_stride) {
   // logits and grad may alias (in-place backward): each element is read before it is written,
   // by the same thread.
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kVec;
   const int64_t r = blockIdx.x;
-  const T* x = logits + r * row_stride;
-  T* g = grad + r * grad_row_stride;
+  const T* x = b.logits + r * row_stride;
+  T* g = b.grad + r * grad_row_stride;
   const bool ignored = targets[r] == ignore_index;
-  const A row_lse = lse[r];
-  const A row_h = WithEntropy ? entropy[r] : A(0);
-  const A gl = grad_logp[r] * inv_t;
-  const A ge = WithEntropy ? grad_entropy[r] * inv_t : A(0);
+  const A inv_t = b.inv_t;
+  const A row_lse = b.lse[r];
+  const A row_h = WithEntropy ? b.entropy[r] : A(0);
+  const A gl = b.grad_logp[r] * inv_t;
+  const A ge = WithEntropy ? b.grad_entropy[r] * inv_t : A(0);
   const int64_t local = targets[r] - vocab_start;
   auto value = [&](T xj, int64_t j) -> T {
     if (ignored) return from_acc<T>(A(0));
@@ -272,23 +271,16 @@ cudaError_t token_logprob_backward(DType dtype, const void* logits, int64_t n_ro
   if (n_rows == 0) return cudaSuccess;
   if (!grid_ok(n_rows)) return cudaErrorInvalidValue;
   MEGALIGN_DISPATCH_FLOAT(dtype, "token_logprob_backward", [&] {
-    using A = acc_t<scalar_t>;
-    const auto* x = static_cast<const scalar_t*>(logits);
-    auto* g = static_cast<scalar_t*>(grad);
-    const auto* l = static_cast<const A*>(lse);
-    const auto* h = static_cast<const A*>(entropy);
-    const auto* gl = static_cast<const A*>(grad_logp);
-    const auto* gh = static_cast<const A*>(grad_entropy);
-    const A inv_t = static_cast<A>(inv_temperature);
+    const auto b = BackwardRows<scalar_t>::cast(logits, grad, lse, entropy, grad_logp, grad_entropy,
+                                                inv_temperature);
+    const dim3 grid(static_cast<unsigned>(n_rows));
     const int threads = threads_for<scalar_t>(vocab);
     if (entropy != nullptr) {
-      backward_kernel<scalar_t, true><<<static_cast<unsigned>(n_rows), threads, 0, stream>>>(
-          x, vocab, row_stride, targets, l, h, gl, gh, vocab_start, inv_t, ignore_index, g,
-          grad_row_stride);
+      backward_kernel<scalar_t, true><<<grid, threads, 0, stream>>>(
+          b, vocab, row_stride, targets, vocab_start, ignore_index, grad_row_stride);
     } else {
-      backward_kernel<scalar_t, false><<<static_cast<unsigned>(n_rows), threads, 0, stream>>>(
-          x, vocab, row_stride, targets, l, h, gl, gh, vocab_start, inv_t, ignore_index, g,
-          grad_row_stride);
+      backward_kernel<scalar_t, false><<<grid, threads, 0, stream>>>(
+          b, vocab, row_stride, targets, vocab_start, ignore_index, grad_row_stride);
     }
   });
   return cudaGetLastError();

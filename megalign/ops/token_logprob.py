@@ -38,8 +38,10 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.reference import token_logprob as _ref
 from megalign.ops.reference.token_logprob import combine_vocab_partials
+from megalign.ops.reference.token_logprob import token_logprob as _ref_token_logprob
+from megalign.ops.reference.token_logprob import token_logprob_partials as _ref_partials
+from megalign.ops.reference.token_logprob import token_logprob_shard_backward as _ref_shard_backward
 
 __all__ = ["token_logprob", "token_logprob_partials", "combine_vocab_partials",
            "token_logprob_shard_backward"]
@@ -86,7 +88,7 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     """
     _check("token_logprob", logits, targets, temperature)
     if not _backend.use_kernels(logits):
-        return _ref.token_logprob(logits, targets, temperature, ignore_index, return_entropy)
+        return _ref_token_logprob(logits, targets, temperature, ignore_index, return_entropy)
     vocab = logits.shape[-1]
     logp, _, entropy = torch.ops.megalign.token_logprob_fwd(
         logits.reshape(-1, vocab), targets.reshape(-1), float(temperature), int(ignore_index),
@@ -115,7 +117,7 @@ def token_logprob_partials(logits_shard: torch.Tensor, targets: torch.Tensor, vo
     if logits_shard.dim() != 2:
         raise ValueError(f"token_logprob_partials: logits_shard must be [N, Vs], got {tuple(logits_shard.shape)}")
     if not _backend.use_kernels(logits_shard):
-        return _ref.token_logprob_partials(logits_shard, targets, vocab_start, temperature,
+        return _ref_partials(logits_shard, targets, vocab_start, temperature,
                                            ignore_index, with_entropy, vocab_size)
     return torch.ops.megalign.token_logprob_partials(
         logits_shard, targets, int(vocab_start), -1 if vocab_size is None else int(vocab_size),
@@ -141,7 +143,7 @@ def token_logprob_shard_backward(logits_shard, targets, lse, entropy, grad_logp,
     if (entropy is None) != (grad_entropy is None):
         raise ValueError("token_logprob_shard_backward: entropy and grad_entropy must be given together")
     if not _backend.use_kernels(logits_shard):
-        return _ref.token_logprob_shard_backward(logits_shard, targets, lse, entropy, grad_logp,
+        return _ref_shard_backward(logits_shard, targets, lse, entropy, grad_logp,
                                                  grad_entropy, vocab_start, temperature,
                                                  ignore_index, inplace)
     args = (targets, lse, entropy, grad_logp, grad_entropy, int(vocab_start), float(temperature),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TOL, requires_cuda
 
-from megalign.ops.reference import token_logprob as ref
+from megalign.ops.reference.token_logprob import token_logprob as ref_token_logprob
 from megalign.ops.token_logprob import (combine_vocab_partials, token_logprob,
                                         token_logprob_partials, token_logprob_shard_backward)
 
@@ -38,7 +38,7 @@ def _compare(logits, targets, **kw):
     tol = TOL[logits.dtype]
     out_tol = TOL[torch.float64 if logits.dtype == torch.float64 else torch.float32]
     logp, ent, grad = _run(token_logprob, logits, targets, **kw)
-    rlogp, rent, rgrad = _run(ref.token_logprob, logits, targets, **kw)
+    rlogp, rent, rgrad = _run(ref_token_logprob, logits, targets, **kw)
     assert logp.dtype == rlogp.dtype and grad.dtype == logits.dtype
     torch.testing.assert_close(logp, rlogp, **out_tol)
     torch.testing.assert_close(ent, rent, **out_tol)
@@ -49,23 +49,23 @@ def _compare(logits, targets, **kw):
 
 def test_reference_hand_worked():
     logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]], dtype=torch.float64)
-    logp, ent = ref.token_logprob(logits, torch.tensor([0, 1]), return_entropy=True)
+    logp, ent = ref_token_logprob(logits, torch.tensor([0, 1]), return_entropy=True)
     torch.testing.assert_close(logp, torch.tensor([math.log(0.25), math.log(0.75)], dtype=torch.float64))
     h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     torch.testing.assert_close(ent, torch.tensor([h, h], dtype=torch.float64))
     # temperature 2: logits [0, ln 9] / 2 = [0, ln 3]
-    logp_t = ref.token_logprob(torch.tensor([[0.0, math.log(9.0)]], dtype=torch.float64),
+    logp_t = ref_token_logprob(torch.tensor([[0.0, math.log(9.0)]], dtype=torch.float64),
                                torch.tensor([1]), temperature=2.0)
     torch.testing.assert_close(logp_t, torch.tensor([math.log(0.75)], dtype=torch.float64))
     # d logp_t / dz = 1[j = t] - p = [-1/4, 1/4]
     x = logits[:1].clone().requires_grad_()
-    ref.token_logprob(x, torch.tensor([1])).sum().backward()
+    ref_token_logprob(x, torch.tensor([1])).sum().backward()
     torch.testing.assert_close(x.grad, torch.tensor([[-0.25, 0.25]], dtype=torch.float64))
 
 
 def test_reference_minus_inf_and_ignored_hand_worked():
     logits = torch.tensor([[0.0, float("-inf"), 0.0], [1.0, 2.0, 3.0]], dtype=torch.float64, requires_grad=True)
-    logp, ent = ref.token_logprob(logits, torch.tensor([2, -100]), return_entropy=True)
+    logp, ent = ref_token_logprob(logits, torch.tensor([2, -100]), return_entropy=True)
     torch.testing.assert_close(logp, torch.tensor([math.log(0.5), 0.0], dtype=torch.float64))
     torch.testing.assert_close(ent, torch.tensor([math.log(2.0), 0.0], dtype=torch.float64))
     (logp.sum() + ent.sum()).backward()
@@ -108,7 +108,7 @@ def test_logp_only_gradient(kernels):
     x = logits.clone().requires_grad_()
     token_logprob(x, targets).sum().backward()
     y = logits.clone().requires_grad_()
-    ref.token_logprob(y, targets).sum().backward()
+    ref_token_logprob(y, targets).sum().backward()
     torch.testing.assert_close(x.grad, y.grad, **TOL[torch.float64])
 
 
@@ -178,7 +178,7 @@ def test_all_ignored(kernels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inplace_backward(kernels, dtype):
     logits, targets = _inputs(4, 513, dtype, ignore_every=3)
-    _, _, rgrad = _run(ref.token_logprob, logits, targets)
+    _, _, rgrad = _run(ref_token_logprob, logits, targets)
     x = logits.clone().requires_grad_()
     buf = x.detach()
     logp, ent = token_logprob(x, targets, return_entropy=True, inplace_backward=True)
@@ -207,7 +207,7 @@ def test_vocab_parallel(sizes, path, request):
                                                    with_entropy=True, vocab_size=v)
                             for s, st in zip(shards, starts)])
     logp, lse, ent = combine_vocab_partials(partials, targets, -100)
-    rlogp, rent, rgrad = _run(ref.token_logprob, logits, targets, temperature=temperature)
+    rlogp, rent, rgrad = _run(ref_token_logprob, logits, targets, temperature=temperature)
     tol = TOL[torch.float64]
     torch.testing.assert_close(logp, rlogp, **tol)
     torch.testing.assert_close(ent, rent, **tol)
@@ -277,7 +277,7 @@ def test_reference_bad_target():
     logits, targets = _inputs(3, 10, torch.float32)
     targets[1] = 99
     with pytest.raises(IndexError, match=r"targets.*flat row 1"):
-        ref.token_logprob(logits, targets)
+        ref_token_logprob(logits, targets)
 
 
 # ---------------------------------------------------------------- op registration
@@ -298,7 +298,7 @@ def test_compile(kernels):
     logits, targets = _inputs(3, 40, torch.float32)
     fn = torch.compile(lambda x, t: token_logprob(x, t, return_entropy=True), backend="aot_eager", fullgraph=True)
     logp, ent = fn(logits, targets)
-    rlogp, rent = ref.token_logprob(logits, targets, return_entropy=True)
+    rlogp, rent = ref_token_logprob(logits, targets, return_entropy=True)
     torch.testing.assert_close(logp, rlogp)
     torch.testing.assert_close(ent, rent)
 
@@ -329,7 +329,7 @@ def test_cuda_extreme_and_inplace(kernels):
     logits[0, :1500] = float("-inf")
     logits[1] *= 1e4
     _compare(logits, targets)
-    _, _, rgrad = _run(ref.token_logprob, logits, targets)
+    _, _, rgrad = _run(ref_token_logprob, logits, targets)
     x = logits.clone().requires_grad_()
     logp, ent = token_logprob(x, targets, return_entropy=True, inplace_backward=True)
     g = torch.Generator().manual_seed(1)
@@ -355,7 +355,7 @@ def test_cuda_vocab_parallel(kernels):
     partials = torch.stack([token_logprob_partials(s, targets, st, with_entropy=True)
                             for s, st in zip(shards, starts)])
     logp, lse, ent = combine_vocab_partials(partials, targets, -100)
-    rlogp, rent = ref.token_logprob(logits, targets, return_entropy=True)
+    rlogp, rent = ref_token_logprob(logits, targets, return_entropy=True)
     torch.testing.assert_close(logp, rlogp, **TOL[torch.float32])
     torch.testing.assert_close(ent, rent, **TOL[torch.float32])
 

@@ -15,6 +15,30 @@
 
 #include "megalign/common.h"
 
+namespace megalign {
+
+// The backward launchers' raw per-row arguments as typed pointers (T: logits dtype), shared by
+// the CPU and CUDA launchers; passed by value to the kernels.
+template <typename T> struct BackwardRows {
+  using A = acc_t<T>;
+  const T* logits;
+  T* grad;
+  const A* lse;
+  const A* entropy;       // null without an entropy gradient
+  const A* grad_logp;
+  const A* grad_entropy;  // null iff entropy is null
+  A inv_t;
+
+  static BackwardRows cast(const void* logits, void* grad, const void* lse, const void* entropy,
+                           const void* grad_logp, const void* grad_entropy, double inv_temperature) {
+    return {static_cast<const T*>(logits), static_cast<T*>(grad), static_cast<const A*>(lse),
+            static_cast<const A*>(entropy), static_cast<const A*>(grad_logp),
+            static_cast<const A*>(grad_entropy), static_cast<A>(inv_temperature)};
+  }
+};
+
+}  // namespace megalign
+
 namespace megalign::cpu {
 
 // Fills partials and returns the first row with an out-of-range target, or -1.
