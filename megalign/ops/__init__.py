@@ -7,11 +7,21 @@ has a fake (meta) implementation so `torch.compile` can trace it.
 from megalign.ops._backend import HAVE_EXTENSION, WITH_CUDA
 from megalign.ops.gae import gae, masked_reward_count
 from megalign.ops.group_advantages import group_advantages
+from megalign.ops.token_logprob import (
+    combine_vocab_partials,
+    token_logprob,
+    token_logprob_partials,
+    token_logprob_shard_backward,
+)
 
 __all__ = [
     "HAVE_EXTENSION",
     "WITH_CUDA",
+    "combine_vocab_partials",
     "gae",
     "group_advantages",
     "masked_reward_count",
+    "token_logprob",
+    "token_logprob_partials",
+    "token_logprob_shard_backward",
 ]
