@@ -47,7 +47,7 @@ _RULES = [
 _VOCAB_PARAMS = ("model.embed.weight", "lm_head.proj.weight")
 
 
-def _rule(name: str) -> tuple[str, Optional[int]]:
+def hf_rule(name: str) -> tuple[str, Optional[int]]:
     """(HF name, shard_dim) of a megalign parameter name."""
     for pattern, template, shard_dim in _RULES:
         m = re.fullmatch(pattern, name)
@@ -100,7 +100,7 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
     params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
     wanted = {}  # HF name -> (megalign name, shard_dim)
     for name in params:
-        hf_name, shard_dim = _rule(name)
+        hf_name, shard_dim = hf_rule(name)
         wanted[hf_name] = (name, shard_dim)
     files = _checkpoint_index(path)
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -145,7 +145,7 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
     config: ModelConfig = model.config
     tensors = {}
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
-        hf_name, _ = _rule(name)
+        hf_name, _ = hf_rule(name)
         tensor = param.detach()
         if name in _VOCAB_PARAMS:
             tensor = tensor[: config.vocab_size]
