@@ -76,14 +76,22 @@ class RewardHead(ValueHead):
         return values[torch.arange(values.shape[0], device=values.device), idx]
 
 
-class CausalLM(nn.Module):
-    """Policy / reference model: `forward(input_ids, ...)` -> logits `[B, T, V_local]` (see `Decoder.forward`)."""
+class _WithTrunk(nn.Module):
+    """A `Decoder` trunk under `self.model` (the HF `model.` prefix), shared by the three models below."""
 
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
                  activation_checkpointing: bool = False):
         super().__init__()
         self.config = config
         self.model = Decoder(config, factory, activation_checkpointing)
+
+
+class CausalLM(_WithTrunk):
+    """Policy / reference model: `forward(input_ids, ...)` -> logits `[B, T, V_local]` (see `Decoder.forward`)."""
+
+    def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
+                 activation_checkpointing: bool = False):
+        super().__init__(config, factory, activation_checkpointing)
         tied = self.model.embed if config.tie_word_embeddings else None
         self.lm_head = LMHead(config, self.model.factory, tied)
 
@@ -91,29 +99,27 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, attention_mask, position_ids, cu_seqlens, kv_cache))
 
 
-class ValueModel(nn.Module):
+class ValueModel(_WithTrunk):
     """Critic: `forward(input_ids, ...)` -> per-token values `[B, T]`."""
+
+    head_cls = ValueHead
 
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
                  activation_checkpointing: bool = False):
-        super().__init__()
-        self.config = config
-        self.model = Decoder(config, factory, activation_checkpointing)
-        self.head = ValueHead(config.hidden_size)
+        super().__init__(config, factory, activation_checkpointing)
+        self.head = self.head_cls(config.hidden_size)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
         return self.head(self.model(input_ids, attention_mask, position_ids, cu_seqlens))
 
 
-class RewardModel(nn.Module):
-    """Reward model: `forward(input_ids, ...)` -> `[B]` rewards (`[n_docs]` when packed with cu_seqlens)."""
+class RewardModel(ValueModel):
+    """Reward model: `forward(input_ids, ...)` -> `[B]` rewards (`[n_docs]` when packed with cu_seqlens).
 
-    def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
-                 activation_checkpointing: bool = False):
-        super().__init__()
-        self.config = config
-        self.model = Decoder(config, factory, activation_checkpointing)
-        self.head = RewardHead(config.hidden_size)
+    A critic whose head reads only the last real token of each sequence.
+    """
+
+    head_cls = RewardHead
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
         hidden = self.model(input_ids, attention_mask, position_ids, cu_seqlens)
