@@ -98,7 +98,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     """Mistral: a query attends only to keys with index distance < sliding_window; None for full attention."""
     max_position_embeddings: int = 4096
-    """Longest context the checkpoint claims; RoPE tables grow past it on demand (as in HF), it is kept for `to_hf`."""
+    """Longest context: the RoPE cos/sin tables are precomputed for positions below it (a larger position is an error)."""
     vocab_pad_multiple: int = 1
     """Embedding / LM-head rows are rounded up to a multiple of this (e.g. 128 * tp); 1 = no padding."""
     pad_token_id: Optional[int] = None

@@ -247,7 +247,8 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor
     """(position_ids, doc_ids), each `[1, total]`, for documents packed back to back with boundaries `cu_seqlens`.
 
     cu_seqlens: `[n_docs + 1]` int, 0 = cu_seqlens[0] <= ... <= cu_seqlens[-1] = total (flash-attn's varlen
-    convention). Position of token t in document d is t - cu_seqlens[d].
+    convention). Position of token t in document d is t - cu_seqlens[d]. The boundaries are validated on
+    the host: one device sync per forward, not per layer.
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")

@@ -1,7 +1,7 @@
 """KV-cache generation vs transformers `generate`, and log-probs vs a fresh forward of the same model."""
 import pytest
 import torch
-from models.hf_fixtures import make_causal_lm, random_ids
+from models.hf_fixtures import VOCAB, make_causal_lm, random_ids
 from transformers import GenerationConfig
 
 from megalign.models import from_pretrained
@@ -24,7 +24,7 @@ def _left_padded(lengths, seed=0):
 def models(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     hf = make_causal_lm(path, "llama3_gqa")
-    return hf, from_pretrained(path).eval()
+    return hf, from_pretrained(path, vocab_pad_multiple=64).eval()  # 97 -> 128 rows: padding must never be sampled
 
 
 def _hf_greedy(hf, ids, mask, max_new, eos):
@@ -71,6 +71,7 @@ def test_logprobs_equal_fresh_forward(models, top_k, top_p):
     fresh = fresh_all.gather(-1, generated[..., None])[..., 0]
     torch.testing.assert_close(out.logprobs[response], fresh[response], atol=1e-5, rtol=1e-5)
     assert (out.logprobs[~response] == 0).all() and (generated[~response] == PAD).all()
+    assert (generated < VOCAB).all()
     if top_k:  # every sampled token lies in the top-k of the fresh distribution
         assert (fresh[response] >= fresh_all.topk(top_k).values[..., -1][response]).all()
 
