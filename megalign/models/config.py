@@ -1,0 +1,242 @@
+"""Typed model configuration for the decoder family (Llama 2/3, Qwen2/2.5, Mistral).
+
+`ModelConfig.from_hf(config_json)` reads a Hugging Face `config.json` (a dict or a path to the file or
+its folder) and `to_hf()` writes one back, so a checkpoint can travel HF -> megalign -> HF.
+
+Design choices:
+- One dataclass for the three families: they differ only in attention biases (Qwen2 has q/k/v bias,
+  no o bias; Llama's `attention_bias` puts a bias on all four), RoPE scaling (Llama 3) and Mistral's
+  sliding window. The family is kept in `model_type` so `to_hf()` writes the right architecture.
+- RoPE parameters are read from `rope_parameters` (transformers >= 5) or from the older top-level
+  `rope_theta` + `rope_scaling` keys; both spellings give the same config.
+- Sliding window (Mistral): supported exactly as transformers does it, as a mask on the index
+  distance between query and key, `q_idx - kv_idx < sliding_window` (padding included, as in HF).
+  Qwen2's per-layer windows (`use_sliding_window: true` with `max_window_layers`) are rejected.
+- Vocab padding: `vocab_pad_multiple` rounds the embedding / LM-head rows up (Megatron-style, so a
+  vocab splits evenly over tensor-parallel ranks). `vocab_size` stays the real vocabulary; the padded
+  rows never receive probability (see `heads.LMHead`) and are dropped when saving.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3 RoPE frequency scaling (`rope_type: llama3`), as in `transformers`' `_compute_llama3_parameters`.
+
+    Wavelengths `lambda_i = 2*pi / inv_freq_i` longer than `original_max_position_embeddings / low_freq_factor`
+    are divided by `factor`; shorter than `original_max_position_embeddings / high_freq_factor` are kept; the
+    band between is interpolated with `s = (L_orig / lambda - low) / (high - low)`:
+    `inv_freq = (1 - s) * inv_freq / factor + s * inv_freq`.
+    """
+
+    factor: float
+    """Context extension factor (8 for Llama 3.1)."""
+    low_freq_factor: float
+    """Divides the original context to give the wavelength above which frequencies are fully scaled."""
+    high_freq_factor: float
+    """Divides the original context to give the wavelength below which frequencies are untouched."""
+    original_max_position_embeddings: int
+    """Context length the model was pretrained with before the extension (8192 for Llama 3)."""
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                f"rope_scaling.original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}"
+            )
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of one decoder-only transformer; validated on construction."""
+
+    model_type: str
+    """HF family: one of 'llama', 'qwen2', 'mistral' (chooses the architecture written by `to_hf`)."""
+    vocab_size: int
+    """Real vocabulary size V (rows of the HF embedding)."""
+    hidden_size: int
+    """Model width H."""
+    intermediate_size: int
+    """SwiGLU inner width F."""
+    num_hidden_layers: int
+    """Number of decoder layers L."""
+    num_attention_heads: int
+    """Query heads (whole model, all tensor-parallel ranks together)."""
+    num_key_value_heads: int
+    """Key/value heads (GQA: each serves num_attention_heads / num_key_value_heads query heads)."""
+    head_dim: int
+    """Width of one head; HF's default is hidden_size // num_attention_heads but it may differ."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside RMSNorm's rsqrt(mean(x^2) + eps)."""
+    rope_theta: float = 10000.0
+    """RoPE base: inv_freq_i = theta^(-2i / head_dim)."""
+    rope_scaling: Optional[RopeScaling] = None
+    """Llama 3 frequency scaling, or None for plain RoPE."""
+    qkv_bias: bool = False
+    """Bias on the q, k, v projections (Qwen2: True; Llama: `attention_bias`)."""
+    o_bias: bool = False
+    """Bias on the output projection (Llama `attention_bias`; never in Qwen2)."""
+    mlp_bias: bool = False
+    """Bias on gate/up/down projections (Llama `mlp_bias`)."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix (small Qwen2 models)."""
+    sliding_window: Optional[int] = None
+    """Mistral: a query attends only to keys with index distance < sliding_window; None for full attention."""
+    max_position_embeddings: int = 4096
+    """Longest context: the RoPE cos/sin tables are precomputed for positions below it (a larger position is an error)."""
+    vocab_pad_multiple: int = 1
+    """Embedding / LM-head rows are rounded up to a multiple of this (e.g. 128 * tp); 1 = no padding."""
+    pad_token_id: Optional[int] = None
+    """Padding token (read by reward models' HF config; megalign itself pools with the attention mask)."""
+    extra_hf: dict = field(default_factory=dict, repr=False)
+    """HF keys megalign does not use (bos/eos ids, id2label, ...), written back unchanged by `to_hf`."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                     "vocab_pad_multiple"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding / LM head: vocab_size rounded up to vocab_pad_multiple."""
+        m = self.vocab_pad_multiple
+        return -(-self.vocab_size // m) * m
+
+    @classmethod
+    def from_hf(cls, hf: Union[dict, str, os.PathLike], vocab_pad_multiple: int = 1) -> "ModelConfig":
+        """Build from an HF config dict, a config.json path, or a checkpoint folder holding config.json."""
+        if not isinstance(hf, dict):
+            path = os.fspath(hf)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                hf = json.load(f)
+        hf = dict(hf)
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; the SwiGLU MLP needs 'silu'")
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+
+        rope_theta, rope_scaling = _read_rope(hf)
+        heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        # Qwen2 hard-codes q/k/v bias and no o bias; Mistral hard-codes none; Llama follows attention_bias.
+        qkv_bias = model_type == "qwen2" or (model_type == "llama" and bool(hf.get("attention_bias", False)))
+        o_bias = model_type == "llama" and bool(hf.get("attention_bias", False))
+        used = {
+            "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+            "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings",
+            "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+            "max_position_embeddings", "hidden_act", "architectures", "pad_token_id", "transformers_version",
+        }
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            vocab_pad_multiple=vocab_pad_multiple,
+            pad_token_id=hf.get("pad_token_id"),
+            extra_hf={k: v for k, v in hf.items() if k not in used},
+        )
+
+    def to_hf(self, architecture: Optional[str] = None) -> dict:
+        """HF config.json content; `architecture` overrides the default `...ForCausalLM` (e.g. for reward models)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope.update(rope_type="llama3", factor=self.rope_scaling.factor,
+                        low_freq_factor=self.rope_scaling.low_freq_factor,
+                        high_freq_factor=self.rope_scaling.high_freq_factor,
+                        original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings)
+        out = dict(self.extra_hf)
+        out.update(
+            architectures=[architecture or _ARCHITECTURES[self.model_type]],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            pad_token_id=self.pad_token_id,
+        )
+        if self.model_type == "qwen2":
+            out["use_sliding_window"] = False
+        else:
+            out["attention_bias"] = self.qkv_bias
+            out["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        return out
+
+
+def _read_rope(hf: dict) -> tuple[float, Optional[RopeScaling]]:
+    """(rope_theta, llama3 scaling or None) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' or 'llama3'")
+    return theta, RopeScaling(
+        factor=params["factor"],
+        low_freq_factor=params["low_freq_factor"],
+        high_freq_factor=params["high_freq_factor"],
+        original_max_position_embeddings=params["original_max_position_embeddings"],
+    )

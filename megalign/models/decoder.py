@@ -1,0 +1,335 @@
+"""The decoder trunk shared by Llama 2/3, Qwen2/2.5 and Mistral: embeddings -> L x (attention + SwiGLU) -> RMSNorm.
+
+Design choices:
+- Every projection and the embedding are built by one `LayerFactory`. `LayerFactory` builds plain
+  `nn.Linear` / `nn.Embedding` (tensor-parallel size 1); a tensor-parallel factory returns
+  `VocabParallelEmbedding` / `ColumnParallelLinear` / `RowParallelLinear` instead and nothing else in
+  the model changes. Attention reads its per-rank head counts (`n_heads_local`, `n_kv_heads_local`)
+  from the factory's `tp_size`, so the model never assumes it holds all heads.
+- Attention goes through `F.scaled_dot_product_attention` with `enable_gqa`, so the kv heads are never
+  repeated in memory. The unpadded, unpacked, cache-less case passes `is_causal=True` (lets torch pick
+  its flash kernel); every other case passes one boolean mask `[B, 1, T, S]` built once per forward.
+- Three batch layouts, each with its own position ids:
+  padded `[B, T]` + `attention_mask` (left or right padding; positions count only real tokens),
+  packed `[1, total]` + `cu_seqlens` (positions restart per document; a document-id mask stops
+  attention across documents), and incremental decoding with a `KVCache` (positions passed by the caller).
+- Numerics follow `transformers` (RMSNorm in fp32, RoPE tables in fp32 cast to the activation dtype) so
+  fp32 logits agree to rounding.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig, RopeScaling
+
+
+class LayerFactory:
+    """Builds every embedding and projection of a model: the single place tensor parallelism plugs in.
+
+    This factory is tensor-parallel size 1: modules hold whole weights. A tensor-parallel factory
+    overrides the three builders (and `tp_size`, `tp_rank`) so that
+    - `embedding` returns a vocab-parallel embedding holding rows `vocab_range(num_embeddings)`,
+    - `column_linear` returns a layer whose output features are split over ranks (q/k/v, gate/up, LM head),
+      output not gathered: attention and the MLP work on the local slice,
+    - `row_linear` returns a layer whose input features are split and whose output is all-reduced (o, down).
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        """Token embedding: `[B, T]` ids -> `[B, T, dim]`."""
+        return nn.Embedding(num_embeddings, dim)
+
+    def column_linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        """`[..., in]` -> `[..., out / tp_size]` (this rank's slice of the output features)."""
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def row_linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        """`[..., in / tp_size]` (this rank's slice) -> `[..., out]`, summed over ranks."""
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def vocab_range(self, padded_vocab: int) -> tuple[int, int]:
+        """Global rows `[start, end)` of the (padded) vocabulary held by this rank."""
+        per_rank = padded_vocab // self.tp_size
+        return self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019), normalised in fp32 like HF. Shape-preserving."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+    """`[head_dim / 2]` fp32 inverse frequencies theta^(-2i/d) (Su et al. 2021), with Llama 3 scaling if given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed fp32 cos/sin tables `[max_position_embeddings, head_dim / 2]`, gathered by position id.
+
+    Positions must be < max_position_embeddings (an index error otherwise). The angle is pos * inv_freq
+    in fp32, the same product transformers forms, so the tables agree bit for bit.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        angles = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids `[B, T]` -> (cos, sin), each `[B, 1, T, head_dim / 2]` in `dtype` (broadcast over heads)."""
+        return self.cos[position_ids].to(dtype)[:, None], self.sin[position_ids].to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves: `[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]` (HF's rotate_half layout). x: `[B, h, T, D]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class KVCache:
+    """Preallocated keys and values of every layer for incremental decoding.
+
+    `k[l]`, `v[l]`: `[B, n_kv_heads_local, max_len, head_dim]`. Slots `[0, length)` are filled; a forward
+    of T new tokens writes slots `[length, length + T)` in every layer, then `advance(T)` moves `length`.
+    Slot index = token index in the (left-padded) sequence, as in transformers, so sliding windows and
+    masks measure the same distances.
+    """
+
+    def __init__(self, num_layers: int, batch: int, n_kv_heads_local: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, n_kv_heads_local, max_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `[B, h, T, D]` new keys/values of `layer`; return all keys/values so far `[B, h, length + T, D]`."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped kv heads (GQA) and RoPE on q and k.
+
+    x `[B, T, H]` -> `[B, T, H]`. Holds `n_heads_local` query heads and `n_kv_heads_local` kv heads
+    (the whole model's counts divided by the factory's tp_size).
+    """
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory, layer_idx: int):
+        super().__init__()
+        tp = factory.tp_size
+        if config.num_attention_heads % tp or config.num_key_value_heads % tp:
+            raise ValueError(
+                f"num_attention_heads ({config.num_attention_heads}) and num_key_value_heads "
+                f"({config.num_key_value_heads}) must both be divisible by tensor-parallel size {tp}"
+            )
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.n_heads_local = config.num_attention_heads // tp
+        self.n_kv_heads_local = config.num_key_value_heads // tp
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = factory.column_linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
+        self.k_proj = factory.column_linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        self.v_proj = factory.column_linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        self.o_proj = factory.row_linear(config.num_attention_heads * d, h, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                kv_cache: Optional[KVCache]) -> torch.Tensor:
+        """mask: bool `[B or 1, 1, T, S]` (True = attend) or None for plain causal without a cache."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads_local, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads_local, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads_local, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.n_heads_local != self.n_kv_heads_local,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads_local * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020). `[B, T, H]` -> `[B, T, H]`."""
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = factory.column_linear(h, f, bias=config.mlp_bias)
+        self.up_proj = factory.column_linear(h, f, bias=config.mlp_bias)
+        self.down_proj = factory.row_linear(f, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `[B, T, H]` -> `[B, T, H]`."""
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, factory, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config, factory)
+
+    def forward(self, x, cos, sin, mask, kv_cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def attention_mask_4d(q_len: int, kv_len: int, key_valid: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
+                      sliding_window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
+    """Boolean SDPA mask `[B or 1, 1, q_len, kv_len]` (True = may attend), or None when plain causal suffices.
+
+    Queries are the last `q_len` of `kv_len` slots. A query at slot i sees key slot j when
+    j <= i, key_valid[j], (sliding window) i - j < sliding_window, and (packing) doc_ids[i] == doc_ids[j].
+    Every query also sees itself, so a padding query never has an all-False row (SDPA would give NaN,
+    and NaN times a zero gradient is still NaN); its output is padding and is ignored downstream.
+    key_valid: `[B, kv_len]` bool; doc_ids: `[B, kv_len]` (only without a cache, so q_len == kv_len).
+    """
+    windowed = sliding_window is not None and kv_len > sliding_window
+    if key_valid is None and doc_ids is None and q_len == kv_len and not windowed:
+        return None
+    q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_idx = torch.arange(kv_len, device=device)[None, :]
+    allowed = k_idx <= q_idx
+    if windowed:
+        allowed = allowed & (q_idx - k_idx < sliding_window)
+    allowed = allowed[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    return allowed | (k_idx == q_idx)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids, doc_ids), each `[1, total]`, for documents packed back to back with boundaries `cu_seqlens`.
+
+    cu_seqlens: `[n_docs + 1]` int, 0 = cu_seqlens[0] <= ... <= cu_seqlens[-1] = total (flash-attn's varlen
+    convention). Position of token t in document d is t - cu_seqlens[d]. The boundaries are validated on
+    the host: one device sync per forward, not per layer.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the packed length {total}, got {bounds}")
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    doc_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+    return (tokens - cu_seqlens[doc_ids])[None], doc_ids[None]
+
+
+class Decoder(nn.Module):
+    """Token ids -> final (normed) hidden states. The trunk under every head (LM, value, reward).
+
+    Args:
+        config: shapes and numerics.
+        factory: builds the embedding and projections (tensor parallelism plugs in here); default tp = 1.
+        activation_checkpointing: recompute each layer in backward instead of storing its activations
+            (saves ~L x activation memory for ~1 extra forward); only applies in training without a cache.
+    """
+
+    def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        factory = factory or LayerFactory()
+        self.config = config
+        self.factory = factory
+        self.activation_checkpointing = activation_checkpointing
+        self.embed = factory.embedding(config.padded_vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, factory, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config)
+
+    def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated), in this rank's heads."""
+        attn = self.layers[0].attn
+        return KVCache(len(self.layers), batch, attn.n_kv_heads_local, max_len, attn.head_dim,
+                       dtype or self.embed.weight.dtype, self.embed.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Final hidden states `[B, T, H]`.
+
+        Args:
+            input_ids: `[B, T]` token ids (`[1, total]` when packed).
+            attention_mask: `[B, S]` 1 for real tokens, 0 for padding; S = T, or cache length + T with a cache.
+            position_ids: `[B, T]`; default: running count of real tokens (cumsum(mask) - 1), packed:
+                restart at each document, cache: continue from the cache length.
+            cu_seqlens: `[n_docs + 1]` document boundaries of a packed batch (B must be 1; no cache).
+            kv_cache: filled with this call's keys/values and advanced by T.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        offset = kv_cache.length if kv_cache is not None else 0
+        if kv_cache is not None and offset + t > kv_cache.max_len:
+            raise ValueError(f"kv_cache holds {kv_cache.max_len} tokens; {offset} cached + {t} new do not fit")
+        if attention_mask is not None and attention_mask.shape != (b, offset + t):
+            raise ValueError(f"attention_mask must have shape {(b, offset + t)}, got {tuple(attention_mask.shape)}")
+        doc_ids = None
+        if cu_seqlens is not None:
+            if b != 1 or kv_cache is not None or attention_mask is not None:
+                raise ValueError("cu_seqlens needs input_ids of shape [1, total], no attention_mask and no kv_cache")
+            packed_pos, doc_ids = packed_positions(cu_seqlens, t)
+            position_ids = packed_pos if position_ids is None else position_ids
+        key_valid = attention_mask.bool() if attention_mask is not None else None
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
+            else:
+                position_ids = torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
+        mask = attention_mask_4d(t, offset + t, key_valid, doc_ids, self.config.sliding_window, input_ids.device)
+
+        x = self.embed(input_ids)
+        cos, sin = self.rope(position_ids, x.dtype)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training and kv_cache is None:
+                x = checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(t)
+        return self.norm(x)

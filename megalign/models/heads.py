@@ -1,0 +1,126 @@
+"""Heads on the decoder trunk, and the three models RLHF needs: policy (LM), critic (value), reward.
+
+- `LMHead`: hidden -> logits over this rank's slice of the padded vocabulary, built by the same
+  `LayerFactory` as the trunk (column-parallel under TP), optionally tied to the embedding. Padded
+  vocabulary rows get logit -inf, so softmax gives them exactly zero probability; loss code must
+  therefore use `torch.xlogy`-style entropy (0 * -inf = nan otherwise).
+- `ValueHead`: hidden -> one scalar per token (PPO critic). Its weight is named `score`, like HF's
+  `...ForSequenceClassification`, so a critic can start from a reward-model checkpoint.
+- `RewardHead`: the same projection, read at the last real token of each sequence (HF's pooling: the
+  rightmost non-padding position; with packing, the last token of each document).
+The scalar heads are replicated across tensor-parallel ranks: the final hidden states they read are
+whole on every rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .decoder import Decoder, LayerFactory
+
+
+class LMHead(nn.Module):
+    """hidden `[..., H]` -> logits `[..., V_local]` over vocab rows `factory.vocab_range(padded_vocab)`.
+
+    Rows at or past `config.vocab_size` (vocab padding) are set to -inf.
+    """
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory, tied_embedding: Optional[nn.Module] = None):
+        super().__init__()
+        self.proj = factory.column_linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        if tied_embedding is not None:
+            # Same [V_local, H] rows on every tp layout: the vocab-parallel embedding and the
+            # column-parallel head split the vocabulary identically.
+            self.proj.weight = tied_embedding.weight
+        start, end = factory.vocab_range(config.padded_vocab_size)
+        pad = torch.arange(start, end) >= config.vocab_size
+        self.register_buffer("vocab_pad", pad if bool(pad.any()) else None, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(hidden)
+        if self.vocab_pad is not None:
+            logits = logits.masked_fill(self.vocab_pad, float("-inf"))
+        return logits
+
+
+class ValueHead(nn.Module):
+    """hidden `[B, T, H]` -> per-token values `[B, T]` (a bias-free linear map, HF's `score`)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.score = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden).squeeze(-1)
+
+
+def last_token_index(attention_mask: Optional[torch.Tensor], batch: int, seq: int, device) -> torch.Tensor:
+    """`[B]` index of the rightmost real token: argmax(t * mask_t), HF's sequence-classification pooling."""
+    if attention_mask is None:
+        return torch.full((batch,), seq - 1, device=device)
+    return (torch.arange(seq, device=device) * attention_mask.long()).argmax(-1)
+
+
+class RewardHead(ValueHead):
+    """hidden `[B, T, H]` -> one reward per sequence `[B]` (or per packed document `[n_docs]`)."""
+
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        values = super().forward(hidden)
+        if cu_seqlens is not None:
+            return values[0, cu_seqlens[1:] - 1]
+        idx = last_token_index(attention_mask, values.shape[0], values.shape[1], values.device)
+        return values[torch.arange(values.shape[0], device=values.device), idx]
+
+
+class _WithTrunk(nn.Module):
+    """A `Decoder` trunk under `self.model` (the HF `model.` prefix), shared by the three models below."""
+
+    def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, factory, activation_checkpointing)
+
+
+class CausalLM(_WithTrunk):
+    """Policy / reference model: `forward(input_ids, ...)` -> logits `[B, T, V_local]` (see `Decoder.forward`)."""
+
+    def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
+                 activation_checkpointing: bool = False):
+        super().__init__(config, factory, activation_checkpointing)
+        tied = self.model.embed if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config, self.model.factory, tied)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, kv_cache=None):
+        return self.lm_head(self.model(input_ids, attention_mask, position_ids, cu_seqlens, kv_cache))
+
+
+class ValueModel(_WithTrunk):
+    """Critic: `forward(input_ids, ...)` -> per-token values `[B, T]`."""
+
+    head_cls = ValueHead
+
+    def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
+                 activation_checkpointing: bool = False):
+        super().__init__(config, factory, activation_checkpointing)
+        self.head = self.head_cls(config.hidden_size)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
+        return self.head(self.model(input_ids, attention_mask, position_ids, cu_seqlens))
+
+
+class RewardModel(ValueModel):
+    """Reward model: `forward(input_ids, ...)` -> `[B]` rewards (`[n_docs]` when packed with cu_seqlens).
+
+    A critic whose head reads only the last real token of each sequence.
+    """
+
+    head_cls = RewardHead
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
+        hidden = self.model(input_ids, attention_mask, position_ids, cu_seqlens)
+        return self.head(hidden, attention_mask, cu_seqlens)

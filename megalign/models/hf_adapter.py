@@ -1,0 +1,188 @@
+"""Hugging Face checkpoint interop: config.json + safetensors <-> megalign modules (torchtitan's state-dict adapter).
+
+The adapter is two things per tensor: a name mapping (megalign name <-> HF name, a small regex table
+shared by Llama, Qwen2 and Mistral, which name their tensors alike) and a transform applied while
+reading one tensor through `safetensors.safe_open(...).get_slice`:
+- tensor-parallel slicing: each parameter is split along `shard_dim` (0 for column-parallel weights,
+  biases and the vocabulary, 1 for row-parallel weights, None = replicated); a rank reads only rows /
+  columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor;
+- vocabulary padding: embedding / LM-head rows past the real vocab are not in the file and are zero-filled
+  (they get -inf logits anyway, see `heads.LMHead`); on save they are dropped.
+
+Loading is strict: tensors the model needs but the checkpoint lacks, and checkpoint tensors the model
+has no place for, fail together with both lists of names. One exception: a tied model ignores an
+`lm_head.weight` in the file (some tied checkpoints store the duplicate).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .heads import CausalLM, RewardModel, ValueModel
+
+_Model = Union[CausalLM, ValueModel, RewardModel]
+
+# (megalign-name regex, HF-name template, shard_dim). `{0}` in a template is the layer index.
+_RULES = [
+    (r"model\.embed\.weight", "model.embed_tokens.weight", 0),
+    (r"model\.norm\.weight", "model.norm.weight", None),
+    (r"model\.layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight", None),
+    (r"model\.layers\.(\d+)\.mlp_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight", None),
+    (r"model\.layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}", 0),
+    (r"model\.layers\.(\d+)\.attn\.o_proj\.weight", "model.layers.{0}.self_attn.o_proj.weight", 1),
+    (r"model\.layers\.(\d+)\.attn\.o_proj\.bias", "model.layers.{0}.self_attn.o_proj.bias", None),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}", 0),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "model.layers.{0}.mlp.down_proj.weight", 1),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "model.layers.{0}.mlp.down_proj.bias", None),
+    (r"lm_head\.proj\.weight", "lm_head.weight", 0),
+    (r"head\.score\.weight", "score.weight", None),
+]
+_VOCAB_PARAMS = ("model.embed.weight", "lm_head.proj.weight")
+
+
+def hf_rule(name: str) -> tuple[str, Optional[int]]:
+    """(HF name, shard_dim) of a megalign parameter name."""
+    for pattern, template, shard_dim in _RULES:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return template.format(*m.groups()), shard_dim
+    raise KeyError(f"no HF name for megalign parameter {name!r}")
+
+
+def _checkpoint_index(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file, for `model.safetensors` or a sharded `model.safetensors.index.json`."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _read_local(tensor_slice, global_shape: list[int], local: torch.Tensor, shard_dim: Optional[int],
+                tp_rank: int) -> torch.Tensor:
+    """Read this rank's part of one file tensor into a tensor shaped like `local`.
+
+    Along `shard_dim` the rank owns `[rank * n, (rank + 1) * n)` with n = local.shape[shard_dim]; indices past
+    the file's extent (vocabulary padding) are zero-filled.
+    """
+    if shard_dim is None:
+        return tensor_slice[:]
+    n = local.shape[shard_dim]
+    start = tp_rank * n
+    stop = min(start + n, global_shape[shard_dim])
+    index = [slice(None)] * len(global_shape)
+    index[shard_dim] = slice(start, stop)
+    part = tensor_slice[tuple(index)] if stop > start else torch.empty(0)
+    if stop - start == n:
+        return part
+    out = torch.zeros_like(local, device="cpu")
+    out.narrow(shard_dim, 0, max(stop - start, 0)).copy_(part)
+    return out
+
+
+def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
+    """Fill `model` (on any tp rank of its factory) from the safetensors files in checkpoint folder `path`."""
+    path = os.fspath(path)
+    config: ModelConfig = model.config
+    factory = model.model.factory
+    params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
+    wanted = {}  # HF name -> (megalign name, shard_dim)
+    for name in params:
+        hf_name, shard_dim = hf_rule(name)
+        wanted[hf_name] = (name, shard_dim)
+    files = _checkpoint_index(path)
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(wanted) - set(files))
+    unexpected = sorted(set(files) - set(wanted) - ignorable)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match {type(model).__name__}: "
+                         f"missing tensors {missing}; unexpected tensors {unexpected}")
+    by_file: dict[str, list[str]] = {}
+    for hf_name in wanted:
+        by_file.setdefault(files[hf_name], []).append(hf_name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for hf_name in names:
+                    name, shard_dim = wanted[hf_name]
+                    param = params[name]
+                    tensor_slice = f.get_slice(hf_name)
+                    global_shape = list(tensor_slice.get_shape())
+                    expected = list(param.shape)
+                    if shard_dim is not None:
+                        expected[shard_dim] *= factory.tp_size
+                    if name in _VOCAB_PARAMS:
+                        expected[0] = config.vocab_size
+                    if global_shape != expected:
+                        raise ValueError(f"{file}: tensor {hf_name} has shape {global_shape}, "
+                                         f"expected {expected} for {name}")
+                    param.copy_(_read_local(tensor_slice, global_shape, param, shard_dim, factory.tp_rank))
+
+
+def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architecture: Optional[str] = None) -> None:
+    """Write `model.safetensors` + `config.json` that `transformers` loads (padded vocab rows dropped).
+
+    Only whole (tp = 1) models: a tensor-parallel model must be gathered first. Files are written under a
+    temporary name and renamed when complete, so a crash never leaves a half-written checkpoint.
+    `architecture` defaults to the family's ...ForCausalLM, or ...ForSequenceClassification for scalar heads.
+    """
+    path = os.fspath(path)
+    factory = model.model.factory
+    if factory.tp_size != 1:
+        raise ValueError(f"save_hf_checkpoint needs the whole model; got a tp rank of size {factory.tp_size}")
+    config: ModelConfig = model.config
+    tensors = {}
+    for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
+        hf_name, _ = hf_rule(name)
+        tensor = param.detach()
+        if name in _VOCAB_PARAMS:
+            tensor = tensor[: config.vocab_size]
+        tensors[hf_name] = tensor.contiguous().cpu()
+    if architecture is None and not isinstance(model, CausalLM):
+        architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                        "mistral": "MistralForSequenceClassification"}[config.model_type]
+    hf_config = config.to_hf(architecture)
+    if not isinstance(model, CausalLM):
+        for key in ("id2label", "label2id"):
+            hf_config.pop(key, None)
+        hf_config["num_labels"] = 1
+    os.makedirs(path, exist_ok=True)
+    weights, cfg = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
+    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+    with open(cfg + ".tmp", "w") as f:
+        json.dump(hf_config, f, indent=2)
+    os.replace(weights + ".tmp", weights)
+    os.replace(cfg + ".tmp", cfg)
+
+
+_KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
+
+
+def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", factory=None,
+                    vocab_pad_multiple: int = 1, dtype: Optional[torch.dtype] = None,
+                    activation_checkpointing: bool = False) -> _Model:
+    """Build a megalign model from an HF checkpoint folder.
+
+    kind: 'causal_lm' (policy / reference), 'value' (critic; reads `score.weight`, e.g. from a reward
+    model), or 'reward' (`...ForSequenceClassification`). dtype: parameter dtype (default: fp32).
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {sorted(_KINDS)}")
+    config = ModelConfig.from_hf(path, vocab_pad_multiple=vocab_pad_multiple)
+    model = _KINDS[kind](config, factory, activation_checkpointing)
+    if dtype is not None:
+        model.to(dtype)
+    load_hf_weights(model, path)
+    return model

@@ -1,0 +1,137 @@
+"""Incremental decoding with a KV cache on the training weights (rollouts for GRPO / PPO).
+
+Design choices:
+- The policy's own modules run the decode (no weight copy, no second engine): one prefill forward over
+  the left-padded prompts fills a preallocated `KVCache`, then one forward per new token. The LM head
+  runs on the last position only.
+- Prompts are left-padded so every row's next token lands in the same column; positions count only real
+  tokens (cumsum of the attention mask), so a padded prompt decodes exactly as it would alone.
+- A row stops at its first EOS or stop token (kept in the output, as in transformers); after that it is
+  filled with `pad_token_id`, attention-mask 0 and log-prob 0. The loop ends when every row has stopped
+  or after `max_new_tokens`.
+- Sampling follows transformers' processor order: temperature, then top-k, then top-p (nucleus:
+  keep the smallest set of tokens whose probability sums to at least top_p; Holtzman et al. 2019).
+  `temperature == 0` means greedy (argmax). Randomness comes only from the `torch.Generator` passed
+  in, so a seeded generator reproduces a rollout.
+- Returned log-probs: log softmax(logits / T)[token], the temperature-scaled distribution *before*
+  top-k / top-p truncation (T = 1 for greedy). That is the quantity a trainer recomputes with one
+  forward over the finished sequences (logits / T, as verl does), so on-policy importance ratios start
+  at exactly 1; the truncated distribution would put the renormalisation mass into the ratio. Without
+  top-k / top-p it is exactly the distribution sampled from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megalign.models import CausalLM
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each new token and when to stop."""
+
+    max_new_tokens: int
+    """Upper bound on generated tokens per row."""
+    temperature: float = 1.0
+    """Logits are divided by it before sampling; 0 = greedy decoding."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest top set with probability >= top_p (1.0 = off)."""
+    eos_token_id: Optional[int] = None
+    """End-of-sequence token; a row stops after emitting it."""
+    stop_token_ids: Sequence[int] = ()
+    """More tokens that stop a row like EOS (e.g. chat end-of-turn markers)."""
+    pad_token_id: int = 0
+    """Fills a row after it stopped (masked out in the returned attention mask)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return ([self.eos_token_id] if self.eos_token_id is not None else []) + list(self.stop_token_ids)
+
+
+@dataclass
+class GenerationOutput:
+    """Prompts followed by their continuations, for B rows, P prompt columns and N generated columns."""
+
+    sequences: torch.Tensor
+    """`[B, P + N]` token ids: the left-padded prompts, then generated tokens (pad after a row stopped)."""
+    attention_mask: torch.Tensor
+    """`[B, P + N]` 1 for real tokens (prompt and generated, stop token included), 0 for padding."""
+    logprobs: torch.Tensor
+    """`[B, N]` fp32 log-probs of the generated tokens under the temperature-scaled distribution (0 on padding)."""
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the top-p nucleus (transformers' warpers). `[B, V]`."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[..., -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits `[B, V]` -> (tokens `[B]`, log-probs `[B]` fp32; see the module docstring for which distribution)."""
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    scaled = logits / params.temperature
+    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+
+
+@torch.no_grad()
+def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+             generator: Optional[torch.Generator] = None) -> GenerationOutput:
+    """Continue each left-padded prompt of `input_ids` `[B, P]` (mask `attention_mask` `[B, P]`) with `model`.
+
+    Every row must hold at least one real token and be padded on the left only.
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [batch, prompt_len], got "
+                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    mask = attention_mask.long()
+    if not bool(mask[:, -1].all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("prompts must be left-padded with a real last token in every row (attention_mask rows "
+                         "of the form 0...01...1)")
+    batch, prompt_len = input_ids.shape
+    stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=input_ids.device)
+    cache = model.model.new_kv_cache(batch, prompt_len + params.max_new_tokens)
+
+    hidden = model.model(input_ids, mask, kv_cache=cache)
+    tokens, logprobs = [], []
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    for step in range(params.max_new_tokens):
+        token, logprob = sample_next(model.lm_head(hidden[:, -1]), params, generator)
+        token = token.masked_fill(finished, params.pad_token_id)
+        tokens.append(token)
+        logprobs.append(logprob.masked_fill(finished, 0.0))
+        mask = torch.cat([mask, (~finished).long()[:, None]], dim=1)
+        finished = finished | torch.isin(token, stop_ids)
+        if step + 1 == params.max_new_tokens or bool(finished.all()):
+            break
+        hidden = model.model(token[:, None], mask, kv_cache=cache)
+    return GenerationOutput(torch.cat([input_ids, torch.stack(tokens, 1)], 1), mask, torch.stack(logprobs, 1))

@@ -1,0 +1,50 @@
+"""ModelConfig from HF config.json: both rope spellings, per-family biases, and the errors' wording."""
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from megalign.models import ModelConfig, RopeScaling
+
+_TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def test_rope_parameters_and_legacy_rope_scaling_agree():
+    modern = LlamaConfig(**_TINY, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192}).to_dict()
+    assert "rope_parameters" in modern and "rope_scaling" not in modern
+    legacy = {k: v for k, v in modern.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    a, b = ModelConfig.from_hf(modern), ModelConfig.from_hf(legacy)
+    assert a == b
+    assert a.rope_theta == 5e5 and a.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+
+
+def test_family_biases_window_and_head_dim():
+    qwen = ModelConfig.from_hf(Qwen2Config(**_TINY).to_dict())
+    assert (qwen.qkv_bias, qwen.o_bias, qwen.sliding_window, qwen.head_dim) == (True, False, None, 16)
+    mistral = ModelConfig.from_hf(MistralConfig(**_TINY, sliding_window=32, head_dim=8).to_dict())
+    assert (mistral.qkv_bias, mistral.sliding_window, mistral.head_dim) == (False, 32, 8)
+    llama = ModelConfig.from_hf(LlamaConfig(**_TINY, attention_bias=True).to_dict())
+    assert (llama.qkv_bias, llama.o_bias, llama.rope_scaling) == (True, True, None)
+
+
+def test_to_hf_round_trips():
+    cfg = ModelConfig.from_hf(MistralConfig(**_TINY, sliding_window=32).to_dict(), vocab_pad_multiple=64)
+    again = ModelConfig.from_hf(cfg.to_hf(), vocab_pad_multiple=64)
+    assert again == cfg and cfg.padded_vocab_size == 128
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
+    bad_heads = LlamaConfig(**{**_TINY, "num_key_value_heads": 3}).to_dict()
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by num_key_value_heads \(3\)"):
+        ModelConfig.from_hf(bad_heads)
+    with pytest.raises(ValueError, match="head_dim must be even for RoPE, got 15"):
+        ModelConfig.from_hf({**LlamaConfig(**_TINY).to_dict(), "head_dim": 15})
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        ModelConfig.from_hf({**LlamaConfig(**_TINY).to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf(Qwen2Config(**_TINY, use_sliding_window=True, sliding_window=16).to_dict())
