@@ -25,7 +25,8 @@ def _extensions():
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
     cpu_arch = os.environ.get("MEGALIGN_CPU_ARCH", "native")
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    # No -std flag: cpp_extension adds the standard its headers need (C++17; C++20 from torch 2.14).
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno"]
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
     include = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "torch")]
@@ -41,7 +42,7 @@ def _extensions():
                              extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
 
     archs = [a.strip() for a in os.environ.get("MEGALIGN_CUDA_ARCHS", "80;90").split(";") if a.strip()]
-    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     for a in archs:
         nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     sources += _sources("csrc/cuda/*.cu") + _sources("csrc/torch/cuda/*.cpp")
