@@ -13,9 +13,12 @@ Design choices:
   group) and de-duplication in the grad norm, which we do not implement yet.
 - Schedules. `torch.distributed.pipelining` runs on gloo and NCCL with our stage modules as they are:
   `PipelineStage` + `Schedule1F1B` for training, `ScheduleGPipe` without a loss function (forward
-  only) for scoring. A fresh stage and schedule are built per call: the stage infers its activation
-  shapes from the first micro-batch (one metadata exchange and one extra forward of that micro-batch),
-  so batches of any sequence length work without declaring shapes up front.
+  only) for scoring. A fresh stage and schedule are built per call and infer the activation shapes
+  from the first micro-batch (torch's dynamic metadata mode), so batches of any sequence length work
+  without declaring shapes. The price: every call runs micro-batch 0 once more through each stage's
+  forward (and, in training, the last stage's backward) plus one small metadata send per stage, i.e.
+  ~1/n_microbatches extra compute. Declaring static shapes (`input_args` / `output_args`) would remove
+  it, but the last stage's output shape depends on the head and the score function, so it is not done.
 - Per-micro-batch loss inputs. torch's schedule calls `loss_fn(output, target)` with `target` split on
   dim 0 like the inputs, and nothing else split per micro-batch (`loss_kwargs` are the same for all).
   We pass the row indices `arange(B)` as the target, and the loss closure selects the micro-batch's rows

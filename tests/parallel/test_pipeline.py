@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from models.hf_fixtures import make_causal_lm, random_ids
+from models.hf_fixtures import make_causal_lm, make_seq_cls, random_ids
 from parallel.dist_utils import run_distributed
 
 from conftest import TOL
@@ -34,26 +34,35 @@ def _pg_loss_sum(logits, batch):
     return -(batch["advantages"][:, 1:] * _token_logprobs(logits, batch) * batch["mask"][:, 1:]).sum()
 
 
-def _check_score(path, ids, mask, ref_logits):
+def _check_score(lm_path, critic_path, ids, mask, ref_logits, ref_values):
     layout = ParallelLayout.build(pp=2)
-    pipe = Pipeline(stage_from_pretrained(path, layout).eval(), layout, n_microbatches=2)
+    pipe = Pipeline(stage_from_pretrained(lm_path, layout).eval(), layout, n_microbatches=2)
     logits = pipe.score(ids, attention_mask=mask)
     logprobs = pipe.score(ids, _token_logprobs, attention_mask=mask, batch={"labels": ids})
+    critic = Pipeline(stage_from_pretrained(critic_path, layout, kind="value").eval(), layout, n_microbatches=4)
+    values = critic.score(ids, attention_mask=mask)
     if not layout.is_last_stage:
-        assert logits is None and logprobs is None
+        assert logits is None and logprobs is None and values is None
         return
     real = mask.bool()  # padding queries are masked out downstream and differ from HF's
     torch.testing.assert_close(logits[real], ref_logits[real], **FP32)
     ref_logprobs = _token_logprobs(ref_logits, {"labels": ids})
     torch.testing.assert_close(logprobs[real[:, :-1]], ref_logprobs[real[:, :-1]], **FP32)
+    torch.testing.assert_close(values[real], ref_values[real], **FP32)
 
 
 def test_score_matches_transformers(tmp_path):
-    hf = make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
+    """Logits and log-probs vs LlamaForCausalLM; a critic's per-token values vs HF's sequence classifier
+    (its `score` projection at every token, before the last-token pooling)."""
+    hf = make_causal_lm(tmp_path / "lm", "llama3_gqa", num_hidden_layers=4)
+    hf_critic = make_seq_cls(tmp_path / "critic", "llama")
     ids, mask = _padded_batch()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    run_distributed(_check_score, tmp_path, ids, mask, ref)
+        ref_logits = hf(ids, attention_mask=mask, position_ids=position_ids).logits
+        hidden = hf_critic.model(ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        ref_values = hf_critic.score(hidden)[..., 0]
+    run_distributed(_check_score, tmp_path / "lm", tmp_path / "critic", ids, mask, ref_logits, ref_values)
 
 
 def _check_train_step(path, n_microbatches, split, batch, ref_loss, ref_grads):
