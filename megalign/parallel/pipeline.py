@@ -97,13 +97,16 @@ def stage_from_pretrained(path: Union[str, os.PathLike], layout: ParallelLayout,
     kind and kwargs (factory, vocab_pad_multiple, dtype, activation_checkpointing) as in
     `megalign.models.from_pretrained`; split as in `stage_layer_range`.
     """
-    from megalign.models import ModelConfig, from_pretrained  # models depend on parallel, not the reverse
+    # imported here: megalign.models sits above megalign.parallel (models -> parallel), so a module-level
+    # import would be a cycle once the models import their tensor-parallel factory from here
+    from megalign.models import ModelConfig, from_pretrained
 
     num_layers = ModelConfig.from_hf(path).num_hidden_layers
     return from_pretrained(path, kind, layer_range=stage_layer_range(num_layers, layout, split), **kwargs)
 
 
 def _select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """Rows `rows` (`[b]` indices) of every `[B, ...]` tensor of `batch`: one micro-batch's loss inputs."""
     return {k: v.index_select(0, rows) for k, v in batch.items()}
 
 
@@ -143,7 +146,8 @@ class Pipeline:
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 batch: Batch) -> tuple[tuple, dict, torch.Tensor]:
-        """Check shapes; (positional args, kwargs) of this stage's first call, and the row indices `[B]`."""
+        """Check shapes; return this stage's whole-batch (args, kwargs) for `schedule.step` (input_ids
+        only on the first stage) and the row indices `arange(B)`."""
         if input_ids.dim() != 2:
             raise ValueError(f"pipeline: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b = input_ids.shape[0]
