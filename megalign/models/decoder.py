@@ -268,42 +268,55 @@ class Decoder(nn.Module):
         factory: builds the embedding and projections (tensor parallelism plugs in here); default tp = 1.
         activation_checkpointing: recompute each layer in backward instead of storing its activations
             (saves ~L x activation memory for ~1 extra forward); only applies in training without a cache.
+        layer_range: `(start, end)`: build only decoder layers `[start, end)` of the config's L, a pipeline
+            stage. The embedding exists only when start == 0 (otherwise forward takes the previous stage's
+            hidden states) and the final norm only when end == L (otherwise forward returns un-normed hidden
+            states for the next stage). Local layer i is global layer start + i (`hf_adapter` maps the names).
+            Default: all layers.
     """
 
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None):
         super().__init__()
         factory = factory or LayerFactory()
+        start, end = layer_range or (0, config.num_hidden_layers)
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ValueError(f"layer_range must satisfy 0 <= start < end <= num_hidden_layers="
+                             f"{config.num_hidden_layers}, got {layer_range}")
         self.config = config
         self.factory = factory
         self.activation_checkpointing = activation_checkpointing
-        self.embed = factory.embedding(config.padded_vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, factory, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer_range = (start, end)
+        self.embed = factory.embedding(config.padded_vocab_size, config.hidden_size) if start == 0 else None
+        self.layers = nn.ModuleList(DecoderLayer(config, factory, i) for i in range(end - start))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if end == config.num_hidden_layers else None
         self.rope = RotaryEmbedding(config)
 
     def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated), in this rank's heads."""
         attn = self.layers[0].attn
+        weight = attn.o_proj.weight
         return KVCache(len(self.layers), batch, attn.n_kv_heads_local, max_len, attn.head_dim,
-                       dtype or self.embed.weight.dtype, self.embed.weight.device)
+                       dtype or weight.dtype, weight.device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """Final hidden states `[B, T, H]`.
+        """Final hidden states `[B, T, H]` (un-normed when this module ends before the last layer).
 
         Args:
-            input_ids: `[B, T]` token ids (`[1, total]` when packed).
+            input_ids: `[B, T]` token ids (`[1, total]` when packed); for a module without the embedding
+                (a later pipeline stage), the previous stage's hidden states `[B, T, H]`.
             attention_mask: `[B, S]` 1 for real tokens, 0 for padding; S = T, or cache length + T with a cache.
             position_ids: `[B, T]`; default: running count of real tokens (cumsum(mask) - 1), packed:
                 restart at each document, cache: continue from the cache length.
             cu_seqlens: `[n_docs + 1]` document boundaries of a packed batch (B must be 1; no cache).
             kv_cache: filled with this call's keys/values and advanced by T.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        b, t = input_ids.shape
+        if input_ids.dim() != (2 if self.embed is not None else 3):
+            expected = "[batch, seq]" if self.embed is not None else "hidden states [batch, seq, hidden]"
+            raise ValueError(f"input_ids must be {expected}, got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
         if kv_cache is not None and offset + t > kv_cache.max_len:
             raise ValueError(f"kv_cache holds {kv_cache.max_len} tokens; {offset} cached + {t} new do not fit")
@@ -323,7 +336,7 @@ class Decoder(nn.Module):
                 position_ids = torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
         mask = attention_mask_4d(t, offset + t, key_valid, doc_ids, self.config.sliding_window, input_ids.device)
 
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
             if self.activation_checkpointing and self.training and kv_cache is None:
@@ -332,4 +345,4 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x

@@ -10,6 +10,11 @@
   rightmost non-padding position; with packing, the last token of each document).
 The scalar heads are replicated across tensor-parallel ranks: the final hidden states they read are
 whole on every rank.
+
+Every model takes `layer_range=(start, end)` to build one pipeline stage (see `Decoder`): the head
+exists only on the stage that ends at the last layer, and a stage without it returns the trunk's hidden
+states `[B, T, H]` for the next stage. Tied embeddings need the embedding and the LM head in one module,
+so a tied model cannot be split into stages (rejected with the layer numbers).
 """
 from __future__ import annotations
 
@@ -80,23 +85,36 @@ class _WithTrunk(nn.Module):
     """A `Decoder` trunk under `self.model` (the HF `model.` prefix), shared by the three models below."""
 
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None):
         super().__init__()
         self.config = config
-        self.model = Decoder(config, factory, activation_checkpointing)
+        self.model = Decoder(config, factory, activation_checkpointing, layer_range)
+
+    @property
+    def has_head(self) -> bool:
+        """Whether this module ends at the last layer (holds the final norm and the head)."""
+        return self.model.norm is not None
 
 
 class CausalLM(_WithTrunk):
     """Policy / reference model: `forward(input_ids, ...)` -> logits `[B, T, V_local]` (see `Decoder.forward`)."""
 
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
-                 activation_checkpointing: bool = False):
-        super().__init__(config, factory, activation_checkpointing)
+                 activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None):
+        super().__init__(config, factory, activation_checkpointing, layer_range)
+        if config.tie_word_embeddings and self.model.layer_range != (0, config.num_hidden_layers):
+            raise ValueError(
+                f"tie_word_embeddings=True shares one matrix between the embedding (before layer 0) and the "
+                f"LM head (after layer {config.num_hidden_layers - 1}), but layer_range={self.model.layer_range} "
+                f"holds only part of the {config.num_hidden_layers} layers: tied models cannot be split into "
+                f"pipeline stages"
+            )
         tied = self.model.embed if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config, self.model.factory, tied)
+        self.lm_head = LMHead(config, self.model.factory, tied) if self.has_head else None
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, kv_cache=None):
-        return self.lm_head(self.model(input_ids, attention_mask, position_ids, cu_seqlens, kv_cache))
+        hidden = self.model(input_ids, attention_mask, position_ids, cu_seqlens, kv_cache)
+        return self.lm_head(hidden) if self.has_head else hidden
 
 
 class ValueModel(_WithTrunk):
@@ -105,12 +123,13 @@ class ValueModel(_WithTrunk):
     head_cls = ValueHead
 
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
-                 activation_checkpointing: bool = False):
-        super().__init__(config, factory, activation_checkpointing)
-        self.head = self.head_cls(config.hidden_size)
+                 activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None):
+        super().__init__(config, factory, activation_checkpointing, layer_range)
+        self.head = self.head_cls(config.hidden_size) if self.has_head else None
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
-        return self.head(self.model(input_ids, attention_mask, position_ids, cu_seqlens))
+        hidden = self.model(input_ids, attention_mask, position_ids, cu_seqlens)
+        return self.head(hidden) if self.has_head else hidden
 
 
 class RewardModel(ValueModel):
@@ -123,4 +142,4 @@ class RewardModel(ValueModel):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
         hidden = self.model(input_ids, attention_mask, position_ids, cu_seqlens)
-        return self.head(hidden, attention_mask, cu_seqlens)
+        return self.head(hidden, attention_mask, cu_seqlens) if self.has_head else hidden

@@ -10,8 +10,11 @@ reading one tensor through `safetensors.safe_open(...).get_slice`:
   (they get -inf logits anyway, see `heads.LMHead`); on save they are dropped.
 
 Loading is strict: tensors the model needs but the checkpoint lacks, and checkpoint tensors the model
-has no place for, fail together with both lists of names. One exception: a tied model ignores an
-`lm_head.weight` in the file (some tied checkpoints store the duplicate).
+has no place for, fail together with both lists of names. Exceptions: a tied model ignores an
+`lm_head.weight` in the file (some tied checkpoints store the duplicate), and a pipeline stage
+(`layer_range`, see `Decoder`) skips the tensors of other stages: layers outside its range, the
+embedding unless it is the first stage, the final norm and heads unless it is the last (a stray tensor
+is still reported, by the last stage). A stage's local layer i is the file's layer start + i.
 """
 from __future__ import annotations
 
@@ -47,13 +50,27 @@ _RULES = [
 _VOCAB_PARAMS = ("model.embed.weight", "lm_head.proj.weight")
 
 
-def hf_rule(name: str) -> tuple[str, Optional[int]]:
-    """(HF name, shard_dim) of a megalign parameter name."""
+def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:
+    """(HF name, shard_dim) of a megalign parameter name; `layer_offset` is a pipeline stage's first layer."""
     for pattern, template, shard_dim in _RULES:
         m = re.fullmatch(pattern, name)
         if m:
-            return template.format(*m.groups()), shard_dim
+            groups = m.groups()
+            if template.startswith("model.layers."):
+                groups = (str(int(groups[0]) + layer_offset),) + groups[1:]
+            return template.format(*groups), shard_dim
     raise KeyError(f"no HF name for megalign parameter {name!r}")
+
+
+def _other_stage(hf_name: str, layer_range: tuple[int, int], num_layers: int) -> bool:
+    """Whether checkpoint tensor `hf_name` belongs to another pipeline stage than layers `layer_range`."""
+    start, end = layer_range
+    m = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    if m:
+        return int(m.group(1)) < num_layers and not start <= int(m.group(1)) < end
+    if hf_name == "model.embed_tokens.weight":
+        return start > 0
+    return end < num_layers  # final norm and heads live on the last stage
 
 
 def _checkpoint_index(path: str) -> dict[str, str]:
@@ -98,12 +115,14 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
     config: ModelConfig = model.config
     factory = model.model.factory
     params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
+    layer_range = model.model.layer_range
     wanted = {}  # HF name -> (megalign name, shard_dim)
     for name in params:
-        hf_name, shard_dim = hf_rule(name)
+        hf_name, shard_dim = hf_rule(name, layer_range[0])
         wanted[hf_name] = (name, shard_dim)
     files = _checkpoint_index(path)
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    ignorable |= {n for n in files if _other_stage(n, layer_range, config.num_hidden_layers)}
     missing = sorted(set(wanted) - set(files))
     unexpected = sorted(set(files) - set(wanted) - ignorable)
     if missing or unexpected:
@@ -143,6 +162,9 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
     if factory.tp_size != 1:
         raise ValueError(f"save_hf_checkpoint needs the whole model; got a tp rank of size {factory.tp_size}")
     config: ModelConfig = model.config
+    if model.model.layer_range != (0, config.num_hidden_layers):
+        raise ValueError(f"save_hf_checkpoint needs the whole model; got the pipeline stage of layers "
+                         f"{model.model.layer_range} out of {config.num_hidden_layers}")
     tensors = {}
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
         hf_name, _ = hf_rule(name)
@@ -172,16 +194,17 @@ _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
 
 def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", factory=None,
                     vocab_pad_multiple: int = 1, dtype: Optional[torch.dtype] = None,
-                    activation_checkpointing: bool = False) -> _Model:
+                    activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None) -> _Model:
     """Build a megalign model from an HF checkpoint folder.
 
     kind: 'causal_lm' (policy / reference), 'value' (critic; reads `score.weight`, e.g. from a reward
     model), or 'reward' (`...ForSequenceClassification`). dtype: parameter dtype (default: fp32).
+    layer_range: build and read only decoder layers `[start, end)` (a pipeline stage, see `Decoder`).
     """
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} is not one of {sorted(_KINDS)}")
     config = ModelConfig.from_hf(path, vocab_pad_multiple=vocab_pad_multiple)
-    model = _KINDS[kind](config, factory, activation_checkpointing)
+    model = _KINDS[kind](config, factory, activation_checkpointing, layer_range)
     if dtype is not None:
         model.to(dtype)
     load_hf_weights(model, path)

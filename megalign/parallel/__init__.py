@@ -1,4 +1,5 @@
-"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers, data parallelism.
+"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers, data
+parallelism, pipeline schedules.
 
 Everything takes its process groups explicitly (from a `ParallelLayout`); nothing here keeps global
 process-group state. The same code runs on gloo/CPU and NCCL/GPU.
@@ -21,6 +22,7 @@ from .layers import (
     tp_sharded_parameters,
 )
 from .layout import ParallelLayout, group_ranks, rank_coords
+from .pipeline import Pipeline, stage_from_pretrained, stage_layer_range
 
 __all__ = [
     "ParallelLayout", "rank_coords", "group_ranks",
@@ -28,4 +30,5 @@ __all__ = [
     "all_reduce", "all_gather_last_dim", "split_last_dim",
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
     "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_",
+    "Pipeline", "stage_layer_range", "stage_from_pretrained",
 ]

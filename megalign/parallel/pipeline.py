@@ -1,0 +1,216 @@
+"""Pipeline parallelism: decoder layers split over the pp stages, a micro-batched 1F1B training step and a
+forward-only scoring pass, scheduled by `torch.distributed.pipelining`.
+
+Design choices:
+
+- Splitting. Stage s holds decoder layers `[start_s, end_s)` (`stage_layer_range`): `L / pp` each by
+  default (L not divisible by pp is an error naming both), or an explicit `split` of layers per stage,
+  e.g. `(3, 3, 2)`, to give the last stage, which also runs the LM head and the loss, fewer layers. The
+  models build only those layers (`layer_range`): the embedding only on the first stage, the final norm
+  and head only on the last; `stage_from_pretrained` reads only the stage's tensors from the checkpoint.
+  Tied embeddings (small Qwen2) are rejected when pp > 1: the embedding and the LM head would live on
+  different ranks and need a gradient all-reduce between the first and last stage (Megatron's embedding
+  group) and de-duplication in the grad norm, which we do not implement yet.
+- Schedules. `torch.distributed.pipelining` runs on gloo and NCCL with our stage modules as they are:
+  `PipelineStage` + `Schedule1F1B` for training, `ScheduleGPipe` without a loss function (forward
+  only) for scoring. A fresh stage and schedule are built per call and infer the activation shapes
+  from the first micro-batch (torch's dynamic metadata mode), so batches of any sequence length work
+  without declaring shapes. The price: every call runs micro-batch 0 once more through each stage's
+  forward (and, in training, the last stage's backward) plus one small metadata send per stage, i.e.
+  ~1/n_microbatches extra compute. Declaring static shapes (`input_args` / `output_args`) would remove
+  it, but the last stage's output shape depends on the head and the score function, so it is not done.
+- Per-micro-batch loss inputs. torch's schedule calls `loss_fn(output, target)` with `target` split on
+  dim 0 like the inputs, and nothing else split per micro-batch (`loss_kwargs` are the same for all).
+  We pass the row indices `arange(B)` as the target, and the loss closure selects the micro-batch's rows
+  of every tensor in `batch` (labels, masks, advantages, old log-probs, ...): one index tensor carries
+  whatever the loss needs.
+- Loss aggregation. `loss_fn` returns the micro-batch's *sum* (over its valid tokens, or its sequences);
+  each is divided by the caller's global `normalizer` (e.g. the valid-token count of the whole batch)
+  and the schedule runs with `scale_grads=False`. The micro-batch losses then add up to exactly the
+  unpipelined `sum / normalizer`, and so do the gradients, however unevenly the valid tokens fall into
+  micro-batches (a mean of per-micro-batch means would over-weight the tokens of sparse micro-batches).
+- Results. `train_step` returns the loss on every pp rank (one broadcast of a scalar, for logging).
+  `score` returns its per-row outputs on the last stage only (None elsewhere): losses run on the last
+  stage, so that is where scored log-probs / values are consumed; broadcasting `[B, T]` would be waste.
+  A `score_fn` runs inside the last stage per micro-batch, so full `[B, T, V]` logits never coexist.
+- Inputs. Every rank of the pp group passes the same whole batch: the first stage reads `input_ids`,
+  every stage `attention_mask` (each stage builds its attention mask and position ids from it), the
+  last stage `batch`. Padded batches only (no packed `cu_seqlens`, no KV cache); B must divide evenly
+  into micro-batches because a stage's receive buffers have one shape.
+- Data parallelism composes from outside: after `train_step`, `allreduce_gradients(stage.parameters(),
+  layout.dp_group)` as for an unpipelined model.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from .layout import ParallelLayout
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+"""(last-stage output of one micro-batch, that micro-batch's rows of `batch`) -> summed loss (scalar)."""
+ScoreFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+"""(last-stage output of one micro-batch, its rows of `batch`) -> per-row result `[b, ...]`."""
+
+
+def stage_layer_range(num_layers: int, layout: ParallelLayout,
+                      split: Optional[Sequence[int]] = None) -> tuple[int, int]:
+    """Decoder layers `[start, end)` of this rank's pipeline stage.
+
+    split: layers per stage (length pp, each >= 1, summing to num_layers); default: `num_layers / pp`
+    each, which must divide evenly.
+    """
+    pp = layout.pp
+    if split is None:
+        if num_layers % pp:
+            raise ValueError(
+                f"pipeline: num_hidden_layers={num_layers} is not divisible by pp={pp}; pass an explicit "
+                f"split (layers per stage, e.g. {_example_split(num_layers, pp)})"
+            )
+        split = [num_layers // pp] * pp
+    split = list(split)
+    if len(split) != pp or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != num_layers:
+        raise ValueError(
+            f"pipeline: split={split} must give each of the pp={pp} stages at least one layer and sum to "
+            f"num_hidden_layers={num_layers}"
+        )
+    start = sum(split[: layout.pp_rank])
+    return start, start + split[layout.pp_rank]
+
+
+def _example_split(num_layers: int, pp: int) -> list[int]:
+    """An uneven split for an error message: the first `num_layers % pp` stages get one layer more."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (s < extra) for s in range(pp)]
+
+
+def stage_from_pretrained(path: Union[str, os.PathLike], layout: ParallelLayout, kind: str = "causal_lm",
+                          split: Optional[Sequence[int]] = None, **kwargs) -> nn.Module:
+    """This rank's pipeline stage of an HF checkpoint: only its layers are built and read from the files.
+
+    kind and kwargs (factory, vocab_pad_multiple, dtype, activation_checkpointing) as in
+    `megalign.models.from_pretrained`; split as in `stage_layer_range`.
+    """
+    # imported here: megalign.models sits above megalign.parallel (models -> parallel), so a module-level
+    # import would be a cycle once the models import their tensor-parallel factory from here
+    from megalign.models import ModelConfig, from_pretrained
+
+    num_layers = ModelConfig.from_hf(path).num_hidden_layers
+    return from_pretrained(path, kind, layer_range=stage_layer_range(num_layers, layout, split), **kwargs)
+
+
+def _select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """Rows `rows` (`[b]` indices) of every `[B, ...]` tensor of `batch`: one micro-batch's loss inputs."""
+    return {k: v.index_select(0, rows) for k, v in batch.items()}
+
+
+class _ScoredStage(nn.Module):
+    """The last stage's model followed by `score_fn` on each micro-batch (its rows arrive as a kwarg)."""
+
+    def __init__(self, model: nn.Module, score_fn: ScoreFn, batch: Batch):
+        super().__init__()
+        self.model = model
+        self.score_fn = score_fn
+        self.batch = batch
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+        return self.score_fn(self.model(x, attention_mask=attention_mask), _select_rows(self.batch, rows))
+
+
+class Pipeline:
+    """Runs this rank's stage model (from `stage_from_pretrained` or built with `layer_range`) in
+    micro-batched pipeline schedules over `layout.pp_group`.
+
+    Every rank of the pp group calls the same method with the same whole batch (see the module notes).
+    n_microbatches: micro-batches per call; 1F1B needs at least pp of them, and the batch size must be a
+    multiple of it.
+    """
+
+    def __init__(self, model: nn.Module, layout: ParallelLayout, n_microbatches: int):
+        if n_microbatches < layout.pp:
+            raise ValueError(f"pipeline: n_microbatches={n_microbatches} must be >= pp={layout.pp} (1F1B fills "
+                             f"every stage before the first backward)")
+        self.model = model
+        self.layout = layout
+        self.n_microbatches = n_microbatches
+
+    def _stage(self, module: nn.Module) -> PipelineStage:
+        layout = self.layout
+        return PipelineStage(module, layout.pp_rank, layout.pp, layout.device, group=layout.pp_group)
+
+    def _inputs(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                batch: Batch) -> tuple[tuple, dict, torch.Tensor]:
+        """Check shapes; return this stage's whole-batch (args, kwargs) for `schedule.step` (input_ids
+        only on the first stage) and the row indices `arange(B)`."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"pipeline: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b = input_ids.shape[0]
+        if b % self.n_microbatches:
+            raise ValueError(f"pipeline: batch size {b} is not divisible by n_microbatches={self.n_microbatches}")
+        for key, value in batch.items():
+            if value.shape[0] != b:
+                raise ValueError(f"pipeline: batch[{key!r}] has {value.shape[0]} rows, input_ids has {b}")
+        args = (input_ids,) if self.layout.is_first_stage else ()
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        return args, kwargs, torch.arange(b, device=input_ids.device)
+
+    def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, normalizer: Union[float, torch.Tensor], *,
+                   attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None) -> torch.Tensor:
+        """One 1F1B forward + backward over the micro-batches; gradients accumulate into `.grad`.
+
+        Args:
+            input_ids: `[B, T]` token ids.
+            loss_fn: `(output_mb, batch_mb) -> scalar` summed over the micro-batch; output_mb is the last
+                stage model's output for `B / n_microbatches` rows (logits `[b, T, V_local]` for a CausalLM).
+            normalizer: the global denominator, e.g. the number of valid tokens in the whole batch.
+            attention_mask: `[B, T]`, 1 for real tokens.
+            batch: per-row tensors the loss needs, each with B rows (split into micro-batches for loss_fn).
+
+        Returns:
+            The loss `sum over micro-batches of loss_fn / normalizer` (a detached fp32 scalar) on every pp rank.
+        """
+        batch = batch or {}
+        args, kwargs, rows = self._inputs(input_ids, attention_mask, batch)
+        schedule = Schedule1F1B(
+            self._stage(self.model), self.n_microbatches,
+            loss_fn=lambda output, mb_rows: loss_fn(output, _select_rows(batch, mb_rows)) / normalizer,
+            scale_grads=False,
+        )
+        losses: list[torch.Tensor] = []
+        target = rows if self.layout.is_last_stage else None
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if self.layout.is_last_stage:
+            loss = torch.stack(losses).sum().detach().float()
+        else:
+            loss = torch.zeros((), device=self.layout.device)
+        if self.layout.pp > 1:
+            dist.broadcast(loss, src=self.layout.stage_rank(self.layout.pp - 1), group=self.layout.pp_group)
+        return loss
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, score_fn: Optional[ScoreFn] = None, *,
+              attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None) -> Optional[torch.Tensor]:
+        """Forward only, micro-batch by micro-batch, without autograd.
+
+        Args:
+            input_ids, attention_mask, batch: as in `train_step`.
+            score_fn: `(output_mb, batch_mb) -> [b, ...]` applied on the last stage to each micro-batch
+                (e.g. per-token log-probs of the labels); None keeps the model output (logits, values).
+
+        Returns:
+            On the last stage, the per-micro-batch results concatenated in row order `[B, ...]`; None elsewhere.
+        """
+        batch = batch or {}
+        args, kwargs, rows = self._inputs(input_ids, attention_mask, batch)
+        module = self.model
+        if self.layout.is_last_stage and score_fn is not None:
+            module = _ScoredStage(self.model, score_fn, batch)
+            kwargs["rows"] = rows
+        out = ScheduleGPipe(self._stage(module), self.n_microbatches).step(*args, **kwargs)
+        return out if self.layout.is_last_stage else None

@@ -1,0 +1,129 @@
+"""Pipeline parallelism at pp=2 (2 gloo ranks) vs transformers (logits) and the unpipelined model (loss, grads)."""
+import pytest
+import torch
+import torch.distributed as dist
+from models.hf_fixtures import make_causal_lm, make_seq_cls, random_ids
+from parallel.dist_utils import run_distributed
+
+from conftest import TOL
+from megalign.models import from_pretrained
+from megalign.models.hf_adapter import hf_rule
+from megalign.parallel import ParallelLayout, Pipeline, stage_from_pretrained, stage_layer_range
+
+FP32 = TOL[torch.float32]
+GRAD_TOL = dict(atol=1e-5, rtol=1e-4)  # sums over tokens in another order than the unpipelined backward
+PLAN = ParallelLayout(tp=1, pp=2, dp=1, world_size=2, rank=1)  # rank arithmetic only, no processes
+
+
+def _padded_batch():
+    """ids `[4, 12]` and a left-padding mask giving each row (so each micro-batch) a different token count."""
+    ids = random_ids(4, 12)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 5, 2, 9]):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def _token_logprobs(logits, batch):
+    """`[b, T-1]` log p(next token) from logits `[b, T, V]`."""
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["labels"][:, 1:, None])[..., 0]
+
+
+def _pg_loss_sum(logits, batch):
+    """Policy-gradient-style summed loss: -sum(advantage * log p * mask) over the valid next tokens."""
+    return -(batch["advantages"][:, 1:] * _token_logprobs(logits, batch) * batch["mask"][:, 1:]).sum()
+
+
+def _check_score(lm_path, critic_path, ids, mask, ref_logits, ref_values):
+    layout = ParallelLayout.build(pp=2)
+    pipe = Pipeline(stage_from_pretrained(lm_path, layout).eval(), layout, n_microbatches=2)
+    logits = pipe.score(ids, attention_mask=mask)
+    logprobs = pipe.score(ids, _token_logprobs, attention_mask=mask, batch={"labels": ids})
+    critic = Pipeline(stage_from_pretrained(critic_path, layout, kind="value").eval(), layout, n_microbatches=4)
+    values = critic.score(ids, attention_mask=mask)
+    if not layout.is_last_stage:
+        assert logits is None and logprobs is None and values is None
+        return
+    real = mask.bool()  # padding queries are masked out downstream and differ from HF's
+    torch.testing.assert_close(logits[real], ref_logits[real], **FP32)
+    ref_logprobs = _token_logprobs(ref_logits, {"labels": ids})
+    torch.testing.assert_close(logprobs[real[:, :-1]], ref_logprobs[real[:, :-1]], **FP32)
+    torch.testing.assert_close(values[real], ref_values[real], **FP32)
+
+
+def test_score_matches_transformers(tmp_path):
+    """Logits and log-probs vs LlamaForCausalLM; a critic's per-token values vs HF's sequence classifier
+    (its `score` projection at every token, before the last-token pooling)."""
+    hf = make_causal_lm(tmp_path / "lm", "llama3_gqa", num_hidden_layers=4)
+    hf_critic = make_seq_cls(tmp_path / "critic", "llama")
+    ids, mask = _padded_batch()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref_logits = hf(ids, attention_mask=mask, position_ids=position_ids).logits
+        hidden = hf_critic.model(ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        ref_values = hf_critic.score(hidden)[..., 0]
+    run_distributed(_check_score, tmp_path / "lm", tmp_path / "critic", ids, mask, ref_logits, ref_values)
+
+
+def _check_train_step(path, n_microbatches, split, batch, ref_loss, ref_grads):
+    layout = ParallelLayout.build(pp=2)
+    model = stage_from_pretrained(path, layout, split=split).train()
+    normalizer = batch["mask"][:, 1:].sum()
+    loss = Pipeline(model, layout, n_microbatches).train_step(
+        batch["labels"], _pg_loss_sum, normalizer, attention_mask=batch["mask"], batch=batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32)  # on every stage: broadcast from the last
+    offset = model.model.layer_range[0]
+    names = []
+    for name, p in model.named_parameters():
+        hf_name = hf_rule(name, offset)[0]
+        names.append(hf_name)
+        torch.testing.assert_close(p.grad, ref_grads[hf_name], **GRAD_TOL, msg=lambda m: f"{hf_name}: {m}")
+    stage_names = [None] * layout.pp
+    dist.all_gather_object(stage_names, names, group=layout.pp_group)
+    assert sorted(sum(stage_names, [])) == sorted(ref_grads)  # the stages hold every parameter exactly once
+
+
+@pytest.mark.parametrize("n_microbatches,split", [(2, None), (4, (3, 1))])
+def test_train_step_matches_unpipelined(tmp_path, n_microbatches, split):
+    make_causal_lm(tmp_path, "qwen2_untied", num_hidden_layers=4)
+    ids, mask = _padded_batch()
+    advantages = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
+    batch = {"labels": ids, "mask": mask.float(), "advantages": advantages}
+    dense = from_pretrained(tmp_path).train()
+    ref_loss = _pg_loss_sum(dense(ids, attention_mask=mask), batch) / mask[:, 1:].sum()
+    ref_loss.backward()
+    ref_grads = {hf_rule(name)[0]: p.grad for name, p in dense.named_parameters()}
+    run_distributed(_check_train_step, tmp_path, n_microbatches, split, batch, ref_loss.detach(), ref_grads)
+
+
+def test_layer_split_checks():
+    with pytest.raises(ValueError, match=r"num_hidden_layers=5 is not divisible by pp=2.*\[3, 2\]"):
+        stage_layer_range(5, PLAN)
+    with pytest.raises(ValueError, match=r"split=\[4, 0\] must give each of the pp=2 stages"):
+        stage_layer_range(4, PLAN, split=(4, 0))
+    with pytest.raises(ValueError, match=r"split=\[2, 2\] .* sum to num_hidden_layers=5"):
+        stage_layer_range(5, PLAN, split=(2, 2))
+    assert stage_layer_range(5, PLAN, split=(3, 2)) == (3, 5)
+    assert stage_layer_range(4, PLAN) == (2, 4)
+
+
+def test_stage_of_checkpoint_and_its_input_checks(tmp_path):
+    make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
+    last = stage_from_pretrained(tmp_path, PLAN)  # stage 1 of 2: layers 2, 3, final norm, LM head
+    dense = from_pretrained(tmp_path)
+    assert last.model.embed is None and last.lm_head is not None
+    for name, p in last.named_parameters():
+        torch.testing.assert_close(p, dense.get_parameter(name.replace("layers.0.", "layers.2.")
+                                                          .replace("layers.1.", "layers.3.")), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="n_microbatches=1 must be >= pp=2"):
+        Pipeline(last, PLAN, n_microbatches=1)
+    with pytest.raises(ValueError, match="batch size 4 is not divisible by n_microbatches=3"):
+        Pipeline(last, PLAN, n_microbatches=3).score(random_ids(4, 5))
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has 3 rows, input_ids has 4"):
+        Pipeline(last, PLAN, n_microbatches=2).score(random_ids(4, 5), batch={"labels": random_ids(3, 5)})
+
+
+def test_tied_embeddings_rejected_across_stages(tmp_path):
+    make_causal_lm(tmp_path, "qwen2_tied")
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=True .* layer_range=\(1, 2\) .* cannot be split"):
+        stage_from_pretrained(tmp_path, PLAN)
