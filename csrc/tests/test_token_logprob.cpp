@@ -1,0 +1,156 @@
+// token_logprob CPU launchers against a naive double-precision loop, and exp_poly's accuracy.
+#include "megalign/token_logprob.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "megalign/math/token_logprob.h"
+#include "test_util.h"
+
+namespace {
+
+struct Naive {
+  std::vector<double> logp, lse, entropy, grad;
+};
+
+// log_softmax in double, straight from the definitions, of z = x * (1 / temp) rounded to fp32 as
+// the kernel does; grad of sum(wl * logp + we * H).
+Naive naive(const std::vector<float>& xs, int64_t n, int64_t v, const std::vector<int64_t>& tgt,
+            double temp, const std::vector<double>& wl, const std::vector<double>& we) {
+  std::vector<double> x(xs.size());
+  const float inv_t = static_cast<float>(1.0 / temp);
+  for (size_t i = 0; i < xs.size(); ++i) x[i] = static_cast<double>(xs[i] * inv_t) * temp;
+  Naive out;
+  out.grad.assign(n * v, 0.0);
+  for (int64_t r = 0; r < n; ++r) {
+    if (tgt[r] == -100) {
+      out.logp.push_back(0); out.lse.push_back(0); out.entropy.push_back(0);
+      continue;
+    }
+    double m = -INFINITY;
+    for (int64_t j = 0; j < v; ++j) m = std::max(m, x[r * v + j] / temp);
+    double s = 0;
+    for (int64_t j = 0; j < v; ++j) s += std::exp(x[r * v + j] / temp - m);
+    const double lse = m + std::log(s);
+    double h = 0;
+    for (int64_t j = 0; j < v; ++j) {
+      const double lp = x[r * v + j] / temp - lse;
+      if (std::isfinite(lp)) h -= std::exp(lp) * lp;
+    }
+    out.logp.push_back(x[r * v + tgt[r]] / temp - lse);
+    out.lse.push_back(lse);
+    out.entropy.push_back(h);
+    for (int64_t j = 0; j < v; ++j) {
+      const double lp = x[r * v + j] / temp - lse;
+      const double p = std::exp(lp);
+      double g = wl[r] * ((j == tgt[r]) - p);
+      if (p > 0) g += we[r] * (-p * (lp + h));
+      out.grad[r * v + j] = g / temp;
+    }
+  }
+  return out;
+}
+
+void test_exp_poly() {
+  // Relative error against double exp over the normal range, sampled densely.
+  double worst = 0;
+  for (double x = -87.3; x <= 88.7; x += 1e-4) {
+    const float xf = static_cast<float>(x);
+    const double want = std::exp(static_cast<double>(xf));
+    const double got = megalign::math::exp_poly(xf);
+    worst = std::max(worst, std::fabs(got - want) / want);
+  }
+  std::printf("exp_poly max relative error %.3g (%.2f ulp)\n", worst, worst / 5.96e-8);
+  EXPECT_TRUE(worst < 3 * 5.96e-8);  // within a few ulp
+  EXPECT_TRUE(megalign::math::exp_poly(0.0f) == 1.0f);
+  EXPECT_TRUE(megalign::math::exp_poly(-INFINITY) == 0.0f);
+  EXPECT_TRUE(megalign::math::exp_poly(-1e4f) == 0.0f);
+  EXPECT_TRUE(megalign::math::exp_poly(-FLT_MAX) == 0.0f);
+  EXPECT_TRUE(megalign::math::exp_poly(-88.0f) < 1.2e-38f);
+  EXPECT_TRUE(std::isinf(megalign::math::exp_poly(89.0f)));
+  EXPECT_TRUE(std::isinf(megalign::math::exp_poly(INFINITY)));
+  EXPECT_TRUE(std::isnan(megalign::math::exp_poly(NAN)));
+  EXPECT_CLOSE(megalign::math::exp_poly(88.7f), std::exp(static_cast<double>(88.7f)), 0, 3e-7);  // k = 128
+}
+
+void test_merge() {
+  using S = megalign::math::SoftmaxStats<double>;
+  // Merging {1, 2} with {3, -inf} equals the direct statistics of {1, 2, 3, -inf}.
+  const S a{2.0, 1.0 + std::exp(-1.0), -std::exp(-1.0)};
+  const S b{3.0, 1.0, 0.0};
+  const S ab = megalign::math::merge_stats(a, b);
+  double s = 0, t = 0;
+  for (double z : {1.0, 2.0, 3.0}) { s += std::exp(z - 3.0); t += std::exp(z - 3.0) * (z - 3.0); }
+  EXPECT_CLOSE(ab.m, 3.0, 0, 0);
+  EXPECT_CLOSE(ab.s, s, 1e-15, 1e-14);
+  EXPECT_CLOSE(ab.t, t, 1e-15, 1e-14);
+  const S e = megalign::math::empty_stats<double>();
+  const S ae = megalign::math::merge_stats(e, a);
+  EXPECT_CLOSE(ae.s, a.s, 0, 0);
+  EXPECT_CLOSE(ae.t, a.t, 0, 0);
+  const S ee = megalign::math::merge_stats(e, e);
+  EXPECT_TRUE(ee.s == 0 && ee.t == 0 && std::isinf(ee.m));
+}
+
+void test_launchers(int64_t n, int64_t v, double temp) {
+  std::mt19937 rng(static_cast<unsigned>(n * 1000 + v));
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::uniform_int_distribution<int64_t> id(0, v - 1);
+  std::vector<float> x(n * v);
+  for (auto& e : x) e = normal(rng);
+  std::vector<int64_t> tgt(n);
+  for (auto& e : tgt) e = id(rng);
+  if (n > 2) tgt[1] = -100;
+  if (n > 3) for (int64_t j = 0; j < v; j += 2) x[3 * v + j] = -INFINITY;
+  if (n > 3 && v > 1) tgt[3] = 1;
+  if (n > 4) for (int64_t j = 0; j < v; ++j) x[4 * v + j] += 1e4f;
+  std::vector<double> wl(n), we(n);
+  for (int64_t r = 0; r < n; ++r) { wl[r] = normal(rng); we[r] = normal(rng); }
+  const Naive want = naive(x, n, v, tgt, temp, wl, we);
+
+  std::vector<float> partials(4 * n), logp(n), lse(n), ent(n);
+  const int64_t bad = megalign::cpu::token_logprob_partials(
+      megalign::DType::kFloat32, x.data(), n, v, v, tgt.data(), 0, v, 1.0 / temp, -100, true,
+      partials.data());
+  EXPECT_TRUE(bad == -1);
+  megalign::cpu::token_logprob_finalize(megalign::DType::kFloat32, partials.data(), n, logp.data(),
+                                        lse.data(), ent.data());
+  for (int64_t r = 0; r < n; ++r) {
+    EXPECT_CLOSE(logp[r], want.logp[r], 2e-5, 1e-5);
+    EXPECT_CLOSE(ent[r], want.entropy[r], 2e-5, 1e-5);
+    EXPECT_CLOSE(lse[r], want.lse[r], 1e-5, 1e-6);
+  }
+  std::vector<float> gl(wl.begin(), wl.end()), ge(we.begin(), we.end()), grad(n * v);
+  megalign::cpu::token_logprob_backward(megalign::DType::kFloat32, x.data(), n, v, v, tgt.data(),
+                                        lse.data(), ent.data(), gl.data(), ge.data(), 0,
+                                        1.0 / temp, -100, grad.data(), v);
+  for (int64_t i = 0; i < n * v; ++i) {
+    // Row 4 has logits ~1e4: lse is saved in fp32 (ulp 1e-3 there), so p_j = e^{z_j - lse} in
+    // the backward carries that relative error.
+    const double rtol = (i / v == 4) ? 2e-3 : 1e-4;
+    EXPECT_CLOSE(grad[i], want.grad[i], 2e-5, rtol);
+  }
+
+  // Out-of-range targets are reported (first bad row) and their rows are NaN.
+  if (n > 2) {
+    tgt[2] = v;
+    EXPECT_TRUE(megalign::cpu::token_logprob_partials(megalign::DType::kFloat32, x.data(), n, v, v,
+                                                      tgt.data(), 0, v, 1.0, -100, false,
+                                                      partials.data()) == 2);
+    EXPECT_TRUE(std::isnan(partials[8]));
+  }
+}
+
+}  // namespace
+
+int main() {
+  test_exp_poly();
+  test_merge();
+  test_launchers(1, 1, 1.0);
+  test_launchers(6, 2, 1.0);
+  test_launchers(7, 5003, 0.7);
+  test_launchers(5, 20000, 1.3);
+  TEST_MAIN_RETURN();
+}

@@ -1,0 +1,368 @@
+"""token_logprob: kernels vs the pure-torch reference (forward, logp and entropy gradients), the
+reference vs hand-worked numbers, vocab-parallel shards vs the unsharded op, edge cases and
+bad-input errors."""
+import math
+
+import pytest
+import torch
+from conftest import TOL, requires_cuda
+
+from megalign.ops.reference import token_logprob as ref
+from megalign.ops.token_logprob import (combine_vocab_partials, token_logprob,
+                                        token_logprob_partials, token_logprob_shard_backward)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _inputs(n, v, dtype, device="cpu", scale=3.0, ignore_every=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+    targets = torch.randint(0, v, (n,), generator=g)
+    if ignore_every:
+        targets[::ignore_every] = -100
+    return logits, targets.to(device)
+
+
+def _run(fn, logits, targets, seed=1, **kw):
+    """Forward (logp, entropy) and the gradient of a random linear loss on both."""
+    x = logits.detach().clone().requires_grad_()
+    logp, ent = fn(x, targets, return_entropy=True, **kw)
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(logp.shape, generator=g, dtype=logp.dtype).to(logp.device)
+    w2 = torch.randn(logp.shape, generator=g, dtype=logp.dtype).to(logp.device)
+    (grad,) = torch.autograd.grad((logp * w1).sum() + (ent * w2).sum(), x)
+    return logp.detach(), ent.detach(), grad
+
+
+def _compare(logits, targets, **kw):
+    tol = TOL[logits.dtype]
+    out_tol = TOL[torch.float64 if logits.dtype == torch.float64 else torch.float32]
+    logp, ent, grad = _run(token_logprob, logits, targets, **kw)
+    rlogp, rent, rgrad = _run(ref.token_logprob, logits, targets, **kw)
+    assert logp.dtype == rlogp.dtype and grad.dtype == logits.dtype
+    torch.testing.assert_close(logp, rlogp, **out_tol)
+    torch.testing.assert_close(ent, rent, **out_tol)
+    torch.testing.assert_close(grad, rgrad, **tol)
+
+
+# ---------------------------------------------------------------- reference vs hand-worked numbers
+
+def test_reference_hand_worked():
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]], dtype=torch.float64)
+    logp, ent = ref.token_logprob(logits, torch.tensor([0, 1]), return_entropy=True)
+    torch.testing.assert_close(logp, torch.tensor([math.log(0.25), math.log(0.75)], dtype=torch.float64))
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(ent, torch.tensor([h, h], dtype=torch.float64))
+    # temperature 2: logits [0, ln 9] / 2 = [0, ln 3]
+    logp_t = ref.token_logprob(torch.tensor([[0.0, math.log(9.0)]], dtype=torch.float64),
+                               torch.tensor([1]), temperature=2.0)
+    torch.testing.assert_close(logp_t, torch.tensor([math.log(0.75)], dtype=torch.float64))
+    # d logp_t / dz = 1[j = t] - p = [-1/4, 1/4]
+    x = logits[:1].clone().requires_grad_()
+    ref.token_logprob(x, torch.tensor([1])).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[-0.25, 0.25]], dtype=torch.float64))
+
+
+def test_reference_minus_inf_and_ignored_hand_worked():
+    logits = torch.tensor([[0.0, float("-inf"), 0.0], [1.0, 2.0, 3.0]], dtype=torch.float64, requires_grad=True)
+    logp, ent = ref.token_logprob(logits, torch.tensor([2, -100]), return_entropy=True)
+    torch.testing.assert_close(logp, torch.tensor([math.log(0.5), 0.0], dtype=torch.float64))
+    torch.testing.assert_close(ent, torch.tensor([math.log(2.0), 0.0], dtype=torch.float64))
+    (logp.sum() + ent.sum()).backward()
+    # dH/dz_j = -p_j (log p_j + H) = 0 at the uniform distribution; dlogp/dz = [-1/2, 0, 1/2]
+    torch.testing.assert_close(logits.grad, torch.tensor([[-0.5, 0.0, 0.5], [0.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_kernel_hand_worked(kernels):
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]])
+    logp, ent = token_logprob(logits, torch.tensor([0, 1]), return_entropy=True)
+    torch.testing.assert_close(logp, torch.tensor([math.log(0.25), math.log(0.75)]))
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(ent, torch.tensor([h, h]))
+
+
+# ---------------------------------------------------------------- kernel vs reference
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [1, 2, 50257])
+def test_matches_reference(kernels, dtype, v):
+    logits, targets = _inputs(5, v, dtype, ignore_every=4)
+    _compare(logits, targets)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_temperature(kernels, dtype):
+    logits, targets = _inputs(6, 3001, dtype, ignore_every=5)
+    _compare(logits, targets, temperature=0.7)
+    _compare(logits, targets, temperature=1.9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen_vocab(kernels, dtype):
+    logits, targets = _inputs(2, 151936, dtype)
+    _compare(logits, targets)
+
+
+def test_logp_only_gradient(kernels):
+    logits, targets = _inputs(4, 777, torch.float64, ignore_every=3)
+    x = logits.clone().requires_grad_()
+    token_logprob(x, targets).sum().backward()
+    y = logits.clone().requires_grad_()
+    ref.token_logprob(y, targets).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, **TOL[torch.float64])
+
+
+def test_gradcheck(kernels):
+    logits, targets = _inputs(4, 7, torch.float64, ignore_every=3)
+    x = logits.requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: token_logprob(z, targets, temperature=0.8), (x,))
+    assert torch.autograd.gradcheck(
+        lambda z: token_logprob(z, targets, temperature=1.3, return_entropy=True), (x,))
+
+
+def test_zero_and_one_rows(kernels):
+    logits, targets = _inputs(0, 11, torch.float32)
+    x = logits.requires_grad_()
+    logp, ent = token_logprob(x, targets, return_entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+    (logp.sum() + ent.sum()).backward()
+    assert x.grad.shape == (0, 11)
+    _compare(*_inputs(1, 11, torch.float32))
+
+
+def test_leading_dims(kernels):
+    logits, targets = _inputs(2 * 3, 101, torch.float32)
+    logits, targets = logits.reshape(2, 3, 101), targets.reshape(2, 3)
+    targets[1, 2] = -100
+    logp = token_logprob(logits, targets)
+    assert logp.shape == (2, 3)
+    _compare(logits, targets)
+
+
+def test_non_contiguous(kernels):
+    big, _ = _inputs(6, 131, torch.float32)
+    targets = torch.randint(0, 100, (6,))
+    _compare(big[:, 1:101], targets)                          # row stride 131, unaligned start
+    _compare(big[::2, :100], targets[::2])                    # strided rows and targets
+    _compare(big[:, :100].t().contiguous().t(), targets)      # vocab dim not unit-stride
+    tbv, _ = _inputs(4 * 3, 57, torch.bfloat16)
+    _compare(tbv.reshape(4, 3, 57).transpose(0, 1), torch.randint(0, 57, (3, 4)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_logits(kernels, dtype):
+    logits, targets = _inputs(6, 300, dtype)
+    logits[0, :] = 1e4
+    logits[0, 5] = -1e4
+    logits[1, ::2] = -1e4
+    logits[2, :150] = float("-inf")
+    logits[3, 1:] = float("-inf")
+    targets[3] = 0
+    logits[4, 7] = 1e4
+    targets[4] = 7
+    _compare(logits, targets)
+    logp, ent, grad = _run(token_logprob, logits, targets)
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(grad).all()
+
+
+def test_all_ignored(kernels):
+    logits, targets = _inputs(5, 64, torch.float32)
+    targets[:] = -1
+    x = logits.requires_grad_()
+    logp, ent = token_logprob(x, targets, ignore_index=-1, return_entropy=True)
+    assert (logp == 0).all() and (ent == 0).all()
+    (logp.sum() + ent.sum()).backward()
+    assert (x.grad == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward(kernels, dtype):
+    logits, targets = _inputs(4, 513, dtype, ignore_every=3)
+    _, _, rgrad = _run(ref.token_logprob, logits, targets)
+    x = logits.clone().requires_grad_()
+    buf = x.detach()
+    logp, ent = token_logprob(x, targets, return_entropy=True, inplace_backward=True)
+    g = torch.Generator().manual_seed(1)
+    w1 = torch.randn(logp.shape, generator=g)
+    w2 = torch.randn(logp.shape, generator=g)
+    (grad,) = torch.autograd.grad((logp * w1).sum() + (ent * w2).sum(), x)
+    torch.testing.assert_close(grad, rgrad, **TOL[dtype])
+    assert grad.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(buf, rgrad, **TOL[dtype])  # the logits buffer now holds the gradient
+
+
+# ---------------------------------------------------------------- vocab-parallel blocks
+
+@pytest.mark.parametrize("sizes", [[50, 51], [10, 1, 90], [40, 40, 40, 31], [1, 1, 1, 148]])
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_vocab_parallel(sizes, path, request):
+    request.getfixturevalue(path)
+    v = sum(sizes)
+    logits, targets = _inputs(7, v, torch.float64, ignore_every=3)
+    logits[1, :60] = float("-inf")  # whole shards of -inf
+    temperature = 0.9
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    shards = torch.split(logits, sizes, dim=-1)
+    partials = torch.stack([token_logprob_partials(s.contiguous(), targets, st, temperature,
+                                                   with_entropy=True, vocab_size=v)
+                            for s, st in zip(shards, starts)])
+    logp, lse, ent = combine_vocab_partials(partials, targets, -100)
+    rlogp, rent, rgrad = _run(ref.token_logprob, logits, targets, temperature=temperature)
+    tol = TOL[torch.float64]
+    torch.testing.assert_close(logp, rlogp, **tol)
+    torch.testing.assert_close(ent, rent, **tol)
+    ulogp, uent = token_logprob(logits, targets, temperature, return_entropy=True)
+    torch.testing.assert_close(logp, ulogp, **tol)
+    torch.testing.assert_close(ent, uent, **tol)
+    g = torch.Generator().manual_seed(1)  # the same upstream gradients as _run
+    w1 = torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+    w2 = torch.randn(logp.shape, generator=g, dtype=logp.dtype)
+    grads = [token_logprob_shard_backward(s, targets, lse, ent, w1, w2, st, temperature)
+             for s, st in zip(shards, starts)]
+    torch.testing.assert_close(torch.cat(grads, dim=-1), rgrad, **tol)
+
+
+def test_partials_fp32_shards_match_unsharded(kernels):
+    logits, targets = _inputs(5, 1000, torch.float32, ignore_every=2)
+    partials = torch.stack([token_logprob_partials(s, targets, st) for s, st in
+                            zip(torch.split(logits, [333, 667], dim=-1), [0, 333])])
+    logp, lse, _ = combine_vocab_partials(partials, targets, -100)
+    torch.testing.assert_close(logp, token_logprob(logits, targets), **TOL[torch.float32])
+    rlse = torch.logsumexp(logits, -1).masked_fill(targets == -100, 0.0)
+    torch.testing.assert_close(lse, rlse, **TOL[torch.float32])
+
+
+def test_partials_columns(kernels):
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]], dtype=torch.float64)
+    targets = torch.tensor([11, -100])
+    p = token_logprob_partials(logits, targets, vocab_start=10, with_entropy=True)
+    want = torch.tensor([[math.log(3.0), 1.0 + 1.0 / 3.0, math.log(3.0), -math.log(3.0) / 3.0],
+                         [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(p, want)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_inputs(kernels):
+    logits, targets = _inputs(3, 10, torch.float32)
+    with pytest.raises(TypeError, match="targets"):
+        token_logprob(logits, targets.int())
+    with pytest.raises(ValueError, match="targets"):
+        token_logprob(logits, targets[:2])
+    with pytest.raises(ValueError, match="targets"):
+        token_logprob(logits, targets.to("meta"))
+    with pytest.raises(TypeError, match="logits"):
+        token_logprob(logits.int(), targets)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprob(logits, targets, temperature=0.0)
+    bad = targets.clone()
+    bad[2] = 10
+    with pytest.raises(IndexError, match=r"targets.*flat row 2"):
+        token_logprob(logits, bad)
+    bad[2] = -5
+    with pytest.raises(IndexError, match=r"targets.*flat row 2"):
+        token_logprob(logits, bad)
+    with pytest.raises(IndexError, match=r"targets.*flat row 2"):
+        token_logprob_partials(logits, bad, 0)
+    lse = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="lse"):
+        torch.ops.megalign.token_logprob_bwd(logits, targets, lse.double(), None, lse, None, 0, 1.0, -100)
+    with pytest.raises(RuntimeError, match="grad_logp"):
+        torch.ops.megalign.token_logprob_bwd(logits, targets, lse, None, lse[:2], None, 0, 1.0, -100)
+    with pytest.raises(ValueError, match="grad_entropy"):
+        token_logprob_shard_backward(logits, targets, lse, lse, lse, None, 0)
+
+
+def test_reference_bad_target():
+    logits, targets = _inputs(3, 10, torch.float32)
+    targets[1] = 99
+    with pytest.raises(IndexError, match=r"targets.*flat row 1"):
+        ref.token_logprob(logits, targets)
+
+
+# ---------------------------------------------------------------- op registration
+
+def test_opcheck(kernels):
+    logits, targets = _inputs(4, 33, torch.float32, ignore_every=3)
+    lse = torch.logsumexp(logits, -1)
+    ent = torch.rand(4)
+    g = torch.randn(4)
+    ops = torch.ops.megalign
+    torch.library.opcheck(ops.token_logprob_partials, (logits, targets, 0, 33, 1.0, -100, True))
+    torch.library.opcheck(ops.token_logprob_fwd, (logits.requires_grad_(), targets, 0.5, -100, True, False))
+    torch.library.opcheck(ops.token_logprob_bwd, (logits.detach(), targets, lse, ent, g, g, 0, 1.0, -100))
+    torch.library.opcheck(ops.token_logprob_bwd_, (logits.detach().clone(), targets, lse, None, g, None, 0, 1.0, -100))
+
+
+def test_compile(kernels):
+    logits, targets = _inputs(3, 40, torch.float32)
+    fn = torch.compile(lambda x, t: token_logprob(x, t, return_entropy=True), backend="aot_eager", fullgraph=True)
+    logp, ent = fn(logits, targets)
+    rlogp, rent = ref.token_logprob(logits, targets, return_entropy=True)
+    torch.testing.assert_close(logp, rlogp)
+    torch.testing.assert_close(ent, rent)
+
+
+# ---------------------------------------------------------------- CUDA
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v", [1, 2, 50257, 151936])
+def test_cuda_matches_reference(kernels, dtype, v):
+    logits, targets = _inputs(5, v, dtype, device="cuda", ignore_every=4)
+    _compare(logits, targets)
+    _compare(logits, targets, temperature=0.6)
+
+
+@requires_cuda
+def test_cuda_unaligned_and_strided(kernels):
+    big, _ = _inputs(6, 1031, torch.bfloat16, device="cuda")
+    targets = torch.randint(0, 1000, (6,), device="cuda")
+    for off in range(4):
+        _compare(big[:, off:off + 1000], targets)
+    _compare(big[:, :1000].t().contiguous().t(), targets)
+
+
+@requires_cuda
+def test_cuda_extreme_and_inplace(kernels):
+    logits, targets = _inputs(4, 3000, torch.float32, device="cuda")
+    logits[0, :1500] = float("-inf")
+    logits[1] *= 1e4
+    _compare(logits, targets)
+    _, _, rgrad = _run(ref.token_logprob, logits, targets)
+    x = logits.clone().requires_grad_()
+    logp, ent = token_logprob(x, targets, return_entropy=True, inplace_backward=True)
+    g = torch.Generator().manual_seed(1)
+    w1 = torch.randn(logp.shape, generator=g).cuda()
+    w2 = torch.randn(logp.shape, generator=g).cuda()
+    (grad,) = torch.autograd.grad((logp * w1).sum() + (ent * w2).sum(), x)
+    torch.testing.assert_close(grad, rgrad, **TOL[torch.float32])
+
+
+@requires_cuda
+def test_cuda_out_of_range_gives_nan(kernels):
+    logits, targets = _inputs(3, 100, torch.float32, device="cuda")
+    targets[1] = 100
+    logp = token_logprob(logits, targets)
+    assert torch.isnan(logp[1]) and torch.isfinite(logp[[0, 2]]).all()
+
+
+@requires_cuda
+def test_cuda_vocab_parallel(kernels):
+    logits, targets = _inputs(5, 1001, torch.bfloat16, device="cuda", ignore_every=2)
+    sizes, starts = [500, 1, 500], [0, 500, 501]
+    shards = torch.split(logits, sizes, dim=-1)
+    partials = torch.stack([token_logprob_partials(s, targets, st, with_entropy=True)
+                            for s, st in zip(shards, starts)])
+    logp, lse, ent = combine_vocab_partials(partials, targets, -100)
+    rlogp, rent = ref.token_logprob(logits, targets, return_entropy=True)
+    torch.testing.assert_close(logp, rlogp, **TOL[torch.float32])
+    torch.testing.assert_close(ent, rent, **TOL[torch.float32])
+
+
+def test_nan_logit_propagates(kernels):
+    logits, targets = _inputs(3, 5000, torch.float32)
+    logits[1, 4321] = float("nan")
+    logp, ent = token_logprob(logits, targets, return_entropy=True)
+    assert torch.isnan(logp[1]) and torch.isnan(ent[1])
+    assert torch.isfinite(logp[[0, 2]]).all() and torch.isfinite(ent[[0, 2]]).all()
