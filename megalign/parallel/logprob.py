@@ -20,7 +20,8 @@ turns them into their gradient in place. This is Liger-Kernel's fused linear cro
 (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for LLM Training": peak memory 27.6 GB ->
 5.8 GB at V=128k) made vocab-parallel: the chunk partials of all chunks are gathered in one
 all-gather at the end of the forward. Memory beyond inputs and outputs: one [chunk, V / tp] logits
-chunk in the hidden dtype (plus the fp32 grad-weight accumulator for bf16/fp16 weights, below).
+chunk in the hidden dtype; for bf16/fp16 weights also an fp32 [V / tp, H] gradient accumulator
+and one [V / tp, H] product per chunk (see `fused_linear_token_logprob`).
 
 Conventions shared by both:
 - `group=None` or a one-rank group means no tensor parallelism: no collective is issued and
@@ -30,8 +31,8 @@ Conventions shared by both:
   the columns of this shard at global ids >= vocab_size are padding. They are excluded by slicing
   the shard to its valid columns (a strided view, no copy), so they receive no probability, never
   change logp or the entropy, and get an exactly zero gradient, whatever values they hold.
-  `vocab_size` also makes target ids in the padding an IndexError; without it the whole padded
-  vocabulary counts as valid.
+  Without `vocab_size` every column is a real id and the vocabulary is Vs * tp (equal shards).
+  Target ids >= the vocabulary raise an IndexError on the CPU (NaN rows on CUDA, see token_logprob).
 - Outputs are fp32 (fp64 for fp64 inputs) and identical on every rank of the group; rows whose
   target is `ignore_index` give 0 and no gradient.
 - The backward needs no collective for the logits: logp and the entropy are replicated across the
@@ -58,15 +59,15 @@ def _tp_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _valid_columns(op: str, shard_size: int, vocab_start: int, vocab_size: Optional[int]) -> int:
-    """Number of leading columns of a [.., shard_size] shard starting at `vocab_start` that are real ids."""
+def _vocab_layout(op: str, shard_size: int, vocab_start: int, vocab_size: Optional[int], group: Group):
+    """(vocab_size, number of leading columns of the shard at `vocab_start` that are real ids)."""
     if vocab_start < 0:
         raise ValueError(f"{op}: vocab_start must be >= 0, got {vocab_start}")
     if vocab_size is None:
-        return shard_size
+        vocab_size = shard_size * _tp_size(group)
     if vocab_size < 1:
         raise ValueError(f"{op}: vocab_size must be >= 1, got {vocab_size}")
-    return min(shard_size, max(0, vocab_size - vocab_start))
+    return vocab_size, min(shard_size, max(0, vocab_size - vocab_start))
 
 
 def _combine_over_group(partials: torch.Tensor, targets: torch.Tensor, group: Group, ignore_index: int):
@@ -143,7 +144,7 @@ def vocab_parallel_token_logprob(logits_shard: torch.Tensor, targets: torch.Tens
         ignore_index: target id whose row gives 0 and no gradient.
         return_entropy: also return the entropy of softmax(logits / temperature) (differentiable).
         vocab_size: the unpadded vocabulary; shard columns at ids >= vocab_size are padding and
-            are ignored (module docstring). None: every column is a real id.
+            are ignored (module docstring). None: every column is a real id (vocabulary Vs * tp).
         inplace_backward: the backward writes the gradient into `logits_shard` (as
             `token_logprob(inplace_backward=True)`), saving a [N, Vs] allocation; the logits must not
             be used after backward.
@@ -158,7 +159,7 @@ def vocab_parallel_token_logprob(logits_shard: torch.Tensor, targets: torch.Tens
         raise ValueError(f"vocab_parallel_token_logprob: targets must have shape logits_shard.shape[:-1] = "
                          f"{tuple(logits_shard.shape[:-1])}, got {tuple(targets.shape)}")
     shard = logits_shard.shape[-1]
-    valid = _valid_columns("vocab_parallel_token_logprob", shard, vocab_start, vocab_size)
+    vocab_size, valid = _vocab_layout("vocab_parallel_token_logprob", shard, vocab_start, vocab_size, group)
     out = _VocabParallelTokenLogprob.apply(
         logits_shard.reshape(-1, shard), targets.reshape(-1), group, int(vocab_start), valid, vocab_size,
         float(temperature), int(ignore_index), bool(return_entropy), bool(inplace_backward))
@@ -213,6 +214,7 @@ class _FusedLinearTokenLogprob(torch.autograd.Function):
                 grad_weight[:valid] += grad_logits.t() @ h
             elif need_weight:
                 grad_weight[:valid].addmm_(grad_logits.t(), h)
+            del grad_logits  # else it lives on while the next chunk's logits are allocated: two chunks at peak
         if need_hidden and _tp_size(group) > 1:
             # hidden is replicated across tp and each rank's grad covers only its vocab shard:
             # the full gradient is the sum (Megatron's copy_to_group backward).
@@ -259,7 +261,7 @@ def fused_linear_token_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor,
                          f"got {tuple(targets.shape)}")
     if chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
-    valid = _valid_columns(op, weight_shard.shape[0], vocab_start, vocab_size)
+    vocab_size, valid = _vocab_layout(op, weight_shard.shape[0], vocab_start, vocab_size, group)
     out = _FusedLinearTokenLogprob.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight_shard, targets.reshape(-1), group, int(vocab_start), valid,
         vocab_size, int(chunk_size), float(temperature), int(ignore_index), bool(return_entropy))

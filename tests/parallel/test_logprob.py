@@ -108,6 +108,14 @@ def test_vocab_parallel_one_shard_matches_dense(dtype, temperature, inplace):
     _check_vocab_parallel(None, 1, 0, 1, 11, 1, dtype, temperature, inplace)
 
 
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_both_op_backends(backend, request):
+    """The functions use only megalign.ops' public API, so the pure-torch fallback serves them too."""
+    request.getfixturevalue(backend)
+    _check_vocab_parallel(None, 1, 0, 7, 11, 16, F64, 0.7, True)
+    _check_fused(None, 1, 0, 7, 11, 16, F64, 0.7, chunk_size=3)
+
+
 def test_vocab_parallel_group_none_is_the_plain_op():
     h, w, t, _, _ = _problem(5, 13, 8, F32)
     x = (h @ w.T).requires_grad_()
@@ -189,6 +197,8 @@ def test_bad_input_names_the_argument():
         vocab_parallel_token_logprob(h @ w.T, t[:3], None, 0)
     with pytest.raises(IndexError, match="targets"):  # a target in the padding is not a real id
         vocab_parallel_token_logprob(h @ w.T, torch.full((4,), 8), None, 0, vocab_size=8)
+    with pytest.raises(IndexError, match="targets"):  # without vocab_size the vocabulary is Vs * tp
+        fused_linear_token_logprob(h, w, torch.full((4,), 9))
 
 
 # ---------------------------------------------------------------- tp = 2 (and tp = 1 with dp = 2)
