@@ -1,5 +1,5 @@
-"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers, data
-parallelism, pipeline schedules.
+"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers,
+vocab-parallel (and fused linear) token log-probs, data parallelism, pipeline schedules.
 
 Everything takes its process groups explicitly (from a `ParallelLayout`); nothing here keeps global
 process-group state. The same code runs on gloo/CPU and NCCL/GPU.
@@ -22,6 +22,7 @@ from .layers import (
     tp_sharded_parameters,
 )
 from .layout import ParallelLayout, group_ranks, rank_coords
+from .logprob import fused_linear_token_logprob, vocab_parallel_token_logprob
 from .pipeline import Pipeline, stage_from_pretrained, stage_layer_range
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
     "all_reduce", "all_gather_last_dim", "split_last_dim",
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
+    "vocab_parallel_token_logprob", "fused_linear_token_logprob",
     "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_",
     "Pipeline", "stage_layer_range", "stage_from_pretrained",
 ]
