@@ -287,15 +287,19 @@ def load_config(cls: type[T], yaml_path: str | os.PathLike | None = None, overri
     return from_dict(cls, data)
 
 
-def save_config(cfg: Any, path: str | os.PathLike) -> None:
-    """Write `cfg` as YAML to `path` atomically (temporary file in the same folder, then rename)."""
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename.
+
+    Readers (and ranks racing to write the same file) see the old file or the whole new one,
+    never a partial write.
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".yaml.tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(to_dict(cfg), fh, sort_keys=False, default_flow_style=False)
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -303,6 +307,11 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> None:
+    """Write `cfg` as YAML to `path` atomically (`atomic_write_text`)."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False))
 
 
 def config_help(cls: type, prefix: str = "") -> str:
