@@ -11,8 +11,8 @@ Design choices:
   names the full dotted key and lists the valid keys at that level; a value of the wrong type names
   the key and the expected type. Nothing is silently ignored or given a hidden default.
 - Values are coerced against the annotations, recursively: `bool`, `int`, `float`, `str`, `Any`,
-  `Optional[X]`, `Union`, `Literal[...]`, `list[X]`, `tuple[X, ...]`, `dict[str, X]` and nested
-  dataclasses (also inside lists). The coercions are the few that are never surprising:
+  `Optional[X]`, `Union`, `Literal[...]`, `list[X]`, `tuple[X, ...]`, `Sequence[X]` (loaded as a
+  tuple), `dict[str, X]` and nested dataclasses (also inside lists). The coercions are the few that are never surprising:
   an int is accepted for a float, and a string that Python's `float()` parses is accepted for a
   float because YAML 1.1 (PyYAML) reads `1e-4` as a string; `bool` accepts only true/false.
 - Overrides are `a.b.c=value` strings; the value is parsed as YAML (`x=[1, 2]`, `x=null`, `x=true`),
@@ -24,6 +24,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import collections.abc as cabc
 import copy
 import dataclasses
 import difflib
@@ -121,7 +122,7 @@ def _coerce(value: Any, tp: Any, key: str, shown: Any = None) -> Any:
         if isinstance(value, Mapping):
             return _from_dict(tp, value, key)
         raise bad()
-    if origin in (list, tuple, Sequence):
+    if origin in (list, tuple, cabc.Sequence):
         if not isinstance(value, (list, tuple)):
             raise bad()
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
@@ -130,8 +131,8 @@ def _coerce(value: Any, tp: Any, key: str, shown: Any = None) -> Any:
             return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         item = args[0] if args else Any
         items = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin in (dict, Mapping):
+        return items if origin is list else tuple(items)  # an abstract Sequence loads immutable
+    if origin in (dict, cabc.Mapping):
         if not isinstance(value, Mapping):
             raise bad()
         key_tp, val_tp = args if args else (Any, Any)

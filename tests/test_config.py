@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence, Union
 
 import pytest
 
@@ -37,12 +37,20 @@ class Train:
 
 
 @dataclasses.dataclass
+class Extras:
+    weights: dict[str, float] = option({}, doc="named weights")
+    sizes: Sequence[int] = option((1, 2), doc="any sequence of ints")
+    seed: Union[int, str] = option(0, doc="an int seed or a named one")
+
+
+@dataclasses.dataclass
 class Top:
     train: Train = option(Train(), doc="training")
     name: str = option("run", doc="run name")
     tags: list[str] = option([], doc="free-form tags")
     rewards: list[Term] = option([Term("math_accuracy")], doc="reward terms")
     resume: Optional[str] = option(None, doc="checkpoint to resume from")
+    extras: Extras = option(Extras(), doc="less common annotations")
 
 
 def write(tmp_path, text: str) -> str:
@@ -118,6 +126,16 @@ def test_optional_literal_list_bool_and_optional_sections():
     assert cfg.rewards == [Term("format", 0.5), Term("mod:fn", 1.0)]
     assert cfg.train.eval_optim == Optim(lr=0.5)  # an override inside a None section builds it from defaults
     assert load_config(Top, overrides=["train.grad_clip=null"]).train.grad_clip is None
+
+
+def test_dict_sequence_and_union_annotations():
+    cfg = load_config(Top, overrides=["extras.weights={a: 1, b: 0.5}", "extras.sizes=[3]", "extras.seed=abc"])
+    assert cfg.extras == Extras(weights={"a": 1.0, "b": 0.5}, sizes=(3,), seed="abc")
+    assert load_config(Top, overrides=["extras.seed=4"]).extras.seed == 4
+    with pytest.raises(ConfigError, match=r"'extras\.weights\.b' expects float, got 'x'"):
+        load_config(Top, overrides=["extras.weights={a: 1, b: x}"])
+    with pytest.raises(ConfigError, match=r"'extras\.seed' expects Union\[int, str\], got 1\.5"):
+        load_config(Top, overrides=["extras.seed=1.5"])
 
 
 def test_bad_files_are_named(tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any, Iterator, Optional
 
@@ -66,28 +67,34 @@ class DatasetStats:
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    """(`file:line`, parsed row or the JSONDecodeError) per non-blank line."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
+    """(`file:line`, parsed row, or a ValueError saying why the line is not JSON) per non-blank line."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                yield f"{path}:{lineno}", json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                yield f"{path}:{lineno}", ValueError(f"not UTF-8: {exc}")
             except json.JSONDecodeError as exc:
-                yield f"{path}:{lineno}", exc
+                yield f"{path}:{lineno}", ValueError(f"invalid JSON: {exc}")
 
 
 def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types (ArrowInvalid, OSError) for bad files
+        raise DataError(f"{path}: cannot read as Parquet: {exc}") from exc
+    for i, row in enumerate(rows):
         yield f"{path} row {i}", row
 
 
 def _encode_row(row: Any, tokenizer: Tokenizer, template_prompts: bool) -> tuple[list[int], Any, dict[str, Any]]:
     """(prompt ids, answer, metadata) of one parsed row; ValueError says what is wrong with it."""
-    if isinstance(row, json.JSONDecodeError):
-        raise ValueError(f"invalid JSON: {row}")
+    if isinstance(row, ValueError):
+        raise row
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object with prompt or messages and answer, got {type(row).__name__}")
     has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
@@ -96,6 +103,8 @@ def _encode_row(row: Any, tokenizer: Tokenizer, template_prompts: bool) -> tuple
     answer = row.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"'answer' must be a string or number, got {answer!r}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise ValueError(f"'answer' must be finite, got {answer!r}")
     if has_prompt:
         prompt = row["prompt"]
         if not isinstance(prompt, str) or not prompt:

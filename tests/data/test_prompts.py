@@ -66,6 +66,7 @@ BAD_LINES = [
     ('{"prompt": 7, "answer": 2}', "'prompt' must be a non-empty string, got 7"),
     ('{"messages": [{"role": "user"}], "answer": 2}', r"messages\[0\]\.content must be a string"),
     ('{"prompt": "1\\u00e9", "answer": 2}', "CharTokenizer cannot encode 'é' at position 1"),
+    ('{"prompt": "1+1=", "answer": NaN}', "'answer' must be finite, got nan"),
 ]
 
 
@@ -88,8 +89,18 @@ def test_skip_invalid_and_too_long_are_counted_and_logged(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="megalign.data.prompts"):
         ds = load_prompts(path, TOK, max_prompt_length=6, skip_invalid=True)  # "1+2=" is 5 ids with BOS, "10-4=" 6
     assert [ex.prompt_text for ex in ds] == ["1+2=", "10-4="]
-    assert ds.stats.as_dict() == {"data/rows": 12, "data/kept": 2, "data/invalid": 9, "data/too_long": 1}
-    assert "kept 2 of 12 rows; skipped 9 invalid and dropped 1 longer than 6 tokens" in caplog.text
+    assert ds.stats.as_dict() == {"data/rows": 13, "data/kept": 2, "data/invalid": 10, "data/too_long": 1}
+    assert "kept 2 of 13 rows; skipped 10 invalid and dropped 1 longer than 6 tokens" in caplog.text
+
+
+def test_undecodable_line_and_unreadable_parquet_are_named(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "\xff", "answer": 2}\n')
+    with pytest.raises(DataError, match="p.jsonl:2: not UTF-8"):
+        load_prompts(path, TOK, 64)
+    (tmp_path / "p.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="p.parquet: cannot read as Parquet"):
+        load_prompts(tmp_path / "p.parquet", TOK, 64)
 
 
 def test_file_level_errors(tmp_path):
