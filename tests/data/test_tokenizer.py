@@ -39,6 +39,7 @@ def test_char_chat_template_is_the_documented_plain_text():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny word-level (one token per character) HF tokenizer with a chat template, saved locally."""
+    pytest.importorskip("transformers")  # an optional dependency: only HFTokenizer needs it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
