@@ -1,0 +1,26 @@
+"""Rewards for RL: rule-based verifiers (math answers, format), user functions, weighted combinations.
+
+`build_reward([RewardTerm("math_accuracy", 1.0), RewardTerm("format", 0.2)])` gives a batched
+`CombinedReward`; `.score(prompts, responses, answers, metadata)` returns the total and per-term
+rewards, `.metrics()` the per-term error counters.
+"""
+from megalign.rewards.base import CombinedReward, RewardBreakdown, RewardFunction, SafeReward, SampleReward
+from megalign.rewards.math import (
+    FORMAT_PATTERN,
+    answers_match,
+    extract_answer,
+    format_reward,
+    math_accuracy,
+    normalize_answer,
+    parse_number,
+)
+from megalign.rewards.registry import REWARDS, RewardTerm, build_reward, get_reward, register_reward
+from megalign.rewards.user import RewardSpecError, load_function
+
+__all__ = [
+    "CombinedReward", "RewardBreakdown", "RewardFunction", "SafeReward", "SampleReward",
+    "FORMAT_PATTERN", "answers_match", "extract_answer", "format_reward", "math_accuracy",
+    "normalize_answer", "parse_number",
+    "REWARDS", "RewardTerm", "build_reward", "get_reward", "register_reward",
+    "RewardSpecError", "load_function",
+]

@@ -1,0 +1,154 @@
+"""The reward-function interface, the per-sample safety wrapper and weighted combinations.
+
+Design choices:
+
+- A `RewardFunction` is batched: `(prompts, responses, answers, metadata) -> list[float]`, one
+  float per response (G responses of a prompt appear as G rows with the same prompt and answer).
+  Batching lets a reward model score many responses at once; rule-based verifiers and user
+  functions are written per sample (`SampleReward`) and lifted to a batch by `SafeReward`.
+- `SafeReward` is where "a reward function never stops training" is kept: a sample whose function
+  raises, or returns something that is not a finite real number, gets reward 0 and is counted
+  (`metrics()`, for the trainer's log); the first failure is logged once with its traceback, the
+  later ones only counted, so a broken function cannot flood the log.
+- `CombinedReward` is a weighted sum of named terms and returns the per-term values beside the
+  total (`RewardBreakdown`), so the trainer logs accuracy and format separately without keeping
+  state between calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+
+logger = logging.getLogger(__name__)
+
+SampleReward = Callable[[str, str, Any, Mapping[str, Any]], float]
+"""A per-sample reward: `fn(prompt, response, answer, metadata) -> float`."""
+
+
+class RewardFunction(Protocol):
+    """A batched reward: one float per response; all sequences have the same length N."""
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[Any],
+        metadata: Optional[Sequence[Mapping[str, Any]]] = None,
+    ) -> Sequence[float]: ...
+
+
+def _check_batch(prompts, responses, answers, metadata) -> Sequence[Mapping[str, Any]]:
+    """`metadata` (empty dicts when None) after checking that all four sequences have one length."""
+    n = len(responses)
+    if metadata is None:
+        metadata = [{}] * n
+    lengths = {"prompts": len(prompts), "responses": n, "answers": len(answers), "metadata": len(metadata)}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"reward inputs must have one length per response, got {lengths}")
+    return metadata
+
+
+class SafeReward:
+    """Batched `RewardFunction` over a per-sample function `fn`, isolating each sample's failure.
+
+    `name` keys the metrics: `reward/<name>/errors` (failed samples so far) and
+    `reward/<name>/samples` (samples scored so far), both cumulative over the wrapper's life.
+    """
+
+    def __init__(self, fn: SampleReward, name: str):
+        self.fn = fn
+        self.name = name
+        self.errors = 0
+        self.samples = 0
+
+    def _score(self, prompt: str, response: str, answer: Any, meta: Mapping[str, Any]) -> float:
+        try:
+            value = self.fn(prompt, response, answer, meta)
+            if value is None or isinstance(value, (str, bytes)):
+                raise TypeError(f"returned {value!r}, not a number")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"returned a non-finite reward {value}")
+            return value
+        except Exception:
+            self.errors += 1
+            if self.errors == 1:
+                logger.warning(
+                    "reward %r failed on a sample; it scores 0 and is counted in reward/%s/errors "
+                    "(later failures are counted, not logged)",
+                    self.name,
+                    self.name,
+                    exc_info=True,
+                )
+            return 0.0
+
+    def __call__(self, prompts, responses, answers, metadata=None) -> list[float]:
+        metadata = _check_batch(prompts, responses, answers, metadata)
+        self.samples += len(responses)
+        return [self._score(p, r, a, m) for p, r, a, m in zip(prompts, responses, answers, metadata)]
+
+    def metrics(self) -> dict[str, float]:
+        return {f"reward/{self.name}/errors": float(self.errors), f"reward/{self.name}/samples": float(self.samples)}
+
+
+@dataclasses.dataclass
+class RewardBreakdown:
+    """`total[i] = sum_k weight_k * terms[name_k][i]`; every list has one float per response."""
+
+    total: list[float]
+    terms: dict[str, list[float]]
+
+    def metrics(self) -> dict[str, float]:
+        """Batch means `reward/mean` and `reward/<name>/mean` (0 for an empty batch)."""
+        out = {"reward/mean": _mean(self.total)}
+        out.update({f"reward/{name}/mean": _mean(values) for name, values in self.terms.items()})
+        return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class CombinedReward:
+    """Weighted sum of reward functions: `CombinedReward([(fn, weight), ...])`.
+
+    A term is named by its `name` attribute (as `SafeReward` has), else its `__name__`; names must
+    be distinct because they key the breakdown and metrics.
+    """
+
+    def __init__(self, terms: Sequence[tuple[RewardFunction, float]]):
+        if not terms:
+            raise ValueError("CombinedReward needs at least one (function, weight) term")
+        self.terms: list[tuple[str, RewardFunction, float]] = []
+        for i, (fn, weight) in enumerate(terms):
+            name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or f"term{i}"
+            if any(name == other for other, _, _ in self.terms):
+                raise ValueError(f"CombinedReward: two terms are named {name!r}; names key the metrics")
+            if not math.isfinite(float(weight)):
+                raise ValueError(f"CombinedReward: weight of {name!r} must be finite, got {weight}")
+            self.terms.append((name, fn, float(weight)))
+
+    def score(self, prompts, responses, answers, metadata=None) -> RewardBreakdown:
+        metadata = _check_batch(prompts, responses, answers, metadata)
+        total = [0.0] * len(responses)
+        values: dict[str, list[float]] = {}
+        for name, fn, weight in self.terms:
+            out = [float(v) for v in fn(prompts, responses, answers, metadata)]
+            if len(out) != len(responses):
+                raise ValueError(f"reward {name!r} returned {len(out)} values for {len(responses)} responses")
+            values[name] = out
+            total = [t + weight * v for t, v in zip(total, out)]
+        return RewardBreakdown(total=total, terms=values)
+
+    def __call__(self, prompts, responses, answers, metadata=None) -> list[float]:
+        return self.score(prompts, responses, answers, metadata).total
+
+    def metrics(self) -> dict[str, float]:
+        """The error counters of the terms that keep them (`SafeReward.metrics`)."""
+        out: dict[str, float] = {}
+        for _, fn, _ in self.terms:
+            if hasattr(fn, "metrics"):
+                out.update(fn.metrics())
+        return out

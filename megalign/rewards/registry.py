@@ -1,0 +1,75 @@
+"""Rewards by name, so a YAML config can list terms and weights:
+
+```yaml
+rewards:
+  - {name: math_accuracy, weight: 1.0}
+  - {name: format, weight: 0.2}
+  - {name: my_project.rewards:length_penalty, weight: 0.1}   # a user function
+```
+
+A name with a colon is a user function spec (`megalign.rewards.user.load_function`); any other name
+must be registered. Every term is wrapped in `SafeReward`, so no term can stop training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+from megalign.config import option
+from megalign.rewards.base import CombinedReward, SafeReward, SampleReward
+from megalign.rewards.math import format_reward, math_accuracy
+from megalign.rewards.user import load_function
+
+REWARDS: dict[str, SampleReward] = {}
+"""Registered per-sample rewards `fn(prompt, response, answer, metadata) -> float` by name."""
+
+
+def register_reward(name: str, fn: SampleReward) -> SampleReward:
+    """Add `fn` under `name`; names are unique and contain no colon (kept for user specs)."""
+    if ":" in name or not name:
+        raise ValueError(f"reward name {name!r} must be non-empty and contain no ':'")
+    if name in REWARDS:
+        raise ValueError(f"a reward named {name!r} is already registered")
+    REWARDS[name] = fn
+    return fn
+
+
+def _math_accuracy(prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> float:
+    return math_accuracy(response, answer)
+
+
+def _format(prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> float:
+    return format_reward(response)
+
+
+register_reward("math_accuracy", _math_accuracy)
+register_reward("format", _format)
+
+
+def get_reward(name: str) -> SafeReward:
+    """The registered reward `name`, or the user function spec `name`, wrapped in `SafeReward`."""
+    if ":" in name:
+        return SafeReward(load_function(name), name)
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, or a 'module:function' spec")
+    return SafeReward(REWARDS[name], name)
+
+
+@dataclasses.dataclass
+class RewardTerm:
+    """One weighted term of the total reward."""
+
+    name: str = option(doc="a registered reward (math_accuracy, format) or a user function 'module:function' / 'file.py:function'")
+    weight: float = option(1.0, doc="multiplies this term in the total reward")
+
+    def __post_init__(self):
+        if not self.name:
+            raise ValueError("reward name must not be empty")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight of reward {self.name!r} must be finite, got {self.weight}")
+
+
+def build_reward(terms: Sequence[RewardTerm]) -> CombinedReward:
+    """The weighted sum of `terms`, each resolved with `get_reward` (errors name the bad term)."""
+    return CombinedReward([(get_reward(t.name), t.weight) for t in terms])
