@@ -24,8 +24,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megalign.parallel.layout import ParallelLayout
+
 from .config import ModelConfig
 from .heads import CausalLM, RewardModel, ValueModel
+from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 _Model = Union[CausalLM, ValueModel, RewardModel]
 
@@ -134,22 +137,30 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
 def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architecture: Optional[str] = None) -> None:
     """Write `model.safetensors` + `config.json` that `transformers` loads (padded vocab rows dropped).
 
-    Only whole (tp = 1) models: a tensor-parallel model must be gathered first. Files are written under a
-    temporary name and renamed when complete, so a crash never leaves a half-written checkpoint.
+    A tensor-parallel model is gathered tensor by tensor onto tp rank 0 (so at most one whole tensor
+    beyond the model is in flight), which writes: a collective over the tp group, so every tp rank
+    calls it; ranks other than tp rank 0 return once their shards are sent, before the files exist
+    (barrier before reading them there). With dp > 1, call it on one dp replica only, or each replica's
+    tp rank 0 writes the same files. Files are written under a temporary name unique to the process
+    and renamed when complete, so a crash never leaves a half-written checkpoint.
     `architecture` defaults to the family's ...ForCausalLM, or ...ForSequenceClassification for scalar heads.
     """
     path = os.fspath(path)
     factory = model.model.factory
-    if factory.tp_size != 1:
-        raise ValueError(f"save_hf_checkpoint needs the whole model; got a tp rank of size {factory.tp_size}")
     config: ModelConfig = model.config
     tensors = {}
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
-        hf_name, _ = hf_rule(name)
+        hf_name, shard_dim = hf_rule(name)
         tensor = param.detach()
+        if shard_dim is not None:
+            tensor = factory.gather_to_first(tensor, shard_dim)
+        if tensor is None:  # not tp rank 0: this rank only sends
+            continue
         if name in _VOCAB_PARAMS:
             tensor = tensor[: config.vocab_size]
         tensors[hf_name] = tensor.contiguous().cpu()
+    if factory.tp_rank != 0:
+        return
     if architecture is None and not isinstance(model, CausalLM):
         architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                         "mistral": "MistralForSequenceClassification"}[config.model_type]
@@ -160,11 +171,12 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
         hf_config["num_labels"] = 1
     os.makedirs(path, exist_ok=True)
     weights, cfg = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
-    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
-    with open(cfg + ".tmp", "w") as f:
+    tmp = f".tmp{os.getpid()}"
+    save_file(tensors, weights + tmp, metadata={"format": "pt"})
+    with open(cfg + tmp, "w") as f:
         json.dump(hf_config, f, indent=2)
-    os.replace(weights + ".tmp", weights)
-    os.replace(cfg + ".tmp", cfg)
+    os.replace(weights + tmp, weights)
+    os.replace(cfg + tmp, cfg)
 
 
 _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
@@ -172,16 +184,27 @@ _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
 
 def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", factory=None,
                     vocab_pad_multiple: int = 1, dtype: Optional[torch.dtype] = None,
-                    activation_checkpointing: bool = False) -> _Model:
+                    activation_checkpointing: bool = False, layout: Optional[ParallelLayout] = None) -> _Model:
     """Build a megalign model from an HF checkpoint folder.
 
     kind: 'causal_lm' (policy / reference), 'value' (critic; reads `score.weight`, e.g. from a reward
     model), or 'reward' (`...ForSequenceClassification`). dtype: parameter dtype (default: fp32).
+    layout: build this rank's tensor-parallel shards over `layout.tp_group` (`TensorParallelFactory`,
+    vocabulary padded to a multiple of lcm(vocab_pad_multiple, tp)) on `layout.device`, reading only
+    this rank's slices of the checkpoint; a collective-free load, but every tp rank must call it.
+    Give either `layout` or a custom `factory`, not both.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} is not one of {sorted(_KINDS)}")
     config = ModelConfig.from_hf(path, vocab_pad_multiple=vocab_pad_multiple)
+    if layout is not None:
+        if factory is not None:
+            raise ValueError("from_pretrained: give either layout or factory, not both")
+        config = tensor_parallel_config(config, layout.tp)
+        factory = TensorParallelFactory(layout)
     model = _KINDS[kind](config, factory, activation_checkpointing)
+    if layout is not None:
+        model.to(layout.device)
     if dtype is not None:
         model.to(dtype)
     load_hf_weights(model, path)

@@ -136,5 +136,6 @@ def test_tp_rank_reads_its_slices(tmp_path):
 
 def test_tp_divisibility_is_checked(tmp_path):
     make_causal_lm(tmp_path, "llama3_gqa")  # 4 heads, 2 kv heads
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) and num_key_value_heads \(2\).*size 4"):
+    with pytest.raises(ValueError, match=r"^num_key_value_heads \(2\) and padded_vocab_size \(97\) must be divisible "
+                                         r"by the tensor-parallel size 4; pad the vocabulary"):
         CausalLM(ModelConfig.from_hf(tmp_path), _ShardShapes(0, 4))
