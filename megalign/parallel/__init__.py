@@ -1,4 +1,5 @@
-"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers, data parallelism.
+"""Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers, data parallelism,
+mixed precision.
 
 Everything takes its process groups explicitly (from a `ParallelLayout`); nothing here keeps global
 process-group state. The same code runs on gloo/CPU and NCCL/GPU.
@@ -6,8 +7,10 @@ process-group state. The same code runs on gloo/CPU and NCCL/GPU.
 from .collectives import (
     all_gather_last_dim,
     all_reduce,
+    broadcast_from_first,
     copy_to_group,
     gather_from_group,
+    gather_to_first,
     reduce_from_group,
     scatter_to_group,
     split_last_dim,
@@ -21,11 +24,12 @@ from .layers import (
     tp_sharded_parameters,
 )
 from .layout import ParallelLayout, group_ranks, rank_coords
+from .precision import MixedPrecision
 
 __all__ = [
     "ParallelLayout", "rank_coords", "group_ranks",
     "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
-    "all_reduce", "all_gather_last_dim", "split_last_dim",
+    "all_reduce", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first",
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
-    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_",
+    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "MixedPrecision",
 ]
