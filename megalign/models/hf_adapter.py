@@ -5,7 +5,8 @@ shared by Llama, Qwen2 and Mistral, which name their tensors alike) and a transf
 reading one tensor through `safetensors.safe_open(...).get_slice`:
 - tensor-parallel slicing: each parameter is split along `shard_dim` (0 for column-parallel weights,
   biases and the vocabulary, 1 for row-parallel weights, None = replicated); a rank reads only rows /
-  columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor;
+  columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor; on save the shards are
+  gathered along the same dim onto tp rank 0, one tensor at a time, and tp rank 0 writes;
 - vocabulary padding: embedding / LM-head rows past the real vocab are not in the file and are zero-filled
   (they get -inf logits anyway, see `heads.LMHead`); on save they are dropped.
 
