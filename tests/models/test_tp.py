@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models.hf_fixtures import VOCAB, make_causal_lm, random_ids
+from models.hf_fixtures import VOCAB, make_causal_lm, make_seq_cls, random_ids
 from parallel.dist_utils import run_distributed
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -61,13 +61,16 @@ def test_tensor_parallel_config_pads_vocab_and_names_bad_sizes():
         tensor_parallel_config(ModelConfig(**base, num_attention_heads=4, num_key_value_heads=1), 2)
 
 
-# ----- logits vs transformers
+# ----- logits (and a reward model's scores) vs transformers
 
 LOGIT_FAMILIES = ["llama3_gqa", "llama_bias_mha", "qwen2_tied", "qwen2_untied"]
 
 
-def _check_logits(paths, references, ids):
+def _check_logits(paths, references, ids, reward_path, reward_ref):
     layout = ParallelLayout.build(tp=2)
+    reward_model = from_pretrained(reward_path, kind="reward", layout=layout).eval()  # tp trunk, replicated head
+    with torch.no_grad():
+        assert_close(reward_model(ids), reward_ref, **FP32)
     for path, ref in zip(paths, references):
         model = from_pretrained(path, layout=layout).eval()
         with torch.no_grad():
@@ -79,7 +82,7 @@ def _check_logits(paths, references, ids):
         assert_close(full, ref, **FP32, msg=lambda m: f"{path}: {m}")
 
 
-def test_tp2_logits_match_transformers(tmp_path):
+def test_tp2_logits_and_rewards_match_transformers(tmp_path):
     ids = random_ids(2, 13)
     paths, refs = [], []
     for family in LOGIT_FAMILIES:
@@ -87,7 +90,10 @@ def test_tp2_logits_match_transformers(tmp_path):
         with torch.no_grad():
             refs.append(hf(ids).logits)
         paths.append(tmp_path / family)
-    run_distributed(_check_logits, paths, refs, ids)
+    reward = make_seq_cls(tmp_path / "reward", "llama")
+    with torch.no_grad():
+        reward_ref = reward(ids).logits[:, 0]
+    run_distributed(_check_logits, paths, refs, ids, tmp_path / "reward", reward_ref)
 
 
 # ----- loss and every gradient at tp=2 vs tp=1
