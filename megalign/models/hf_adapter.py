@@ -143,7 +143,8 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
     calls it; ranks other than tp rank 0 return once their shards are sent, before the files exist
     (barrier before reading them there). With dp > 1, call it on one dp replica only, or each replica's
     tp rank 0 writes the same files. Files are written under a temporary name unique to the process
-    and renamed when complete, so a crash never leaves a half-written checkpoint.
+    and renamed when complete, so a crash never leaves a half-written checkpoint; a model holding NaN or
+    inf is refused (ValueError naming the tensors) before anything is written.
     `architecture` defaults to the family's ...ForCausalLM, or ...ForSequenceClassification for scalar heads.
     """
     path = os.fspath(path)
@@ -162,6 +163,9 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
         tensors[hf_name] = tensor.contiguous().cpu()
     if factory.tp_rank != 0:
         return
+    broken = [hf_name for hf_name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise ValueError(f"save_hf_checkpoint: not writing {path}: tensors {broken} hold NaN or inf values")
     if architecture is None and not isinstance(model, CausalLM):
         architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                         "mistral": "MistralForSequenceClassification"}[config.model_type]

@@ -60,10 +60,14 @@ def test_padded_vocab_round_trip_through_transformers(tmp_path, family):
         assert torch.isneginf(logits[..., VOCAB:]).all()  # padding never receives probability
         torch.testing.assert_close(logits[..., :VOCAB], hf(ids).logits, **FP32)
     save_hf_checkpoint(ours, tmp_path / "out")
-    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]  # no temporary left
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=0, rtol=0)
+        ours.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"tensors \['model.layers.1.mlp.up_proj.weight'\] hold NaN or inf"):
+        save_hf_checkpoint(ours, tmp_path / "nan")
+    assert not os.path.exists(tmp_path / "nan")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
