@@ -7,7 +7,10 @@ uses it. Design choices:
 
 - Megatron's split. q/k/v and gate/up are `ColumnParallelLinear` (output features split, not
   gathered), o and down are `RowParallelLinear` (input split, output all-reduced): one all-reduce per
-  attention block and one per MLP in the forward, and one each in the backward. Each rank holds whole
+  attention block and one per MLP in the forward. The backward all-reduces the input gradient of each
+  column-parallel projection separately (q, k, v, gate, up: five per layer, where Megatron's fused
+  qkv and gate/up weights need two); fusing them would change the parameter layout the HF adapter
+  slices, so it waits for a measured need. Each rank holds whole
   heads: query heads [r * n_h / tp, (r + 1) * n_h / tp) and kv heads [r * n_kv / tp, ...), which keeps
   each query head with its GQA kv head (HF orders query heads grouped by kv head), so attention and
   the KV cache are purely rank-local.
