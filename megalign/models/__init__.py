@@ -1,14 +1,17 @@
 """Decoder family (Llama 2/3, Qwen2/2.5, Mistral), its heads, and HF checkpoint interop.
 
 `from_pretrained(path, kind)` builds a policy ('causal_lm'), critic ('value') or reward model ('reward')
-from an HF folder; `save_hf_checkpoint` writes one back. `LayerFactory` is where tensor parallelism plugs in.
+from an HF folder; `save_hf_checkpoint` writes one back. `LayerFactory` is where tensor parallelism plugs in;
+`TensorParallelFactory` (parallelize.py) is the tensor-parallel one (`from_pretrained(path, layout=...)`).
 """
 from .config import ModelConfig, RopeScaling
 from .decoder import Decoder, KVCache, LayerFactory
 from .heads import CausalLM, LMHead, RewardHead, RewardModel, ValueHead, ValueModel
 from .hf_adapter import from_pretrained, load_hf_weights, save_hf_checkpoint
+from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 __all__ = [
     "ModelConfig", "RopeScaling", "Decoder", "KVCache", "LayerFactory", "CausalLM", "LMHead", "RewardHead",
     "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
+    "TensorParallelFactory", "tensor_parallel_config",
 ]

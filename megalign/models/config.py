@@ -134,6 +134,21 @@ class ModelConfig:
         m = self.vocab_pad_multiple
         return -(-self.vocab_size // m) * m
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ValueError naming every size a `tp`-way split cannot divide, at start-up, before any weight exists.
+
+        Tensor parallelism gives each rank whole heads (num_attention_heads / tp query heads and
+        num_key_value_heads / tp kv heads, so a query head stays on the rank of its kv head), a slice
+        of the SwiGLU width and of the padded vocabulary; all four must divide evenly.
+        """
+        sizes = (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_key_value_heads),
+                 ("intermediate_size", self.intermediate_size), ("padded_vocab_size", self.padded_vocab_size))
+        bad = [f"{name} ({value})" for name, value in sizes if value % tp]
+        if bad:
+            hint = (f"; pad the vocabulary with vocab_pad_multiple a multiple of {tp}"
+                    if self.padded_vocab_size % tp else "")
+            raise ValueError(f"{' and '.join(bad)} must be divisible by the tensor-parallel size {tp}{hint}")
+
     @classmethod
     def from_hf(cls, hf: Union[dict, str, os.PathLike], vocab_pad_multiple: int = 1) -> "ModelConfig":
         """Build from an HF config dict, a config.json path, or a checkpoint folder holding config.json."""

@@ -33,11 +33,15 @@ class LayerFactory:
     """Builds every embedding and projection of a model: the single place tensor parallelism plugs in.
 
     This factory is tensor-parallel size 1: modules hold whole weights. A tensor-parallel factory
-    overrides the three builders (and `tp_size`, `tp_rank`) so that
+    (`megalign.models.parallelize.TensorParallelFactory`) overrides the three builders (and `tp_size`,
+    `tp_rank`) so that
     - `embedding` returns a vocab-parallel embedding holding rows `vocab_range(num_embeddings)`,
     - `column_linear` returns a layer whose output features are split over ranks (q/k/v, gate/up, LM head),
       output not gathered: attention and the MLP work on the local slice,
-    - `row_linear` returns a layer whose input features are split and whose output is all-reduced (o, down).
+    - `row_linear` returns a layer whose input features are split and whose output is all-reduced (o, down),
+    and the three collectives below, which code outside the layers needs (full logits for sampling,
+    one sampled token for all ranks, whole tensors for saving). Here they are identities, so the model,
+    generation and the checkpoint writer run without `torch.distributed` at tp = 1.
     """
 
     tp_size: int = 1
@@ -59,6 +63,18 @@ class LayerFactory:
         """Global rows `[start, end)` of the (padded) vocabulary held by this rank."""
         per_rank = padded_vocab // self.tp_size
         return self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., V_pad / tp]` (this rank's vocab slice) -> `[..., V_pad]`, the same on every tp rank; autograd-aware."""
+        return x
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """tp rank 0's `x` on every tp rank (same shape and dtype everywhere)."""
+        return x
+
+    def gather_to_first(self, shard: torch.Tensor, dim: int) -> Optional[torch.Tensor]:
+        """The whole tensor, every rank's `shard` concatenated along `dim`, on tp rank 0; None on the others."""
+        return shard
 
 
 class RMSNorm(nn.Module):
@@ -155,12 +171,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, factory: LayerFactory, layer_idx: int):
         super().__init__()
-        tp = factory.tp_size
-        if config.num_attention_heads % tp or config.num_key_value_heads % tp:
-            raise ValueError(
-                f"num_attention_heads ({config.num_attention_heads}) and num_key_value_heads "
-                f"({config.num_key_value_heads}) must both be divisible by tensor-parallel size {tp}"
-            )
+        tp = factory.tp_size  # divisibility checked once by `Decoder` (ModelConfig.check_tensor_parallel)
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.n_heads_local = config.num_attention_heads // tp
@@ -279,6 +290,7 @@ class Decoder(nn.Module):
                  activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None):
         super().__init__()
         factory = factory or LayerFactory()
+        config.check_tensor_parallel(factory.tp_size)
         start, end = layer_range or (0, config.num_hidden_layers)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"layer_range must satisfy 0 <= start < end <= num_hidden_layers="

@@ -28,20 +28,26 @@ from .decoder import Decoder, LayerFactory
 
 
 class LMHead(nn.Module):
-    """hidden `[..., H]` -> logits `[..., V_local]` over vocab rows `factory.vocab_range(padded_vocab)`.
+    """hidden `[..., H]` -> logits `[..., V_local]` over vocab rows `[vocab_start, vocab_end)` of the padded vocabulary.
 
+    Under tensor parallelism the logits stay sharded over the vocabulary (V_local = V_pad / tp): the
+    vocab-parallel log-prob (`megalign.parallel.logprob.vocab_parallel_token_logprob(logits, targets,
+    group, vocab_start, vocab_size)`) consumes them without ever forming `[tokens, V]`. `gather_logits`
+    assembles the full vocabulary where it is really needed (sampling, parity tests).
     Rows at or past `config.vocab_size` (vocab padding) are set to -inf.
     """
 
     def __init__(self, config: ModelConfig, factory: LayerFactory, tied_embedding: Optional[nn.Module] = None):
         super().__init__()
+        self.factory = factory
+        self.vocab_size = config.vocab_size
         self.proj = factory.column_linear(config.hidden_size, config.padded_vocab_size, bias=False)
         if tied_embedding is not None:
             # Same [V_local, H] rows on every tp layout: the vocab-parallel embedding and the
             # column-parallel head split the vocabulary identically.
             self.proj.weight = tied_embedding.weight
-        start, end = factory.vocab_range(config.padded_vocab_size)
-        pad = torch.arange(start, end) >= config.vocab_size
+        self.vocab_start, self.vocab_end = factory.vocab_range(config.padded_vocab_size)
+        pad = torch.arange(self.vocab_start, self.vocab_end) >= config.vocab_size
         self.register_buffer("vocab_pad", pad if bool(pad.any()) else None, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,6 +55,15 @@ class LMHead(nn.Module):
         if self.vocab_pad is not None:
             logits = logits.masked_fill(self.vocab_pad, float("-inf"))
         return logits
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's `[..., V_local]` logits -> the full `[..., vocab_size]` (padding dropped), the same on every tp rank.
+
+        One all-gather over the tp group (autograd-aware: the backward keeps this rank's slice of
+        the gradient). It materialises `[..., V]` on every rank, so use it for the few positions that
+        need the whole distribution (the last position while decoding), not for training log-probs.
+        """
+        return self.factory.gather_vocab(logits)[..., : self.vocab_size]
 
 
 class ValueHead(nn.Module):

@@ -5,7 +5,8 @@ shared by Llama, Qwen2 and Mistral, which name their tensors alike) and a transf
 reading one tensor through `safetensors.safe_open(...).get_slice`:
 - tensor-parallel slicing: each parameter is split along `shard_dim` (0 for column-parallel weights,
   biases and the vocabulary, 1 for row-parallel weights, None = replicated); a rank reads only rows /
-  columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor;
+  columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor; on save the shards are
+  gathered along the same dim onto tp rank 0, one tensor at a time, and tp rank 0 writes;
 - vocabulary padding: embedding / LM-head rows past the real vocab are not in the file and are zero-filled
   (they get -inf logits anyway, see `heads.LMHead`); on save they are dropped.
 
@@ -27,8 +28,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megalign.parallel.layout import ParallelLayout
+
 from .config import ModelConfig
 from .heads import CausalLM, RewardModel, ValueModel
+from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 _Model = Union[CausalLM, ValueModel, RewardModel]
 
@@ -153,25 +157,37 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
 def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architecture: Optional[str] = None) -> None:
     """Write `model.safetensors` + `config.json` that `transformers` loads (padded vocab rows dropped).
 
-    Only whole (tp = 1) models: a tensor-parallel model must be gathered first. Files are written under a
-    temporary name and renamed when complete, so a crash never leaves a half-written checkpoint.
+    A tensor-parallel model is gathered tensor by tensor onto tp rank 0 (so at most one whole tensor
+    beyond the model is in flight), which writes: a collective over the tp group, so every tp rank
+    calls it; ranks other than tp rank 0 return once their shards are sent, before the files exist
+    (barrier before reading them there). With dp > 1, call it on one dp replica only, or each replica's
+    tp rank 0 writes the same files. Files are written under a temporary name unique to the process
+    and renamed when complete, so a crash never leaves a half-written checkpoint; a model holding NaN or
+    inf is refused (ValueError naming the tensors) before anything is written.
     `architecture` defaults to the family's ...ForCausalLM, or ...ForSequenceClassification for scalar heads.
     """
     path = os.fspath(path)
     factory = model.model.factory
-    if factory.tp_size != 1:
-        raise ValueError(f"save_hf_checkpoint needs the whole model; got a tp rank of size {factory.tp_size}")
     config: ModelConfig = model.config
     if model.model.layer_range != (0, config.num_hidden_layers):
         raise ValueError(f"save_hf_checkpoint needs the whole model; got the pipeline stage of layers "
                          f"{model.model.layer_range} out of {config.num_hidden_layers}")
     tensors = {}
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
-        hf_name, _ = hf_rule(name)
+        hf_name, shard_dim = hf_rule(name)
         tensor = param.detach()
+        if shard_dim is not None:
+            tensor = factory.gather_to_first(tensor, shard_dim)
+        if tensor is None:  # not tp rank 0: this rank only sends
+            continue
         if name in _VOCAB_PARAMS:
             tensor = tensor[: config.vocab_size]
         tensors[hf_name] = tensor.contiguous().cpu()
+    if factory.tp_rank != 0:
+        return
+    broken = [hf_name for hf_name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise ValueError(f"save_hf_checkpoint: not writing {path}: tensors {broken} hold NaN or inf values")
     if architecture is None and not isinstance(model, CausalLM):
         architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                         "mistral": "MistralForSequenceClassification"}[config.model_type]
@@ -182,11 +198,12 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
         hf_config["num_labels"] = 1
     os.makedirs(path, exist_ok=True)
     weights, cfg = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
-    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
-    with open(cfg + ".tmp", "w") as f:
+    tmp = f".tmp{os.getpid()}"
+    save_file(tensors, weights + tmp, metadata={"format": "pt"})
+    with open(cfg + tmp, "w") as f:
         json.dump(hf_config, f, indent=2)
-    os.replace(weights + ".tmp", weights)
-    os.replace(cfg + ".tmp", cfg)
+    os.replace(weights + tmp, weights)
+    os.replace(cfg + tmp, cfg)
 
 
 _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
@@ -194,17 +211,29 @@ _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
 
 def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", factory=None,
                     vocab_pad_multiple: int = 1, dtype: Optional[torch.dtype] = None,
-                    activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None) -> _Model:
+                    activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None,
+                    layout: Optional[ParallelLayout] = None) -> _Model:
     """Build a megalign model from an HF checkpoint folder.
 
     kind: 'causal_lm' (policy / reference), 'value' (critic; reads `score.weight`, e.g. from a reward
     model), or 'reward' (`...ForSequenceClassification`). dtype: parameter dtype (default: fp32).
     layer_range: build and read only decoder layers `[start, end)` (a pipeline stage, see `Decoder`).
+    layout: build this rank's tensor-parallel shards over `layout.tp_group` (`TensorParallelFactory`,
+    vocabulary padded to a multiple of lcm(vocab_pad_multiple, tp)) on `layout.device`, reading only
+    this rank's slices of the checkpoint; a collective-free load, but every tp rank must call it.
+    Give either `layout` or a custom `factory`, not both.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} is not one of {sorted(_KINDS)}")
     config = ModelConfig.from_hf(path, vocab_pad_multiple=vocab_pad_multiple)
+    if layout is not None:
+        if factory is not None:
+            raise ValueError("from_pretrained: give either layout or factory, not both")
+        config = tensor_parallel_config(config, layout.tp)
+        factory = TensorParallelFactory(layout)
     model = _KINDS[kind](config, factory, activation_checkpointing, layer_range)
+    if layout is not None:
+        model.to(layout.device)
     if dtype is not None:
         model.to(dtype)
     load_hf_weights(model, path)

@@ -1,5 +1,5 @@
 """Megatron-style parallelism on torch.distributed: the layout object, tp collectives and layers,
-vocab-parallel (and fused linear) token log-probs, data parallelism, pipeline schedules.
+vocab-parallel (and fused linear) token log-probs, data parallelism, mixed precision, pipeline schedules.
 
 Everything takes its process groups explicitly (from a `ParallelLayout`); nothing here keeps global
 process-group state. The same code runs on gloo/CPU and NCCL/GPU.
@@ -7,8 +7,10 @@ process-group state. The same code runs on gloo/CPU and NCCL/GPU.
 from .collectives import (
     all_gather_last_dim,
     all_reduce,
+    broadcast_from_first,
     copy_to_group,
     gather_from_group,
+    gather_to_first,
     reduce_from_group,
     scatter_to_group,
     split_last_dim,
@@ -24,13 +26,14 @@ from .layers import (
 from .layout import ParallelLayout, group_ranks, rank_coords
 from .logprob import fused_linear_token_logprob, vocab_parallel_token_logprob
 from .pipeline import Pipeline, stage_from_pretrained, stage_layer_range
+from .precision import MixedPrecision
 
 __all__ = [
     "ParallelLayout", "rank_coords", "group_ranks",
     "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
-    "all_reduce", "all_gather_last_dim", "split_last_dim",
+    "all_reduce", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first",
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
     "vocab_parallel_token_logprob", "fused_linear_token_logprob",
-    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_",
+    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "MixedPrecision",
     "Pipeline", "stage_layer_range", "stage_from_pretrained",
 ]

@@ -12,7 +12,8 @@ input unchanged (the same tensor object) when the group has one rank, so tp=1 co
 
 `copy_to_group` / `reduce_from_group` bracket a column-parallel -> row-parallel pair; the scatter /
 gather pair converts between replicated and last-dim-sharded activations. The plain (non-autograd)
-helpers `all_reduce`, `all_gather_last_dim` and `split_last_dim` never modify their input.
+helpers `all_reduce`, `all_gather_last_dim`, `split_last_dim`, `broadcast_from_first` and
+`gather_to_first` never modify their input.
 """
 from __future__ import annotations
 
@@ -59,6 +60,31 @@ def split_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
             f"split_last_dim: last dim {x.shape[-1]} of shape {tuple(x.shape)} is not divisible by the group size {size}"
         )
     return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def broadcast_from_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Group rank 0's `x` on every rank of `group`, as a new tensor (`x` must have the same shape and dtype everywhere)."""
+    if group_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.broadcast(out, group_src=0, group=group)
+    return out
+
+
+def gather_to_first(x: torch.Tensor, dim: int, group: Group) -> Optional[torch.Tensor]:
+    """Every rank's `x` concatenated along `dim`, on group rank 0 only (None on the others).
+
+    Costs the whole tensor on rank 0 alone (not on every rank, as an all-gather would): what a
+    checkpoint writer needs. Shards must have the same shape on every rank.
+    """
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    first = dist.get_rank(group) == 0
+    parts = [torch.empty_like(x) for _ in range(size)] if first else None
+    dist.gather(x, parts, group_dst=0, group=group)
+    return torch.cat(parts, dim=dim) if first else None
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -18,11 +18,18 @@ Design choices:
   forward over the finished sequences (logits / T, as verl does), so on-policy importance ratios start
   at exactly 1; the truncated distribution would put the renormalisation mass into the ratio. Without
   top-k / top-p it is exactly the distribution sampled from.
+- Tensor parallelism: each rank runs the decode on its own heads (its KV cache holds only its kv
+  heads) and the LM head's vocab-sharded logits of the last position are all-gathered
+  (`LMHead.gather_logits`, `[B, V]` per step; exact, so every tp rank holds bit-identical logits and
+  greedy argmax agrees without communication). A sampled token is broadcast from tp rank 0, so the
+  ranks never diverge even if sampling kernels were not bitwise reproducible across processes; only tp
+  rank 0's generator matters (give every tp rank the same seed anyway, and different dp ranks
+  different seeds for different rollouts). Log-probs are computed on every rank for the agreed token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -90,16 +97,22 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits `[B, V]` -> (tokens `[B]`, log-probs `[B]` fp32; see the module docstring for which distribution)."""
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator],
+                agree: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits `[B, V]` -> (tokens `[B]`, log-probs `[B]` fp32; see the module docstring for which distribution).
+
+    `agree` maps sampled tokens to the ones every tensor-parallel rank uses (tp rank 0's, broadcast);
+    greedy tokens need no agreement (argmax of identical logits).
+    """
     logits = logits.float()
+    scaled = logits / params.temperature if params.temperature else logits
     if params.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
-    scaled = logits / params.temperature
-    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    else:
+        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        if agree is not None:
+            tokens = agree(tokens)
     return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
@@ -108,7 +121,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
              generator: Optional[torch.Generator] = None) -> GenerationOutput:
     """Continue each left-padded prompt of `input_ids` `[B, P]` (mask `attention_mask` `[B, P]`) with `model`.
 
-    Every row must hold at least one real token and be padded on the left only.
+    Every row must hold at least one real token and be padded on the left only. With a tensor-parallel
+    `model`, every tp rank calls it with the same prompts and gets the same output.
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [batch, prompt_len], got "
@@ -125,7 +139,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
     tokens, logprobs = [], []
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(params.max_new_tokens):
-        token, logprob = sample_next(model.lm_head(hidden[:, -1]), params, generator)
+        logits = model.lm_head.gather_logits(model.lm_head(hidden[:, -1]))  # [B, V], same on every tp rank
+        token, logprob = sample_next(logits, params, generator, agree=model.model.factory.broadcast_from_first)
         token = token.masked_fill(finished, params.pad_token_id)
         tokens.append(token)
         logprobs.append(logprob.masked_fill(finished, 0.0))

@@ -60,10 +60,14 @@ def test_padded_vocab_round_trip_through_transformers(tmp_path, family):
         assert torch.isneginf(logits[..., VOCAB:]).all()  # padding never receives probability
         torch.testing.assert_close(logits[..., :VOCAB], hf(ids).logits, **FP32)
     save_hf_checkpoint(ours, tmp_path / "out")
-    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]  # no temporary left
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=0, rtol=0)
+        ours.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"tensors \['model.layers.1.mlp.up_proj.weight'\] hold NaN or inf"):
+        save_hf_checkpoint(ours, tmp_path / "nan")
+    assert not os.path.exists(tmp_path / "nan")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -136,5 +140,6 @@ def test_tp_rank_reads_its_slices(tmp_path):
 
 def test_tp_divisibility_is_checked(tmp_path):
     make_causal_lm(tmp_path, "llama3_gqa")  # 4 heads, 2 kv heads
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) and num_key_value_heads \(2\).*size 4"):
+    with pytest.raises(ValueError, match=r"^num_key_value_heads \(2\) and padded_vocab_size \(97\) must be divisible "
+                                         r"by the tensor-parallel size 4; pad the vocabulary"):
         CausalLM(ModelConfig.from_hf(tmp_path), _ShardShapes(0, 4))

@@ -11,8 +11,10 @@ from torch.testing import assert_close
 from megalign.parallel.collectives import (
     all_gather_last_dim,
     all_reduce,
+    broadcast_from_first,
     copy_to_group,
     gather_from_group,
+    gather_to_first,
     reduce_from_group,
     scatter_to_group,
     split_last_dim,
@@ -78,6 +80,11 @@ def _check_collectives_on_tp_group():
     assert_close(all_reduce(xs[r], group, dist.ReduceOp.MAX), xs.max(dim=0).values)
     assert_close(all_gather_last_dim(xs[r], group), torch.cat(list(xs), dim=-1))
     assert_close(split_last_dim(xs[0], group), xs[0].chunk(n, dim=-1)[r])
+    x = xs[r].t()  # non-contiguous
+    assert_close(broadcast_from_first(x, group), xs[0].t())
+    assert_close(x, xs[r].t())  # the input is left as it was
+    gathered = gather_to_first(x, 0, group)
+    assert gathered is None if r else torch.equal(gathered, torch.cat([xs[i].t() for i in range(n)], dim=0))
     try:
         split_last_dim(torch.zeros(2, 3), group)
     except ValueError as e:
@@ -90,8 +97,9 @@ def _check_size_one_group_is_identity():
     layout = ParallelLayout.build(tp=1)  # dp=2: the tp group holds one rank
     x = torch.randn(3, 4, requires_grad=True)
     for fn in (copy_to_group, reduce_from_group, scatter_to_group, gather_from_group, all_reduce,
-               all_gather_last_dim, split_last_dim):
+               all_gather_last_dim, split_last_dim, broadcast_from_first):
         assert fn(x, layout.tp_group) is x, fn.__name__
+    assert gather_to_first(x, 0, layout.tp_group) is x
 
 
 def _check_all():
