@@ -37,15 +37,20 @@ void bwd_impl(const KlArgs& a, const StridedView& grad, T* grad_logp) {
 
 template <typename T, typename M>
 KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
+  using A = acc_t<T>;
   return detail::parallel_reduce_chunks<KlMeanPartial<double>>(
       a.rows, a.cols, [&](KlMeanPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+        A sum = 0, count = 0;  // count is exact: a chunk holds at most kChunk tokens
+#pragma omp simd reduction(+ : sum, count)
         for (int64_t c = c0; c < c1; ++c) {
-          if (!load_valid<M>(m.mask, element_offset(m.mask, r, c))) continue;
-          const auto lp = load_acc<T>(a.logp, element_offset(a.logp, r, c));
-          const auto ref = load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c));
-          part.sum += kl_estimate(a.kind, lp, ref).value;
-          ++part.count;
+          const bool valid = load_valid<M>(m.mask, element_offset(m.mask, r, c));
+          const A kl = kl_estimate(a.kind, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
+                                   load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
+                           .value;
+          sum += valid ? kl : A(0);
+          count += valid ? A(1) : A(0);
         }
+        part.merge(KlMeanPartial<double>{sum, static_cast<int64_t>(count)});
       });
 }
 
@@ -53,14 +58,13 @@ template <typename T, typename M>
 void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* grad_logp) {
   using A = acc_t<T>;
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+#pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
-      A g = A(0);
-      if (load_valid<M>(m.mask, element_offset(m.mask, r, c))) {
-        const A lp = load_acc<T>(a.logp, element_offset(a.logp, r, c));
-        const A ref = load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c));
-        g = scale * kl_estimate(a.kind, lp, ref).dlogp;
-      }
-      grad_logp[r * a.cols + c] = from_acc<T>(g);
+      const bool valid = load_valid<M>(m.mask, element_offset(m.mask, r, c));
+      const A g = scale * kl_estimate(a.kind, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
+                                      load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
+                              .dlogp;
+      grad_logp[r * a.cols + c] = from_acc<T>(valid ? g : A(0));
     }
   });
 }
@@ -70,7 +74,7 @@ void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* gra
 void kl_penalty_fwd(const KlArgs& a, void* out) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_fwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-      detail::dispatch_dense(all_dense(a), [&](auto dense) {
+      detail::dispatch_bool(all_dense(a), [&](auto dense) {
         fwd_impl<scalar_t, decltype(kind)::value, decltype(dense)::value>(a, static_cast<acc_t<scalar_t>*>(out));
       });
     });
@@ -80,7 +84,7 @@ void kl_penalty_fwd(const KlArgs& a, void* out) {
 void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_bwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-      detail::dispatch_dense(all_dense(a), [&](auto dense) {
+      detail::dispatch_bool(all_dense(a), [&](auto dense) {
         bwd_impl<scalar_t, decltype(kind)::value, decltype(dense)::value>(a, grad, static_cast<scalar_t*>(grad_logp));
       });
     });

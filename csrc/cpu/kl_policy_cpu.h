@@ -20,7 +20,7 @@ constexpr int64_t kParallelMinElements = 1 << 15;
 // Offset of element (r, c): the dense row-major index when every operand is dense (lets the
 // compiler vectorise), the strided address otherwise.
 template <bool Dense>
-inline int64_t offset(const StridedView& v, int64_t r, int64_t c, int64_t cols) {
+MEGALIGN_HD_INLINE int64_t offset(const StridedView& v, int64_t r, int64_t c, int64_t cols) {
   return Dense ? r * cols + c : element_offset(v, r, c);
 }
 
@@ -61,10 +61,10 @@ void dispatch_kl_kind(KlKind kind, Fn&& fn) {
   throw std::invalid_argument("kl_penalty: unknown kind");
 }
 
-// Invokes fn(std::bool_constant<dense>{}).
+// Invokes fn(std::bool_constant<flag>{}).
 template <typename Fn>
-void dispatch_dense(bool dense, Fn&& fn) {
-  if (dense) {
+void dispatch_bool(bool flag, Fn&& fn) {
+  if (flag) {
     fn(std::true_type{});
   } else {
     fn(std::false_type{});

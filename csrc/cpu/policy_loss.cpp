@@ -15,45 +15,73 @@ bool inputs_dense(const PolicyLossArgs& a) {
          is_dense(a.mask, a.cols) && is_dense(a.ref_logp, a.cols);
 }
 
-// The token at (r, c), or nothing for a masked token.
-template <typename T, typename M, bool Dense>
-inline bool load_token(const PolicyLossArgs& a, const PolicyCoeffs<acc_t<T>>& p, int64_t r, int64_t c,
-                       PolicyToken<acc_t<T>>& out) {
+// The token at (r, c), masked or not: every load is unconditional (all operands are in bounds)
+// and HasRef is a compile-time flag, so the loops below have no control flow and vectorise.
+template <typename T, bool Dense, bool HasRef>
+MEGALIGN_HD_INLINE PolicyToken<acc_t<T>> token_at(const PolicyLossArgs& a, const PolicyCoeffs<acc_t<T>>& p, int64_t r,
+                                      int64_t c) {
   using A = acc_t<T>;
-  if (!load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols))) return false;
-  const bool has_ref = a.ref_logp.data != nullptr;
-  const A ref = has_ref ? load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols)) : A(0);
-  out = policy_token(load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols)),
-                     load_acc<T>(a.old_logp, offset<Dense>(a.old_logp, r, c, a.cols)),
-                     load_acc<T>(a.advantages, offset<Dense>(a.advantages, r, c, a.cols)), has_ref, ref, p);
-  return true;
+  const A ref = HasRef ? load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols)) : A(0);
+  return policy_token(load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols)),
+                      load_acc<T>(a.old_logp, offset<Dense>(a.old_logp, r, c, a.cols)),
+                      load_acc<T>(a.advantages, offset<Dense>(a.advantages, r, c, a.cols)), HasRef, ref, p);
 }
 
-template <typename T, typename M, bool Dense>
+// Per chunk, the statistics are reduced in acc_t<T> scalars (exact counts: a chunk holds at most
+// kChunk tokens) that OpenMP's simd reduction can vectorise, then merged into the fp64 partial.
+template <typename T, typename M, bool Dense, bool HasRef>
 PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss) {
   using A = acc_t<T>;
   const PolicyCoeffs<A> p = policy_coeffs<A>(a);
   return detail::parallel_reduce_chunks<PolicyPartial<double>>(
       a.rows, a.cols, [&](PolicyPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+        A count = 0, clipped = 0, dual = 0, neg_log_ratio = 0, kl = 0;
+        A ratio_min = A(1e30), ratio_max = A(0);
+#pragma omp simd reduction(+ : count, clipped, dual, neg_log_ratio, kl) reduction(min : ratio_min) \
+    reduction(max : ratio_max)
         for (int64_t c = c0; c < c1; ++c) {
-          PolicyToken<A> t;
-          const bool valid = load_token<T, M, Dense>(a, p, r, c, t);
+          const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
+          const PolicyToken<A> t = token_at<T, Dense, HasRef>(a, p, r, c);
           loss[r * a.cols + c] = valid ? t.loss : A(0);
-          if (valid) part.add(t);
+          count += valid ? A(1) : A(0);
+          clipped += (valid && t.clipped) ? A(1) : A(0);
+          dual += (valid && t.dual_clipped) ? A(1) : A(0);
+          neg_log_ratio += valid ? -t.log_ratio : A(0);
+          kl += valid ? t.kl : A(0);
+          ratio_min = std::min(ratio_min, valid ? t.ratio : A(1e30));
+          ratio_max = std::max(ratio_max, valid ? t.ratio : A(0));
         }
+        PolicyPartial<double> chunk;
+        chunk.count = static_cast<int64_t>(count);
+        chunk.clipped = static_cast<int64_t>(clipped);
+        chunk.dual_clipped = static_cast<int64_t>(dual);
+        chunk.neg_log_ratio = neg_log_ratio;
+        chunk.kl = kl;
+        chunk.ratio_min = ratio_min;
+        chunk.ratio_max = ratio_max;
+        part.merge(chunk);
       });
 }
 
-template <typename T, typename M, bool Dense>
+template <typename T, typename M, bool Dense, bool HasRef>
 void bwd_impl(const PolicyLossArgs& a, const StridedView& grad, T* grad_logp) {
   using A = acc_t<T>;
   const PolicyCoeffs<A> p = policy_coeffs<A>(a);
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+#pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
-      PolicyToken<A> t;
-      const bool valid = load_token<T, M, Dense>(a, p, r, c, t);
-      grad_logp[r * a.cols + c] = from_acc<T>(valid ? load_acc<A>(grad, element_offset(grad, r, c)) * t.dlogp : A(0));
+      const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
+      const A g = load_acc<A>(grad, element_offset(grad, r, c)) * token_at<T, Dense, HasRef>(a, p, r, c).dlogp;
+      grad_logp[r * a.cols + c] = from_acc<T>(valid ? g : A(0));
     }
+  });
+}
+
+// Invokes fn(dense, has_ref) as compile-time flags.
+template <typename Fn>
+void dispatch_layout(const PolicyLossArgs& a, Fn&& fn) {
+  detail::dispatch_bool(inputs_dense(a), [&](auto dense) {
+    detail::dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) { fn(dense, has_ref); });
   });
 }
 
@@ -62,8 +90,10 @@ void bwd_impl(const PolicyLossArgs& a, const StridedView& grad, T* grad_logp) {
 void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
-      detail::dispatch_dense(inputs_dense(a), [&](auto dense) {
-        fwd_impl<scalar_t, mask_t, decltype(dense)::value>(a, static_cast<acc_t<scalar_t>*>(loss)).finalize(stats);
+      dispatch_layout(a, [&](auto dense, auto has_ref) {
+        fwd_impl<scalar_t, mask_t, decltype(dense)::value, decltype(has_ref)::value>(
+            a, static_cast<acc_t<scalar_t>*>(loss))
+            .finalize(stats);
       });
     });
   });
@@ -72,8 +102,9 @@ void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
 void policy_loss_bwd(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_bwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_bwd", [&] {
-      detail::dispatch_dense(inputs_dense(a), [&](auto dense) {
-        bwd_impl<scalar_t, mask_t, decltype(dense)::value>(a, grad, static_cast<scalar_t*>(grad_logp));
+      dispatch_layout(a, [&](auto dense, auto has_ref) {
+        bwd_impl<scalar_t, mask_t, decltype(dense)::value, decltype(has_ref)::value>(
+            a, grad, static_cast<scalar_t*>(grad_logp));
       });
     });
   });

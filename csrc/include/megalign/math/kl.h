@@ -8,8 +8,9 @@
 //   k3          e^d - d - 1                      unbiased, low variance, >= 0, = 0 iff d = 0
 //   low_var_kl  clamp(e^dc - dc - 1, -10, 10),   verl's clamped k3, dc = clamp(d, -20, 20)
 //
-// k3 is evaluated as expm1(d) - d: the same value, but it cannot round below zero near d = 0
-// (exp(d) - d - 1 can), so k3 >= 0 holds in floating point too. Every estimator depends on
+// k3 is evaluated as the excess e^d - 1 - d of expm1_split: the same value, but accurate near
+// d = 0 and never below zero there (exp(d) - d - 1 can round negative), so k3 >= 0 holds in
+// floating point too. Every estimator depends on
 // logp - ref only, hence d/d ref_logp = -d/d logp; the functions return the value and d/d logp.
 // Clamp gradients follow torch.clamp: the gradient passes where the input lies inside the closed
 // interval and is 0 where a bound is active.
@@ -18,18 +19,66 @@
 #include <cmath>
 
 #include "megalign/common.h"
+#include "megalign/kl_policy_common.h"
 
 namespace megalign {
 
 enum class KlKind : int { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3, kLowVarKl = 4 };
 
-MEGALIGN_HD float exp_acc(float x) { return expf(x); }
-MEGALIGN_HD double exp_acc(double x) { return exp(x); }
-MEGALIGN_HD float expm1_acc(float x) { return expm1f(x); }
-MEGALIGN_HD double expm1_acc(double x) { return expm1(x); }
+// e^x in fp32 without a libm call, branch-free so the CPU loops vectorise (the GPU runs the same
+// arithmetic): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, and Cephes' expf polynomial
+// (about 1 ulp). Below -87.33 it gives 0 (no subnormals), above 88.72 +inf; NaN stays NaN.
+MEGALIGN_HD_INLINE float exp_acc(float x) {
+  const float hi = 88.72283905f, lo = -87.33654475f;
+  const bool is_nan = !(x == x);
+  const float xc = is_nan ? 0.0f : (x > hi ? hi : (x < lo ? lo : x));
+  const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // 2^n in two factors: n reaches 128 at the top of the range, past the largest float exponent.
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t n1 = ni / 2;
+  const float y = p * bits_float(static_cast<uint32_t>(n1 + 127) << 23) *
+                  bits_float(static_cast<uint32_t>(ni - n1 + 127) << 23);
+  return is_nan ? x : (x > hi ? bits_float(0x7F800000u) : (x < lo ? 0.0f : y));
+}
+MEGALIGN_HD_INLINE double exp_acc(double x) { return exp(x); }
+
+// e^x - 1 and the excess e^x - 1 - x (k3's core), both accurate near x = 0 where the excess is
+// x^2/2 + ...: fp32 uses the Taylor series x^2 (1/2 + x/6 + ... + x^6/8!) for |x| < ln2/2 and
+// exp_acc elsewhere (branch-free); fp64 uses libm's expm1. The excess never rounds below 0.
+template <typename A>
+struct Expm1Split {
+  A em1;
+  A excess;
+};
+
+MEGALIGN_HD_INLINE Expm1Split<float> expm1_split(float x) {
+  float q = 1.0f / 40320.0f;
+  q = q * x + 1.0f / 5040.0f;
+  q = q * x + 1.0f / 720.0f;
+  q = q * x + 1.0f / 120.0f;
+  q = q * x + 1.0f / 24.0f;
+  q = q * x + 1.0f / 6.0f;
+  q = q * x + 0.5f;
+  const float small_excess = x * x * q;
+  const float big_em1 = exp_acc(x) - 1.0f;
+  const bool small = x > -0.34657359f && x < 0.34657359f;
+  return {small ? x + small_excess : big_em1, small ? small_excess : big_em1 - x};
+}
+MEGALIGN_HD_INLINE Expm1Split<double> expm1_split(double x) {
+  const double em1 = expm1(x);
+  return {em1, em1 - x};
+}
 
 template <typename A>
-MEGALIGN_HD A clamp_acc(A x, A lo, A hi) {
+MEGALIGN_HD_INLINE A clamp_acc(A x, A lo, A hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
@@ -44,26 +93,24 @@ constexpr double kLowVarLogRatioBound = 20.0;
 constexpr double kLowVarKlBound = 10.0;
 
 template <typename A>
-MEGALIGN_HD KlValue<A> kl_k3(A logp, A ref) {
-  const A d = ref - logp;
-  const A em1 = expm1_acc(d);
-  return {em1 - d, -em1};
+MEGALIGN_HD_INLINE KlValue<A> kl_k3(A logp, A ref) {
+  const Expm1Split<A> e = expm1_split(ref - logp);
+  return {e.excess, -e.em1};
 }
 
 template <typename A>
-MEGALIGN_HD KlValue<A> kl_low_var(A logp, A ref) {
+MEGALIGN_HD_INLINE KlValue<A> kl_low_var(A logp, A ref) {
   const A bound = A(kLowVarLogRatioBound);
   const A d = ref - logp;
   const A dc = clamp_acc(d, -bound, bound);
-  const A em1 = expm1_acc(dc);
-  const A v = em1 - dc;  // >= 0, so only the upper clamp can bind
-  if (v > A(kLowVarKlBound)) return {A(kLowVarKlBound), A(0)};
+  const Expm1Split<A> e = expm1_split(dc);  // excess >= 0, so only the upper clamp can bind
+  const bool capped = e.excess > A(kLowVarKlBound);
   const bool inside = d >= -bound && d <= bound;
-  return {v, inside ? -em1 : A(0)};
+  return {capped ? A(kLowVarKlBound) : e.excess, (capped || !inside) ? A(0) : -e.em1};
 }
 
 template <typename A>
-MEGALIGN_HD KlValue<A> kl_estimate(KlKind kind, A logp, A ref) {
+MEGALIGN_HD_INLINE KlValue<A> kl_estimate(KlKind kind, A logp, A ref) {
   const A x = logp - ref;
   switch (kind) {
     case KlKind::kK1: return {x, A(1)};
@@ -80,12 +127,12 @@ template <typename S>
 struct KlMeanPartial {
   S sum = S(0);
   int64_t count = 0;
-  MEGALIGN_HD void merge(const KlMeanPartial& o) {
+  MEGALIGN_HD_INLINE void merge(const KlMeanPartial& o) {
     sum += o.sum;
     count += o.count;
   }
   // An empty mask gives 0 (not 0/0 = NaN).
-  MEGALIGN_HD S mean() const { return count > 0 ? sum / S(count) : S(0); }
+  MEGALIGN_HD_INLINE S mean() const { return count > 0 ? sum / S(count) : S(0); }
 };
 
 }  // namespace megalign
