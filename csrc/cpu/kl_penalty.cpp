@@ -74,7 +74,7 @@ void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* gra
 void kl_penalty_fwd(const KlArgs& a, void* out) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_fwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-      detail::dispatch_bool(all_dense(a), [&](auto dense) {
+      dispatch_bool(all_dense(a), [&](auto dense) {
         fwd_impl<scalar_t, decltype(kind)::value, decltype(dense)::value>(a, static_cast<acc_t<scalar_t>*>(out));
       });
     });
@@ -84,7 +84,7 @@ void kl_penalty_fwd(const KlArgs& a, void* out) {
 void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_bwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-      detail::dispatch_bool(all_dense(a), [&](auto dense) {
+      dispatch_bool(all_dense(a), [&](auto dense) {
         bwd_impl<scalar_t, decltype(kind)::value, decltype(dense)::value>(a, grad, static_cast<scalar_t*>(grad_logp));
       });
     });

@@ -61,14 +61,4 @@ void dispatch_kl_kind(KlKind kind, Fn&& fn) {
   throw std::invalid_argument("kl_penalty: unknown kind");
 }
 
-// Invokes fn(std::bool_constant<flag>{}).
-template <typename Fn>
-void dispatch_bool(bool flag, Fn&& fn) {
-  if (flag) {
-    fn(std::true_type{});
-  } else {
-    fn(std::false_type{});
-  }
-}
-
 }  // namespace megalign::cpu::detail

@@ -80,8 +80,8 @@ void bwd_impl(const PolicyLossArgs& a, const StridedView& grad, T* grad_logp) {
 // Invokes fn(dense, has_ref) as compile-time flags.
 template <typename Fn>
 void dispatch_layout(const PolicyLossArgs& a, Fn&& fn) {
-  detail::dispatch_bool(inputs_dense(a), [&](auto dense) {
-    detail::dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) { fn(dense, has_ref); });
+  dispatch_bool(inputs_dense(a), [&](auto dense) {
+    dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) { fn(dense, has_ref); });
   });
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "megalign/common.h"
 
@@ -70,6 +71,17 @@ MEGALIGN_HD_INLINE int64_t element_offset(const StridedView& v, int64_t r, int64
 // True when the view is the dense row-major layout, so element (r, c) sits at r*cols + c.
 inline bool is_dense(const StridedView& v, int64_t cols) {
   return v.data == nullptr || (v.col_stride == 1 && v.row_stride == cols);
+}
+
+// Host-side: invokes fn(std::bool_constant<flag>{}) so a runtime flag (dense layout, optional
+// operand present) becomes a template argument of the kernel.
+template <typename Fn>
+void dispatch_bool(bool flag, Fn&& fn) {
+  if (flag) {
+    fn(std::true_type{});
+  } else {
+    fn(std::false_type{});
+  }
 }
 
 template <typename T>
