@@ -47,8 +47,8 @@ KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
           const A kl = kl_estimate(a.kind, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
                                    load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
                            .value;
-          sum += valid ? kl : A(0);
-          count += valid ? A(1) : A(0);
+          sum += select_acc(valid, kl, A(0));
+          count += select_acc(valid, A(1), A(0));
         }
         part.merge(KlMeanPartial<double>{sum, static_cast<int64_t>(count)});
       });
@@ -64,7 +64,7 @@ void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* gra
       const A g = scale * kl_estimate(a.kind, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
                                       load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
                               .dlogp;
-      grad_logp[r * a.cols + c] = from_acc<T>(valid ? g : A(0));
+      grad_logp[r * a.cols + c] = from_acc<T>(select_acc(valid, g, A(0)));
     }
   });
 }

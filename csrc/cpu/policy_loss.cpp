@@ -27,29 +27,48 @@ MEGALIGN_HD_INLINE PolicyToken<acc_t<T>> token_at(const PolicyLossArgs& a, const
                       load_acc<T>(a.advantages, offset<Dense>(a.advantages, r, c, a.cols)), HasRef, ref, p);
 }
 
-// Per chunk, the statistics are reduced in acc_t<T> scalars (exact counts: a chunk holds at most
-// kChunk tokens) that OpenMP's simd reduction can vectorise, then merged into the fp64 partial.
+// Per block of a chunk: one loop computes the tokens and writes the loss and each token's
+// statistics contributions to small stack buffers (no reduction, so it vectorises), a second loop
+// reduces the buffers with OpenMP's simd reduction. Sums are exact counts or acc_t<T> values
+// (a chunk holds at most kChunk tokens), merged into the fp64 partial per chunk.
+constexpr int64_t kStatBlock = 512;
+
 template <typename T, typename M, bool Dense, bool HasRef>
 PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss) {
   using A = acc_t<T>;
   const PolicyCoeffs<A> p = policy_coeffs<A>(a);
   return detail::parallel_reduce_chunks<PolicyPartial<double>>(
       a.rows, a.cols, [&](PolicyPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+        A v_count[kStatBlock], v_clipped[kStatBlock], v_dual[kStatBlock], v_nlr[kStatBlock], v_kl[kStatBlock],
+            v_min[kStatBlock], v_max[kStatBlock];
         A count = 0, clipped = 0, dual = 0, neg_log_ratio = 0, kl = 0;
         A ratio_min = A(1e30), ratio_max = A(0);
+        for (int64_t b0 = c0; b0 < c1; b0 += kStatBlock) {
+          const int64_t len = std::min(kStatBlock, c1 - b0);
+          for (int64_t j = 0; j < len; ++j) {
+            const int64_t c = b0 + j;
+            const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
+            const PolicyToken<A> t = token_at<T, Dense, HasRef>(a, p, r, c);
+            loss[r * a.cols + c] = select_acc(valid, t.loss, A(0));
+            v_count[j] = select_acc(valid, A(1), A(0));
+            v_clipped[j] = select_acc(valid & t.clipped, A(1), A(0));
+            v_dual[j] = select_acc(valid & t.dual_clipped, A(1), A(0));
+            v_nlr[j] = select_acc(valid, -t.log_ratio, A(0));
+            v_kl[j] = select_acc(valid, t.kl, A(0));
+            v_min[j] = select_acc(valid, t.ratio, A(1e30));
+            v_max[j] = select_acc(valid, t.ratio, A(0));
+          }
 #pragma omp simd reduction(+ : count, clipped, dual, neg_log_ratio, kl) reduction(min : ratio_min) \
     reduction(max : ratio_max)
-        for (int64_t c = c0; c < c1; ++c) {
-          const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
-          const PolicyToken<A> t = token_at<T, Dense, HasRef>(a, p, r, c);
-          loss[r * a.cols + c] = valid ? t.loss : A(0);
-          count += valid ? A(1) : A(0);
-          clipped += (valid && t.clipped) ? A(1) : A(0);
-          dual += (valid && t.dual_clipped) ? A(1) : A(0);
-          neg_log_ratio += valid ? -t.log_ratio : A(0);
-          kl += valid ? t.kl : A(0);
-          ratio_min = std::min(ratio_min, valid ? t.ratio : A(1e30));
-          ratio_max = std::max(ratio_max, valid ? t.ratio : A(0));
+          for (int64_t j = 0; j < len; ++j) {
+            count += v_count[j];
+            clipped += v_clipped[j];
+            dual += v_dual[j];
+            neg_log_ratio += v_nlr[j];
+            kl += v_kl[j];
+            ratio_min = std::min(ratio_min, v_min[j]);
+            ratio_max = std::max(ratio_max, v_max[j]);
+          }
         }
         PolicyPartial<double> chunk;
         chunk.count = static_cast<int64_t>(count);
@@ -72,7 +91,7 @@ void bwd_impl(const PolicyLossArgs& a, const StridedView& grad, T* grad_logp) {
     for (int64_t c = c0; c < c1; ++c) {
       const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
       const A g = load_acc<A>(grad, element_offset(grad, r, c)) * token_at<T, Dense, HasRef>(a, p, r, c).dlogp;
-      grad_logp[r * a.cols + c] = from_acc<T>(valid ? g : A(0));
+      grad_logp[r * a.cols + c] = from_acc<T>(select_acc(valid, g, A(0)));
     }
   });
 }

@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "megalign/common.h"
 #include "megalign/kl_policy_common.h"
@@ -25,15 +27,33 @@ namespace megalign {
 
 enum class KlKind : int { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3, kLowVarKl = 4 };
 
-// e^x in fp32 without a libm call, branch-free so the CPU loops vectorise (the GPU runs the same
-// arithmetic): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, and Cephes' expf polynomial
-// (about 1 ulp). Below -87.33 it gives 0 (no subnormals), above 88.72 +inf; NaN stays NaN.
+MEGALIGN_HD_INLINE float float_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return __builtin_bit_cast(float, u);  // common.h's bits_float uses memcpy, opaque to GCC's vectoriser
+#endif
+}
+MEGALIGN_HD_INLINE uint32_t bits_from_float(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return __builtin_bit_cast(uint32_t, f);
+#endif
+}
+
+// e^x in fp32 without a libm call, written so GCC vectorises the CPU loops (no branches, no float
+// clamps: range checks are three selects at the end); the GPU runs the same arithmetic. Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2/2, and Cephes' expf polynomial (about 1 ulp). Below -87.33
+// it gives 0 (no subnormals), above 88.72 +inf; NaN stays NaN.
 MEGALIGN_HD_INLINE float exp_acc(float x) {
   const float hi = 88.72283905f, lo = -87.33654475f;
-  const bool is_nan = !(x == x);
-  const float xc = is_nan ? 0.0f : (x > hi ? hi : (x < lo ? lo : x));
-  const float n = floorf(xc * 1.44269504088896341f + 0.5f);
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  // n = round(x / ln2) by adding 1.5 * 2^23; its integer value is read from the low mantissa bits.
+  // Outside [lo, hi] the intermediates are meaningless and the final selects discard them.
+  const float shifted = x * 1.44269504088896341f + 12582912.0f;
+  const float n = shifted - 12582912.0f;
+  const uint32_t ni = bits_from_float(shifted) - 0x4B400000u;  // n modulo 2^32
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -41,12 +61,12 @@ MEGALIGN_HD_INLINE float exp_acc(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  // 2^n in two factors: n reaches 128 at the top of the range, past the largest float exponent.
-  const int32_t ni = static_cast<int32_t>(n);
-  const int32_t n1 = ni / 2;
-  const float y = p * bits_float(static_cast<uint32_t>(n1 + 127) << 23) *
-                  bits_float(static_cast<uint32_t>(ni - n1 + 127) << 23);
-  return is_nan ? x : (x > hi ? bits_float(0x7F800000u) : (x < lo ? 0.0f : y));
+  // 2^n in two factors 2^(n/2) 2^(n - n/2): n reaches 128 at the top, past the largest exponent.
+  const uint32_t n1 = static_cast<uint32_t>(static_cast<int32_t>(ni) >> 1);
+  const float y = p * float_from_bits((n1 + 127u) << 23) * float_from_bits((ni - n1 + 127u) << 23);
+  const float big = select_acc(x > hi, std::numeric_limits<float>::infinity(), y);
+  const float out = select_acc(x < lo, 0.0f, big);
+  return select_acc(x == x, out, x);
 }
 MEGALIGN_HD_INLINE double exp_acc(double x) { return exp(x); }
 
@@ -70,7 +90,7 @@ MEGALIGN_HD_INLINE Expm1Split<float> expm1_split(float x) {
   const float small_excess = x * x * q;
   const float big_em1 = exp_acc(x) - 1.0f;
   const bool small = x > -0.34657359f && x < 0.34657359f;
-  return {small ? x + small_excess : big_em1, small ? small_excess : big_em1 - x};
+  return {select_acc(small, x + small_excess, big_em1), select_acc(small, small_excess, big_em1 - x)};
 }
 MEGALIGN_HD_INLINE Expm1Split<double> expm1_split(double x) {
   const double em1 = expm1(x);
@@ -79,7 +99,7 @@ MEGALIGN_HD_INLINE Expm1Split<double> expm1_split(double x) {
 
 template <typename A>
 MEGALIGN_HD_INLINE A clamp_acc(A x, A lo, A hi) {
-  return x < lo ? lo : (x > hi ? hi : x);
+  return select_acc(x < lo, lo, select_acc(x > hi, hi, x));
 }
 
 template <typename A>
@@ -106,7 +126,7 @@ MEGALIGN_HD_INLINE KlValue<A> kl_low_var(A logp, A ref) {
   const Expm1Split<A> e = expm1_split(dc);  // excess >= 0, so only the upper clamp can bind
   const bool capped = e.excess > A(kLowVarKlBound);
   const bool inside = d >= -bound && d <= bound;
-  return {capped ? A(kLowVarKlBound) : e.excess, (capped || !inside) ? A(0) : -e.em1};
+  return {select_acc(capped, A(kLowVarKlBound), e.excess), select_acc(capped | !inside, A(0), -e.em1)};
 }
 
 template <typename A>
@@ -114,7 +134,7 @@ MEGALIGN_HD_INLINE KlValue<A> kl_estimate(KlKind kind, A logp, A ref) {
   const A x = logp - ref;
   switch (kind) {
     case KlKind::kK1: return {x, A(1)};
-    case KlKind::kAbs: return {x < A(0) ? -x : x, x > A(0) ? A(1) : (x < A(0) ? A(-1) : A(0))};
+    case KlKind::kAbs: return {select_acc(x < A(0), -x, x), select_acc(x > A(0), A(1), select_acc(x < A(0), A(-1), A(0)))};
     case KlKind::kK2: return {A(0.5) * x * x, x};
     case KlKind::kK3: return kl_k3(logp, ref);
     case KlKind::kLowVarKl: return kl_low_var(logp, ref);

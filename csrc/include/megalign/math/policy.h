@@ -66,16 +66,16 @@ MEGALIGN_HD_INLINE PolicyToken<A> policy_token(A logp, A old_logp, A adv, bool h
   const A surr1 = -adv * ratio;
   const A surr2 = -adv * clamp_acc(ratio, A(1) - p.eps_low, A(1) + p.eps_high);
   const bool clipped = surr2 > surr1;
-  const A surr = clipped ? surr2 : surr1;
+  const A surr = select_acc(clipped, surr2, surr1);
   // Written as selects, without branches, so the CPU loops vectorise.
   const A surr3 = -adv * p.dual_clip;
   const bool dual = (p.dual_clip > A(0)) & (adv < A(0)) & (surr > surr3);
-  const bool live = !clipped & !dual & (diff >= -bound) & (diff <= bound);
-  const KlValue<A> k3 = kl_k3(logp, has_ref ? ref_logp : logp);
+  const bool live = !clipped & !dual & (log_ratio == diff);  // the log-ratio clamp is inactive
+  const KlValue<A> k3 = kl_k3(logp, select_acc(has_ref, ref_logp, logp));
   const bool penalise = has_ref & (p.beta > A(0));
-  const A kl = has_ref ? k3.value : A(0);
-  const A loss = (dual ? surr3 : surr) + (penalise ? p.beta * k3.value : A(0));
-  const A dlogp = (live ? surr1 : A(0)) + (penalise ? p.beta * k3.dlogp : A(0));
+  const A kl = select_acc(has_ref, k3.value, A(0));
+  const A loss = select_acc(dual, surr3, surr) + select_acc(penalise, p.beta * k3.value, A(0));
+  const A dlogp = select_acc(live, surr1, A(0)) + select_acc(penalise, p.beta * k3.dlogp, A(0));
   return {loss, dlogp, log_ratio, ratio, kl, clipped, dual};
 }
 
