@@ -14,6 +14,7 @@ bool all_dense(const KlArgs& a) { return is_dense(a.logp, a.cols) && is_dense(a.
 template <typename T, KlKind K, bool Dense>
 void fwd_impl(const KlArgs& a, acc_t<T>* out) {
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+#pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
       const auto lp = load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols));
       const auto ref = load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols));
@@ -26,6 +27,7 @@ template <typename T, KlKind K, bool Dense>
 void bwd_impl(const KlArgs& a, const StridedView& grad, T* grad_logp) {
   using A = acc_t<T>;
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+#pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
       const A lp = load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols));
       const A ref = load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols));

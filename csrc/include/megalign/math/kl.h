@@ -89,7 +89,7 @@ MEGALIGN_HD_INLINE Expm1Split<float> expm1_split(float x) {
   q = q * x + 0.5f;
   const float small_excess = x * x * q;
   const float big_em1 = exp_acc(x) - 1.0f;
-  const bool small = x > -0.34657359f && x < 0.34657359f;
+  const bool small = (x > -0.34657359f) & (x < 0.34657359f);
   return {select_acc(small, x + small_excess, big_em1), select_acc(small, small_excess, big_em1 - x)};
 }
 MEGALIGN_HD_INLINE Expm1Split<double> expm1_split(double x) {
@@ -125,7 +125,7 @@ MEGALIGN_HD_INLINE KlValue<A> kl_low_var(A logp, A ref) {
   const A dc = clamp_acc(d, -bound, bound);
   const Expm1Split<A> e = expm1_split(dc);  // excess >= 0, so only the upper clamp can bind
   const bool capped = e.excess > A(kLowVarKlBound);
-  const bool inside = d >= -bound && d <= bound;
+  const bool inside = (d >= -bound) & (d <= bound);
   return {select_acc(capped, A(kLowVarKlBound), e.excess), select_acc(capped | !inside, A(0), -e.em1)};
 }
 
