@@ -37,7 +37,7 @@ void bwd_impl(const KlArgs& a, const StridedView& grad, T* grad_logp) {
   });
 }
 
-template <typename T, typename M>
+template <typename T, typename M, KlKind K>
 KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
   using A = acc_t<T>;
   return detail::parallel_reduce_chunks<KlMeanPartial<double>>(
@@ -46,7 +46,7 @@ KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
 #pragma omp simd reduction(+ : sum, count)
         for (int64_t c = c0; c < c1; ++c) {
           const bool valid = load_valid<M>(m.mask, element_offset(m.mask, r, c));
-          const A kl = kl_estimate(a.kind, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
+          const A kl = kl_estimate(K, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
                                    load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
                            .value;
           sum += select_acc(valid, kl, A(0));
@@ -56,14 +56,14 @@ KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
       });
 }
 
-template <typename T, typename M>
+template <typename T, typename M, KlKind K>
 void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* grad_logp) {
   using A = acc_t<T>;
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
 #pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
       const bool valid = load_valid<M>(m.mask, element_offset(m.mask, r, c));
-      const A g = scale * kl_estimate(a.kind, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
+      const A g = scale * kl_estimate(K, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
                                       load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
                               .dlogp;
       grad_logp[r * a.cols + c] = from_acc<T>(select_acc(valid, g, A(0)));
@@ -96,9 +96,11 @@ void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
 void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_masked_mean_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
-      const KlMeanPartial<double> total = masked_sum<scalar_t, mask_t>(a, m);
-      *static_cast<acc_t<scalar_t>*>(mean) = static_cast<acc_t<scalar_t>>(total.mean());
-      *count = total.count;
+      detail::dispatch_kl_kind(a.kind, [&](auto kind) {
+        const KlMeanPartial<double> total = masked_sum<scalar_t, mask_t, decltype(kind)::value>(a, m);
+        *static_cast<acc_t<scalar_t>*>(mean) = static_cast<acc_t<scalar_t>>(total.mean());
+        *count = total.count;
+      });
     });
   });
 }
@@ -110,7 +112,9 @@ void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_me
       using A = acc_t<scalar_t>;
       // With no valid token every gradient is 0; the guard only avoids dividing by zero.
       const A scale = *static_cast<const A*>(grad_mean) / A(*count > 0 ? *count : 1);
-      masked_bwd_impl<scalar_t, mask_t>(a, m, scale, static_cast<scalar_t*>(grad_logp));
+      detail::dispatch_kl_kind(a.kind, [&](auto kind) {
+        masked_bwd_impl<scalar_t, mask_t, decltype(kind)::value>(a, m, scale, static_cast<scalar_t*>(grad_logp));
+      });
     });
   });
 }
