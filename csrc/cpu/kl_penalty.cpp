@@ -9,7 +9,9 @@ namespace {
 
 using detail::offset;
 
-bool all_dense(const KlArgs& a) { return is_dense(a.logp, a.cols) && is_dense(a.ref_logp, a.cols); }
+bool all_dense(const KlArgs& a, const StridedView& mask = {}) {
+  return is_dense(a.logp, a.cols) && is_dense(a.ref_logp, a.cols) && is_dense(mask, a.cols);
+}
 
 template <typename T, KlKind K, bool Dense>
 void fwd_impl(const KlArgs& a, acc_t<T>* out) {
@@ -37,7 +39,7 @@ void bwd_impl(const KlArgs& a, const StridedView& grad, T* grad_logp) {
   });
 }
 
-template <typename T, typename M, KlKind K>
+template <typename T, typename M, KlKind K, bool Dense>
 KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
   using A = acc_t<T>;
   return detail::parallel_reduce_chunks<KlMeanPartial<double>>(
@@ -45,9 +47,9 @@ KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
         A sum = 0, count = 0;  // count is exact: a chunk holds at most kChunk tokens
 #pragma omp simd reduction(+ : sum, count)
         for (int64_t c = c0; c < c1; ++c) {
-          const bool valid = load_valid<M>(m.mask, element_offset(m.mask, r, c));
-          const A kl = kl_estimate(K, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
-                                   load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
+          const bool valid = load_valid<M>(m.mask, offset<Dense>(m.mask, r, c, a.cols));
+          const A kl = kl_estimate(K, load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols)),
+                                   load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols)))
                            .value;
           sum += select_acc(valid, kl, A(0));
           count += select_acc(valid, A(1), A(0));
@@ -56,15 +58,15 @@ KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
       });
 }
 
-template <typename T, typename M, KlKind K>
+template <typename T, typename M, KlKind K, bool Dense>
 void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* grad_logp) {
   using A = acc_t<T>;
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
 #pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
-      const bool valid = load_valid<M>(m.mask, element_offset(m.mask, r, c));
-      const A g = scale * kl_estimate(K, load_acc<T>(a.logp, element_offset(a.logp, r, c)),
-                                      load_acc<T>(a.ref_logp, element_offset(a.ref_logp, r, c)))
+      const bool valid = load_valid<M>(m.mask, offset<Dense>(m.mask, r, c, a.cols));
+      const A g = scale * kl_estimate(K, load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols)),
+                                      load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols)))
                               .dlogp;
       grad_logp[r * a.cols + c] = from_acc<T>(select_acc(valid, g, A(0)));
     }
@@ -97,9 +99,12 @@ void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_masked_mean_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
       detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-        const KlMeanPartial<double> total = masked_sum<scalar_t, mask_t, decltype(kind)::value>(a, m);
-        *static_cast<acc_t<scalar_t>*>(mean) = static_cast<acc_t<scalar_t>>(total.mean());
-        *count = total.count;
+        dispatch_bool(all_dense(a, m.mask), [&](auto dense) {
+          const KlMeanPartial<double> total =
+              masked_sum<scalar_t, mask_t, decltype(kind)::value, decltype(dense)::value>(a, m);
+          *static_cast<acc_t<scalar_t>*>(mean) = static_cast<acc_t<scalar_t>>(total.mean());
+          *count = total.count;
+        });
       });
     });
   });
@@ -113,7 +118,10 @@ void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_me
       // With no valid token every gradient is 0; the guard only avoids dividing by zero.
       const A scale = *static_cast<const A*>(grad_mean) / A(*count > 0 ? *count : 1);
       detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-        masked_bwd_impl<scalar_t, mask_t, decltype(kind)::value>(a, m, scale, static_cast<scalar_t*>(grad_logp));
+        dispatch_bool(all_dense(a, m.mask), [&](auto dense) {
+          masked_bwd_impl<scalar_t, mask_t, decltype(kind)::value, decltype(dense)::value>(
+              a, m, scale, static_cast<scalar_t*>(grad_logp));
+        });
       });
     });
   });
