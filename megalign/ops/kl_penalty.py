@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.reference import kl_penalty as _ref
+from megalign.ops.reference.kl_penalty import acc_dtype, resolve_kind
+from megalign.ops.reference.kl_penalty import kl_penalty as reference_kl_penalty
+from megalign.ops.reference.kl_penalty import kl_penalty_masked_mean as reference_kl_penalty_masked_mean
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64) + FLOAT_DTYPES
@@ -66,21 +68,21 @@ def check_operands(op: str, logp: torch.Tensor, mask: torch.Tensor | None = None
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL estimate `kind` of logp against ref_logp; [*] -> [*] in fp32 (fp64 for fp64)."""
-    kind = _ref.resolve_kind(kind)
+    kind = resolve_kind(kind)
     check_operands("kl_penalty", logp, ref_logp=ref_logp)
     if _backend.use_kernels(logp):
         return torch.ops.megalign.kl_penalty_fwd(logp, ref_logp, kind)
-    return _ref.kl_penalty(logp, ref_logp, kind)
+    return reference_kl_penalty(logp, ref_logp, kind)
 
 
 def kl_penalty_masked_mean(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                            kind: str = "k3") -> torch.Tensor:
     """sum(kl * valid) / count(valid) over all tokens as a 0-d tensor, fused in one pass; 0 if no token is valid."""
-    kind = _ref.resolve_kind(kind)
+    kind = resolve_kind(kind)
     check_operands("kl_penalty_masked_mean", logp, mask=mask, ref_logp=ref_logp)
     if _backend.use_kernels(logp):
         return torch.ops.megalign.kl_masked_mean_fwd(logp, ref_logp, mask, kind)[0]
-    return _ref.kl_penalty_masked_mean(logp, ref_logp, mask, kind)
+    return reference_kl_penalty_masked_mean(logp, ref_logp, mask, kind)
 
 
 def _grads_for_pair(ctx, grad_logp: torch.Tensor):
@@ -114,7 +116,7 @@ def _masked_backward(ctx, grad_mean, _grad_count):
 
 
 def _register() -> None:
-    acc = _ref.acc_dtype
+    acc = acc_dtype
 
     @torch.library.register_fake("megalign::kl_penalty_fwd")
     def _(logp, ref_logp, kind):

@@ -34,9 +34,9 @@ import torch
 
 from megalign.ops import _backend
 from megalign.ops.kl_penalty import check_operands
-from megalign.ops.reference import policy_loss as _ref
 from megalign.ops.reference.kl_penalty import acc_dtype
 from megalign.ops.reference.policy_loss import PolicyLossStats
+from megalign.ops.reference.policy_loss import policy_loss as reference_policy_loss
 
 __all__ = ["policy_loss", "PolicyLossStats"]
 
@@ -65,7 +65,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     _check_coefficients(eps_low, eps_high, dual_clip, beta, ref_logp)
     check_operands("policy_loss", logp, mask=mask, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp)
     if not _backend.use_kernels(logp):
-        return _ref.policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp)
+        return reference_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp)
     loss, stats = torch.ops.megalign.policy_loss_fwd(
         logp, old_logp, advantages, mask, float(eps_low), float(eps_high),
         None if dual_clip is None else float(dual_clip), float(beta), ref_logp)
