@@ -1,0 +1,126 @@
+"""kl_penalty and policy_loss, forward + backward, megalign vs eager torch written like verl.
+
+Cases (fp32, [B, T] = 64 x 4096; quick: 4 x 256), each timed (median) and measured for peak extra
+memory in a fresh process:
+  kl_penalty       per-token low_var_kl, summed, backward to logp and ref_logp
+  kl_masked_mean   k3 masked mean (GRPO's KL loss term), backward
+  policy_loss      clipped surrogate with clip-higher (0.2/0.28), dual clip 3, beta 0.04 * k3,
+                   token-mean aggregation, backward to logp; megalign also returns its statistics,
+                   the eager version computes verl's (clipfrac, ppo_kl, clipfrac_lower)
+
+Target (issue 2): policy_loss at least 2x faster than eager, and no [B, T] temporaries beyond the
+per-token loss and grad_logp (peak extra memory about 2 x B x T x 4 bytes).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import Row, format_table, median_time, peak_memory  # noqa: E402
+
+from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean  # noqa: E402
+from megalign.ops.policy_loss import policy_loss  # noqa: E402
+
+EPS_LOW, EPS_HIGH, DUAL_CLIP, BETA = 0.2, 0.28, 3.0, 0.04
+
+
+def _masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def eager_kl_penalty(logp, ref_logp, kind):
+    """verl's kl_penalty (core_algos.kl_penalty) for the kinds benchmarked here."""
+    if kind == "low_var_kl":
+        kl = torch.clamp(ref_logp - logp, min=-20, max=20)
+        return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    kl = ref_logp - logp  # k3
+    return torch.exp(kl) - kl - 1
+
+
+def eager_policy_loss(logp, old_logp, advantages, mask, ref_logp):
+    """verl's compute_policy_loss (vanilla, dual clip, token-mean) plus beta * k3 as a token-mean."""
+    negative_approx_kl = torch.clamp(logp - old_logp, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = _masked_mean(-negative_approx_kl, mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = _masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
+    pg_losses3 = -advantages * DUAL_CLIP
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = _masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    kld = eager_kl_penalty(logp, ref_logp, "k3")
+    loss = _masked_mean(pg_losses, mask) + BETA * _masked_mean(kld, mask)
+    return loss, (pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+
+def megalign_policy_loss(logp, old_logp, advantages, mask, ref_logp):
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, EPS_LOW, EPS_HIGH, DUAL_CLIP, BETA, ref_logp)
+    return loss.sum() / stats.count.clamp(min=1), stats
+
+
+def _inputs(b, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g) * 3
+    old = logp + 0.2 * torch.randn(b, t, generator=g)
+    ref = logp + 0.2 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, t, generator=g)
+    mask = (torch.rand(b, t, generator=g) > 0.1).float()
+    return logp.requires_grad_(), old, adv, mask, ref.requires_grad_()
+
+
+def _step(case, impl, logp, old, adv, mask, ref):
+    """One forward + backward of `case` with `impl`; leaves the gradients in .grad."""
+    logp.grad = None
+    ref.grad = None
+    if case == "kl_penalty":
+        kl = kl_penalty(logp, ref, "low_var_kl") if impl == "megalign" else eager_kl_penalty(logp, ref, "low_var_kl")
+        kl.sum().backward()
+    elif case == "kl_masked_mean":
+        if impl == "megalign":
+            kl = kl_penalty_masked_mean(logp, ref, mask, "k3")
+        else:
+            kl = _masked_mean(eager_kl_penalty(logp, ref, "k3"), mask)
+        kl.backward()
+    else:
+        fn = megalign_policy_loss if impl == "megalign" else eager_policy_loss
+        loss, _ = fn(logp, old, adv, mask, ref.detach())
+        loss.backward()
+
+
+def _factory(case, impl, b, t):
+    inputs = _inputs(b, t)
+    return lambda: _step(case, impl, *inputs)
+
+
+def _check_agreement(b, t):
+    """Both implementations compute the same numbers (so the timings compare like with like)."""
+    for case in ("kl_penalty", "kl_masked_mean", "policy_loss"):
+        grads = []
+        for impl in ("megalign", "eager"):
+            inputs = _inputs(b, t)
+            _step(case, impl, *inputs)
+            grads.append(inputs[0].grad)
+        torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def run(quick: bool = False) -> list[Row]:
+    b, t = (4, 256) if quick else (64, 4096)
+    _check_agreement(b, t)
+    rows = []
+    for case in ("kl_penalty", "kl_masked_mean", "policy_loss"):
+        for impl in ("megalign", "eager"):
+            inputs = _inputs(b, t)
+            seconds = median_time(lambda: _step(case, impl, *inputs), repeats=5 if quick else 20, warmup=5)
+            peak = peak_memory(_factory, case, impl, b, t)
+            rows.append(Row(op=case, case=f"{b}x{t} fp32 fwd+bwd", impl=impl if impl == "megalign" else "torch eager (verl)",
+                            seconds=seconds, peak_bytes=peak))
+    return rows
+
+
+if __name__ == "__main__":
+    print(format_table(run(quick="--quick" in sys.argv)))
