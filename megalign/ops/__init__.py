@@ -7,6 +7,8 @@ has a fake (meta) implementation so `torch.compile` can trace it.
 from megalign.ops._backend import HAVE_EXTENSION, WITH_CUDA
 from megalign.ops.gae import gae, masked_reward_count
 from megalign.ops.group_advantages import group_advantages
+from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean
+from megalign.ops.policy_loss import PolicyLossStats, policy_loss
 from megalign.ops.token_logprob import (
     combine_vocab_partials,
     token_logprob,
@@ -16,11 +18,15 @@ from megalign.ops.token_logprob import (
 
 __all__ = [
     "HAVE_EXTENSION",
+    "PolicyLossStats",
     "WITH_CUDA",
     "combine_vocab_partials",
     "gae",
     "group_advantages",
+    "kl_penalty",
+    "kl_penalty_masked_mean",
     "masked_reward_count",
+    "policy_loss",
     "token_logprob",
     "token_logprob_partials",
     "token_logprob_shard_backward",
