@@ -131,7 +131,7 @@ class SFTConfig:
     """One SFT run (`launch/train_sft.py --config ... key.sub=value`)."""
 
     run_dir: str = option("runs/sft_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(400, doc="optimizer steps")
+    steps: int = option(900, doc="optimizer steps")
     batch_size: int = option(64, doc="sequences per step over all dp ranks (a multiple of dp)")
     seed: int = option(0, doc="seed of the model init, data order and every RNG")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
@@ -140,7 +140,7 @@ class SFTConfig:
     optim: OptimConfig = option(OptimConfig(lr=3e-3, warmup_steps=20), doc="optimizer and LR schedule")
     parallel: ParallelConfig = option(ParallelConfig(), doc="parallel layout")
     eval: EvalConfig = option(EvalConfig(), doc="held-out evaluation at the end")
-    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
+    save_every: int = option(300, doc="checkpoint every N steps (and always after the last); 0: only after the last")
     keep_last: int = option(2, doc="completed checkpoints to keep")
     resume: str = option("auto", doc="'auto' (latest checkpoint in run_dir, if any), 'none', a step number or a checkpoint folder")
     export_hf: bool = option(True, doc="write the final model in HF format to run_dir/hf")
@@ -343,7 +343,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 else:
                     progress["nan_skips"] += 1
                     logger.warning("step %d: non-finite loss (%s) or gradient norm (%s); skipping the update",
-                                   step, float(global_loss), float(grad_norm))
+                                   step + 1, float(global_loss), float(grad_norm))
                 optimizer.zero_grad(set_to_none=True)
             progress["step"] = step + 1
             elapsed = time.perf_counter() - start
