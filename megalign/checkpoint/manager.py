@@ -25,10 +25,12 @@ Design choices:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
-from typing import Any, Mapping, Optional, Union
+import warnings
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -49,6 +51,14 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence DCP's warning that it "assumes a single process": without a process group that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _rank() -> int:
@@ -108,7 +118,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt at this step
             os.makedirs(tmp)
         _barrier()
-        dcp.save(materialised, checkpoint_id=tmp)
+        with _quiet_single_process():
+            dcp.save(materialised, checkpoint_id=tmp)
         _barrier()
         if _rank() == 0:
             if os.path.exists(final):
@@ -136,7 +147,8 @@ class CheckpointManager:
         path = self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
-        dcp.load(dict(state), checkpoint_id=path)
+        with _quiet_single_process():
+            dcp.load(dict(state), checkpoint_id=path)
 
     def resolve_resume(self, resume: Union[str, int]) -> Optional[str]:
         """The checkpoint folder to resume from, or None to start fresh.

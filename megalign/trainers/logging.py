@@ -154,11 +154,13 @@ def _current_rss_bytes() -> Optional[int]:
 def memory_report(prefix: str = "memory/") -> dict[str, float]:
     """This process's memory in GiB: host RSS and peak RSS; on CUDA also allocated, reserved and peak allocated.
 
-    Peak RSS comes from `getrusage` (kilobytes on Linux). CUDA numbers are for the current device.
+    Peak RSS comes from `getrusage` (kilobytes on Linux), which the kernel updates lazily: it is
+    raised to at least the current RSS so the two never disagree. CUDA numbers are for the current device.
     """
     gib = float(2**30)
-    out = {f"{prefix}cpu_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
     rss = _current_rss_bytes()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {f"{prefix}cpu_peak_rss_gib": max(peak, rss or 0) / gib}
     if rss is not None:
         out[f"{prefix}cpu_rss_gib"] = rss / gib
     if torch.cuda.is_available() and torch.cuda.is_initialized():
