@@ -22,7 +22,6 @@ Changing the layout goes through the HF export (`export_hf`), which gathers whol
 """
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any, Iterable, Mapping, Optional, Union
 
@@ -35,7 +34,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from megalign.parallel.layout import ParallelLayout
 
-logger = logging.getLogger(__name__)
 
 
 def _coords(layout: Optional[ParallelLayout]) -> dict[str, int]:
