@@ -1,0 +1,104 @@
+"""Fused per-token PPO/GRPO policy loss with its statistics, in one pass over the tokens.
+
+    policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=None, dual_clip=None,
+                beta=0.0, ref_logp=None) -> (loss [*], PolicyLossStats)
+
+Per token (verl's `compute_policy_loss`; PPO, Schulman et al. 2017; clip-higher eps_high from
+DAPO, Yu et al. 2025; dual clip from Ye et al. 2020, verl's clip_ratio_c; KL term as in GRPO,
+Shao et al. 2024):
+
+    log_ratio = clamp(logp - old_logp, -20, 20);  ratio = exp(log_ratio)
+    surr1 = -A * ratio;  surr2 = -A * clamp(ratio, 1 - eps_low, 1 + eps_high)
+    l = max(surr1, surr2);  if dual_clip c and A < 0: l = min(l, -A * c)
+    loss = l + beta * k3(logp, ref_logp)            (k3 as in megalign.ops.kl_penalty)
+
+`loss` is 0 at masked tokens (mask == 0); aggregate it as you like, e.g. verl's token-mean
+`loss.sum() / stats.count.clamp(min=1)`. The statistics (PolicyLossStats: count, clip_frac,
+dual_clip_frac, approx_kl, ratio_min, ratio_max, kl_mean) are reduced in the same kernel pass
+and returned as 0-d fp32 tensors without a host sync; an all-masked input gives count 0 and
+finite defaults. kl_mean is computed whenever ref_logp is given, even with beta = 0.
+
+Shapes and dtypes: logp, old_logp, advantages and ref_logp share one float dtype (fp32, fp64,
+bf16, fp16) and one shape (any, usually [B, T]); mask has the same shape and is bool, uint8,
+int32, int64 or float with nonzero = valid (0/1 semantics, not a weight). The loss is fp32 (fp64
+for fp64 inputs). Inputs may be non-contiguous.
+
+Gradient: w.r.t. logp only. old_logp, advantages and ref_logp are constants of the RL step
+(sampled-policy log-probs, estimated advantages, frozen reference) and get None. The backward
+recomputes every token from the saved inputs in one pass and writes grad_logp; no [B, T]
+intermediate is saved. The statistics carry no gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalign.ops import _backend
+from megalign.ops.kl_penalty import check_operands
+from megalign.ops.reference import policy_loss as _ref
+from megalign.ops.reference.kl_penalty import acc_dtype
+from megalign.ops.reference.policy_loss import PolicyLossStats
+
+__all__ = ["policy_loss", "PolicyLossStats"]
+
+_STATS = len(PolicyLossStats._fields)
+
+
+def _check_coefficients(eps_low, eps_high, dual_clip, beta, ref_logp) -> None:
+    if not eps_low >= 0:
+        raise ValueError(f"policy_loss: eps_low must be >= 0, got {eps_low}")
+    if not eps_high >= 0:
+        raise ValueError(f"policy_loss: eps_high must be >= 0, got {eps_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"policy_loss: dual_clip must be > 1 (verl's clip_ratio_c), got {dual_clip}")
+    if not beta >= 0:
+        raise ValueError(f"policy_loss: beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"policy_loss: beta = {beta} > 0 needs ref_logp, got None")
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
+                beta: float = 0.0, ref_logp: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Per-token clipped policy loss [*] (0 at masked tokens) and its PolicyLossStats; see the module docstring."""
+    eps_high = eps_low if eps_high is None else eps_high
+    _check_coefficients(eps_low, eps_high, dual_clip, beta, ref_logp)
+    check_operands("policy_loss", logp, mask=mask, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp)
+    if not _backend.use_kernels(logp):
+        return _ref.policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp)
+    loss, stats = torch.ops.megalign.policy_loss_fwd(
+        logp, old_logp, advantages, mask, float(eps_low), float(eps_high),
+        None if dual_clip is None else float(dual_clip), float(beta), ref_logp)
+    return loss, PolicyLossStats.from_tensor(stats)
+
+
+def _setup(ctx, inputs, output):
+    logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp = inputs
+    ctx.save_for_backward(logp, old_logp, advantages, mask, ref_logp)
+    ctx.coefficients = (eps_low, eps_high, dual_clip, beta)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_loss, _grad_stats):
+    logp, old_logp, advantages, mask, ref_logp = ctx.saved_tensors
+    eps_low, eps_high, dual_clip, beta = ctx.coefficients
+    grad_logp = torch.ops.megalign.policy_loss_bwd(grad_loss, logp, old_logp, advantages, mask, eps_low, eps_high,
+                                                   dual_clip, beta, ref_logp)
+    return grad_logp, None, None, None, None, None, None, None, None
+
+
+def _register() -> None:
+    @torch.library.register_fake("megalign::policy_loss_fwd")
+    def _(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp):
+        return (logp.new_empty(logp.shape, dtype=acc_dtype(logp.dtype)),
+                logp.new_empty((_STATS,), dtype=torch.float32))
+
+    @torch.library.register_fake("megalign::policy_loss_bwd")
+    def _(grad, logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp):
+        return torch.empty_like(logp, memory_format=torch.contiguous_format)
+
+    torch.library.register_autograd("megalign::policy_loss_fwd", _backward, setup_context=_setup)
+
+
+if _backend.HAVE_EXTENSION:
+    _register()

@@ -1,0 +1,409 @@
+"""kl_penalty, kl_penalty_masked_mean and policy_loss: kernels vs the pure-torch references
+(forward, gradients, statistics), references vs hand-worked numbers, fp64 gradcheck, opcheck,
+edge shapes and bad input."""
+import math
+
+import pytest
+import torch
+from conftest import TOL, requires_cuda
+
+from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean
+from megalign.ops.policy_loss import PolicyLossStats, policy_loss
+from megalign.ops.reference import kl_penalty as ref_kl
+from megalign.ops.reference import policy_loss as ref_pl
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+KINDS = ref_kl.KINDS
+SHAPES = [(0,), (1,), (3, 7), (5, 0), (2, 3, 11), (4, 257)]
+
+
+def make(shape, dtype, scale=1.0, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+
+def policy_inputs(shape, dtype, seed=0, device="cpu"):
+    logp = make(shape, dtype, 0.5, seed, device) - 1.0
+    old = logp.double().add(make(shape, torch.float64, 0.3, seed + 1, device)).to(dtype)
+    adv = make(shape, dtype, 1.0, seed + 2, device)
+    ref = logp.double().add(make(shape, torch.float64, 0.3, seed + 3, device)).to(dtype)
+    mask = make(shape, torch.float64, 1.0, seed + 4, device) > -0.8
+    return logp, old, adv, ref, mask
+
+
+def compare_stats(got: PolicyLossStats, want: PolicyLossStats, tol):
+    for name, a, b in zip(PolicyLossStats._fields, got, want):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+# ---- references against hand-worked numbers -------------------------------------------------------
+
+def test_reference_k3_hand_numbers():
+    # ref - logp = ln 2: e^d - d - 1 = 2 - ln 2 - 1
+    logp = torch.tensor([0.0, 0.3], dtype=torch.float64)
+    ref = logp + math.log(2.0)
+    torch.testing.assert_close(ref_kl.kl_penalty(logp, ref, "k3"), torch.full((2,), 1.0 - math.log(2.0), dtype=torch.float64))
+    d = torch.linspace(-5, 5, 101, dtype=torch.float64)
+    k3 = ref_kl.kl_penalty(torch.zeros_like(d), d, "k3")
+    assert (k3[d != 0] > 0).all() and k3[d == 0].eq(0).all()
+    torch.testing.assert_close(ref_kl.kl_penalty(torch.tensor([0.5]), torch.tensor([0.25]), "k1"), torch.tensor([0.25]))
+    torch.testing.assert_close(ref_kl.kl_penalty(torch.tensor([0.5]), torch.tensor([0.25]), "k2"), torch.tensor([0.03125]))
+    torch.testing.assert_close(ref_kl.kl_penalty(torch.tensor([0.25]), torch.tensor([0.5]), "abs"), torch.tensor([0.25]))
+    # low_var_kl: d = 30 is clamped to 20 and the estimate to 10
+    torch.testing.assert_close(ref_kl.kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl"), torch.tensor([10.0]))
+
+
+def test_reference_policy_hand_numbers():
+    one = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
+    mask = torch.tensor([True])
+    # ratio 1.5, eps 0.2, A = +1: max(-1.5, -1.2) = -1.2, the clipped branch
+    loss, st = ref_pl.policy_loss(one(math.log(1.5)), one(0.0), one(1.0), mask, 0.2)
+    torch.testing.assert_close(loss, one(-1.2))
+    assert st.clip_frac.item() == 1.0
+    # ratio 0.5, A = -1: max(0.5, 0.8) = 0.8, clipped by eps_low
+    loss, st = ref_pl.policy_loss(one(math.log(0.5)), one(0.0), one(-1.0), mask, 0.2)
+    torch.testing.assert_close(loss, one(0.8))
+    assert st.clip_frac.item() == 1.0
+    # dual clip c = 3, A = -1, ratio 5: max(5, 1.2) = 5 -> min(5, 3) = 3
+    loss, st = ref_pl.policy_loss(one(math.log(5.0)), one(0.0), one(-1.0), mask, 0.2, dual_clip=3.0)
+    torch.testing.assert_close(loss, one(3.0))
+    assert st.dual_clip_frac.item() == 1.0 and st.clip_frac.item() == 0.0
+    # clip-higher: ratio 1.25 with eps_high 0.28 stays unclipped (A = +1)
+    loss, st = ref_pl.policy_loss(one(math.log(1.25)), one(0.0), one(1.0), mask, 0.2, 0.28)
+    torch.testing.assert_close(loss, one(-1.25))
+    assert st.clip_frac.item() == 0.0
+    # beta * k3 with ref - logp = ln 2
+    loss, st = ref_pl.policy_loss(one(0.0), one(0.0), one(0.0), mask, 0.2, beta=0.5, ref_logp=one(math.log(2.0)))
+    torch.testing.assert_close(loss, one(0.5 * (1.0 - math.log(2.0))))
+    torch.testing.assert_close(st.kl_mean.double(), one(1.0 - math.log(2.0))[0], atol=1e-6, rtol=1e-6)
+
+
+HAND_CASES = [  # (ratio, A, eps_low, eps_high, dual_clip, loss, clipped, dual)
+    (1.5, 1.0, 0.2, None, None, -1.2, 1.0, 0.0),
+    (0.5, -1.0, 0.2, None, None, 0.8, 1.0, 0.0),
+    (5.0, -1.0, 0.2, None, 3.0, 3.0, 0.0, 1.0),
+    (1.25, 1.0, 0.2, 0.28, None, -1.25, 0.0, 0.0),
+    (1.5, 1.0, 0.2, 0.28, None, -1.28, 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", HAND_CASES)
+def test_kernel_policy_hand_numbers(kernels, case):
+    ratio, adv, lo, hi, c, want, clipped, dual = case
+    logp = torch.tensor([math.log(ratio)], requires_grad=True)
+    loss, st = policy_loss(logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1, dtype=torch.bool), lo, hi, c)
+    torch.testing.assert_close(loss, torch.tensor([want]))
+    assert (st.clip_frac.item(), st.dual_clip_frac.item()) == (clipped, dual)
+    loss.sum().backward()
+    # The clipped and dual-clipped branches are constant in logp.
+    want_grad = 0.0 if clipped or dual else -adv * ratio
+    torch.testing.assert_close(logp.grad, torch.tensor([want_grad]))
+
+
+def test_kernel_k3_nonnegative(kernels):
+    d = torch.cat([torch.linspace(-30, 30, 2001), torch.tensor([1e-3, -1e-3, 1e-2, -1e-2])])
+    for dtype in (torch.float32, torch.float64):
+        k3 = kl_penalty(torch.zeros(d.shape, dtype=dtype), d.to(dtype), "k3")
+        assert (k3 >= 0).all()
+        assert (k3[d != 0] > 0).all() and (k3[d == 0] == 0).all()
+    two = kl_penalty(torch.zeros(1, dtype=torch.float64), torch.tensor([math.log(2.0)], dtype=torch.float64), "k3")
+    torch.testing.assert_close(two, torch.tensor([1.0 - math.log(2.0)], dtype=torch.float64), **TOL[torch.float64])
+
+
+# ---- kl_penalty kernel vs reference -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kl_penalty_matches_reference(kernels, kind, dtype, shape):
+    logp = make(shape, dtype, 2.0, 0).requires_grad_()
+    ref = make(shape, dtype, 2.0, 1).requires_grad_()
+    out = kl_penalty(logp, ref, kind)
+    assert out.dtype == ref_kl.acc_dtype(dtype) and out.shape == logp.shape
+    lp32, ref32 = (t.detach().to(ref_kl.acc_dtype(dtype)).requires_grad_() for t in (logp, ref))
+    want = ref_kl.kl_penalty(lp32, ref32, kind)
+    tol = TOL[torch.float64] if dtype == torch.float64 else TOL[torch.float32]
+    torch.testing.assert_close(out, want, **tol)
+    g = make(shape, out.dtype, 1.0, 5)
+    ga, gb = torch.autograd.grad(out, (logp, ref), g)
+    wa, wb = torch.autograd.grad(want, (lp32, ref32), g)
+    assert ga.dtype == dtype and gb.dtype == dtype
+    torch.testing.assert_close(ga, wa.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(gb, wb.to(dtype), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kl_penalty_extremes(kernels, kind):
+    logp = torch.tensor([0.0, 0.0, -50.0, 50.0, -1e4, 0.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([50.0, -50.0, 0.0, 0.0, 0.0, 15.0], dtype=torch.float64, requires_grad=True)
+    out = kl_penalty(logp, ref, kind)
+    want = ref_kl.kl_penalty(logp, ref, kind)
+    torch.testing.assert_close(out, want, **TOL[torch.float64])
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), logp)[0], torch.autograd.grad(want.sum(), logp)[0])
+
+
+def test_kl_penalty_noncontiguous_and_aliases(kernels):
+    base = make((6, 40), torch.float32, 1.0, 0)
+    logp = base[:, 1::3].requires_grad_()
+    ref = make((40, 6), torch.float32, 1.0, 1).t()[:, 1::3]
+    out = kl_penalty(logp, ref, "mse")
+    torch.testing.assert_close(out, ref_kl.kl_penalty(logp, ref, "k2"))
+    torch.testing.assert_close(kl_penalty(logp, ref, "kl"), logp - ref)
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    torch.testing.assert_close(g, (logp - ref).detach())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64, torch.bfloat16])
+def test_kl_masked_mean_matches_reference(kernels, kind, dtype, mask_dtype):
+    shape = (5, 33)
+    logp = make(shape, dtype, 1.0, 0).requires_grad_()
+    ref = make(shape, dtype, 1.0, 1).requires_grad_()
+    mask = (make(shape, torch.float64, 1.0, 2) > 0).to(mask_dtype)
+    mask[2] = 0  # an all-masked row
+    out = kl_penalty_masked_mean(logp, ref, mask, kind)
+    acc = ref_kl.acc_dtype(dtype)
+    lp32, ref32 = (t.detach().to(acc).requires_grad_() for t in (logp, ref))
+    want = ref_kl.kl_penalty_masked_mean(lp32, ref32, mask, kind)
+    tol = TOL[torch.float64] if dtype == torch.float64 else TOL[torch.float32]
+    torch.testing.assert_close(out, want, **tol)
+    ga, gb = torch.autograd.grad(out, (logp, ref))
+    wa, wb = torch.autograd.grad(want, (lp32, ref32))
+    torch.testing.assert_close(ga, wa.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(gb, wb.to(dtype), **TOL[dtype])
+    assert (ga[2] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 4)])
+def test_kl_masked_mean_all_masked_is_zero(kernels, shape):
+    logp = make(shape, torch.float32, 1.0, 0).requires_grad_()
+    out = kl_penalty_masked_mean(logp, make(shape, torch.float32, 1.0, 1), torch.zeros(shape, dtype=torch.bool))
+    assert out.item() == 0.0
+    (g,) = torch.autograd.grad(out, logp)
+    assert (g == 0).all()
+
+
+# ---- policy_loss kernel vs reference ----------------------------------------------------------------
+
+POLICY_CONFIGS = [  # (eps_low, eps_high, dual_clip, beta, with_ref)
+    (0.2, None, None, 0.0, False),
+    (0.2, 0.28, 3.0, 0.0, True),
+    (0.2, 0.28, 3.0, 0.04, True),
+    (0.1, 0.3, None, 0.5, True),
+]
+
+
+def check_policy(logp, old, adv, mask, ref, cfg, dtype):
+    lo, hi, c, beta, with_ref = cfg
+    ref = ref if with_ref else None
+    logp = logp.detach().requires_grad_()
+    loss, st = policy_loss(logp, old, adv, mask, lo, hi, c, beta, ref)
+    assert loss.dtype == ref_kl.acc_dtype(dtype) and loss.shape == logp.shape
+    acc = ref_kl.acc_dtype(dtype)
+    lp32 = logp.detach().to(acc).requires_grad_()
+    want, want_st = ref_pl.policy_loss(lp32, old.to(acc), adv.to(acc), mask, lo, hi, c, beta,
+                                       None if ref is None else ref.to(acc))
+    tol = TOL[torch.float64] if dtype == torch.float64 else TOL[torch.float32]
+    torch.testing.assert_close(loss, want, **tol)
+    compare_stats(st, want_st, dict(atol=1e-5, rtol=1e-5))
+    valid = mask != 0
+    assert (loss[~valid] == 0).all()
+    g = make(logp.shape, acc, 1.0, 9)
+    (ga,) = torch.autograd.grad(loss, logp, g)
+    (wa,) = torch.autograd.grad(want, lp32, g)
+    assert ga.dtype == dtype
+    torch.testing.assert_close(ga, wa.to(dtype), **TOL[dtype])
+    assert (ga[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("cfg", POLICY_CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_policy_loss_matches_reference(kernels, cfg, dtype, shape):
+    logp, old, adv, ref, mask = policy_inputs(shape, dtype)
+    check_policy(logp, old, adv, mask, ref, cfg, dtype)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32,
+                                        torch.float64, torch.bfloat16, torch.float16])
+def test_policy_loss_mask_dtypes(kernels, mask_dtype):
+    logp, old, adv, ref, mask = policy_inputs((3, 50), torch.float32, seed=3)
+    check_policy(logp, old, adv, mask.to(mask_dtype), ref, POLICY_CONFIGS[2], torch.float32)
+
+
+def test_policy_loss_noncontiguous(kernels):
+    logp, old, adv, ref, mask = policy_inputs((6, 64), torch.float32, seed=4)
+    sl = (slice(None), slice(1, None, 2))
+    adv_t = adv.t().contiguous().t()  # column-major
+    check_policy(logp[sl], old[sl], adv_t[sl], mask[sl], ref[sl], POLICY_CONFIGS[2], torch.float32)
+
+
+def test_policy_loss_extreme_log_ratios(kernels):
+    # logp - old_logp = +-50 hits the +-20 clamp: ratio e^+-20, zero gradient through the clamp.
+    logp = torch.tensor([[50.0, -50.0, 50.0, -50.0, 0.1]], dtype=torch.float64)
+    old = torch.zeros_like(logp)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    for cfg in POLICY_CONFIGS:
+        check_policy(logp, old, adv, mask, logp + 0.5, cfg, torch.float64)
+    _, st = policy_loss(logp, old, adv, mask)
+    torch.testing.assert_close(st.ratio_max, torch.tensor(math.exp(20.0)))
+    torch.testing.assert_close(st.ratio_min, torch.tensor(math.exp(-20.0)))
+
+
+def test_policy_loss_all_masked_defaults(kernels):
+    for shape in [(0,), (2, 0), (3, 5)]:
+        logp, old, adv, ref, _ = policy_inputs(shape, torch.float32)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        loss, st = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref)
+        _, want = ref_pl.policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref)
+        assert (loss == 0).all()
+        assert [v.item() for v in st] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+        compare_stats(st, want, dict(atol=0, rtol=0))
+
+
+def test_policy_loss_all_masked_row(kernels):
+    logp, old, adv, ref, mask = policy_inputs((4, 31), torch.float32, seed=5)
+    mask[1] = False
+    check_policy(logp, old, adv, mask, ref, POLICY_CONFIGS[2], torch.float32)
+
+
+def test_policy_loss_constant_inputs_get_no_grad(kernels):
+    logp, old, adv, ref, mask = policy_inputs((2, 9), torch.float32)
+    logp.requires_grad_()
+    old.requires_grad_()
+    adv.requires_grad_()
+    ref.requires_grad_()
+    loss, st = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref)
+    loss.sum().backward()
+    assert logp.grad is not None and old.grad is None and adv.grad is None and ref.grad is None
+    assert not st.count.requires_grad
+
+
+def test_reference_path_matches_kernels(monkeypatch):
+    logp, old, adv, ref, mask = policy_inputs((3, 17), torch.float32)
+    monkeypatch.setenv("MEGALIGN_OPS", "reference")
+    want, want_st = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref)
+    want_kl = kl_penalty_masked_mean(logp, ref, mask, "low_var_kl")
+    monkeypatch.setenv("MEGALIGN_OPS", "auto")
+    got, got_st = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref)
+    torch.testing.assert_close(got, want)
+    compare_stats(got_st, want_st, dict(atol=1e-6, rtol=1e-6))
+    torch.testing.assert_close(kl_penalty_masked_mean(logp, ref, mask, "low_var_kl"), want_kl)
+
+
+# ---- gradcheck and opcheck --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kl_gradcheck(kernels, kind):
+    logp = make((3, 5), torch.float64, 1.0, 0).requires_grad_()
+    ref = make((3, 5), torch.float64, 1.0, 1).requires_grad_()
+    mask = make((3, 5), torch.float64, 1.0, 2) > 0
+    assert torch.autograd.gradcheck(lambda a, b: kl_penalty(a, b, kind), (logp, ref))
+    assert torch.autograd.gradcheck(lambda a, b: kl_penalty_masked_mean(a, b, mask, kind), (logp, ref))
+
+
+@pytest.mark.parametrize("cfg", POLICY_CONFIGS)
+def test_policy_gradcheck(kernels, cfg):
+    logp, old, adv, ref, mask = policy_inputs((3, 6), torch.float64, seed=7)
+    lo, hi, c, beta, with_ref = cfg
+    fn = lambda x: policy_loss(x, old, adv, mask, lo, hi, c, beta, ref if with_ref else None)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (logp.requires_grad_(),))
+
+
+def test_opcheck(kernels):
+    logp, old, adv, ref, mask = policy_inputs((3, 8), torch.float32)
+    lp = logp.clone().requires_grad_()
+    rf = ref.clone().requires_grad_()
+    ops = torch.ops.megalign
+    torch.library.opcheck(ops.kl_penalty_fwd, (lp, rf, "k3"))
+    torch.library.opcheck(ops.kl_penalty_bwd, (torch.ones(3, 8), logp, ref, "low_var_kl"))
+    torch.library.opcheck(ops.kl_masked_mean_fwd, (lp, rf, mask, "k2"))
+    mean, count = ops.kl_masked_mean_fwd(logp, ref, mask, "k2")
+    torch.library.opcheck(ops.kl_masked_mean_bwd, (torch.ones(()), count, logp, ref, mask, "k2"))
+    torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref))
+    torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.2, None, 0.0, None))
+    torch.library.opcheck(ops.policy_loss_bwd, (torch.ones(3, 8), logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref))
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+def test_bad_inputs_name_the_argument(kernels):
+    logp, old, adv, ref, mask = policy_inputs((2, 5), torch.float32)
+    with pytest.raises(ValueError, match="kind"):
+        kl_penalty(logp, ref, "k4")
+    with pytest.raises(ValueError, match="ref_logp"):
+        kl_penalty(logp, ref[:, :4], "k3")
+    with pytest.raises(TypeError, match="ref_logp"):
+        kl_penalty(logp, ref.double())
+    with pytest.raises(TypeError, match="logp"):
+        kl_penalty(logp.long(), ref)
+    with pytest.raises(ValueError, match="mask"):
+        kl_penalty_masked_mean(logp, ref, mask[:1])
+    with pytest.raises(TypeError, match="mask"):
+        kl_penalty_masked_mean(logp, ref, mask.to(torch.int16))
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, old, adv[:, :3], mask)
+    with pytest.raises(TypeError, match="old_logp"):
+        policy_loss(logp, old.half(), adv, mask)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match="eps_low"):
+        policy_loss(logp, old, adv, mask, eps_low=-0.1)
+    with pytest.raises(ValueError, match="eps_high"):
+        policy_loss(logp, old, adv, mask, eps_high=-0.1)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(logp, old, adv, mask, dual_clip=1.0)
+    with pytest.raises(ValueError, match="beta"):
+        policy_loss(logp, old, adv, mask, beta=-1.0, ref_logp=ref)
+
+
+def test_bad_inputs_at_the_op_level(kernels):
+    logp, old, adv, ref, mask = policy_inputs((2, 5), torch.float32)
+    ops = torch.ops.megalign
+    with pytest.raises(RuntimeError, match="kind"):
+        ops.kl_penalty_fwd(logp, ref, "nope")
+    with pytest.raises(RuntimeError, match="ref_logp"):
+        ops.kl_penalty_fwd(logp, ref.double(), "k3")
+    with pytest.raises(RuntimeError, match="advantages"):
+        ops.policy_loss_fwd(logp, old, adv[:1], mask, 0.2, 0.2, None, 0.0, None)
+    with pytest.raises(RuntimeError, match="ref_logp"):
+        ops.policy_loss_fwd(logp, old, adv, mask, 0.2, 0.2, None, 0.1, None)
+    with pytest.raises(RuntimeError, match="dual_clip"):
+        ops.policy_loss_fwd(logp, old, adv, mask, 0.2, 0.2, 0.5, 0.0, None)
+    with pytest.raises(RuntimeError, match="mask"):
+        ops.policy_loss_fwd(logp, old, adv, mask.to(torch.int16), 0.2, 0.2, None, 0.0, None)
+    with pytest.raises(RuntimeError, match="grad"):
+        ops.policy_loss_bwd(torch.ones(2, 5, dtype=torch.float64), logp, old, adv, mask, 0.2, 0.2, None, 0.0, None)
+
+
+def test_stats_fields():
+    assert PolicyLossStats._fields == ("count", "clip_frac", "dual_clip_frac", "approx_kl", "ratio_min",
+                                       "ratio_max", "kl_mean")
+
+
+# ---- CUDA -------------------------------------------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 7), (64, 4099)])
+def test_cuda_matches_cpu(kernels, dtype, shape):
+    logp, old, adv, ref, mask = policy_inputs(shape, dtype)
+    for cfg in POLICY_CONFIGS:
+        check_policy(logp.cuda(), old.cuda(), adv.cuda(), mask.cuda(), ref.cuda(), cfg, dtype)
+    for kind in KINDS:
+        a = logp.cuda().requires_grad_()
+        out = kl_penalty_masked_mean(a, ref.cuda(), mask.cuda(), kind)
+        want = ref_kl.kl_penalty_masked_mean(logp.float(), ref.float(), mask, kind)
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kl_penalty(a, ref.cuda(), kind).cpu().float(),
+                                   ref_kl.kl_penalty(logp, ref, kind).float(), **TOL[torch.float32])
+
+
+@requires_cuda
+def test_cuda_noncontiguous_and_expanded_grad(kernels):
+    logp, old, adv, ref, mask = (t.cuda() for t in policy_inputs((8, 300), torch.float32))
+    sl = (slice(None), slice(0, None, 3))
+    check_policy(logp[sl], old[sl], adv[sl], mask[sl], ref[sl], POLICY_CONFIGS[2], torch.float32)
