@@ -1,0 +1,23 @@
+"""Training checkpoints (torch.distributed.checkpoint, written atomically), resume, NaN guard, HF export.
+
+`CheckpointManager(run_dir, keep_last)` saves `{"model": ModelState(model, layout), "optim":
+OptimizerState(model, optimizer, layout), "rng": RNGState(), "sampler": sampler, ...}` at a step and
+loads it back in place; `resolve_resume("auto")` finds the latest complete one. `all_finite` is the
+trainers' skip-the-step check; `export_hf` writes the final model for `transformers` and the next stage.
+"""
+from megalign.checkpoint.hf_export import export_hf
+from megalign.checkpoint.manager import CheckpointManager, checkpoint_step
+from megalign.checkpoint.state import (
+    ModelState,
+    OptimizerState,
+    RNGState,
+    all_finite,
+    capture_rng_state,
+    nonfinite_keys,
+    restore_rng_state,
+)
+
+__all__ = [
+    "CheckpointManager", "checkpoint_step", "ModelState", "OptimizerState", "RNGState", "all_finite",
+    "capture_rng_state", "restore_rng_state", "nonfinite_keys", "export_hf",
+]

@@ -1,0 +1,168 @@
+"""Atomic, resumable training checkpoints with `torch.distributed.checkpoint` (DCP), and the final HF export.
+
+Layout of a run directory:
+
+    run_dir/checkpoints/step_00000040/      a complete checkpoint (DCP files + .metadata)
+    run_dir/checkpoints/step_00000050.tmp/  being written, or left behind by a crash: never read
+
+Design choices:
+
+- Atomicity by rename. Every rank writes its shards into `step_N.tmp`; DCP's save ends with the
+  coordinator writing `.metadata` after gathering every rank's write results, then all ranks pass a
+  barrier and rank 0 renames the folder to `step_N` (a directory rename is atomic on POSIX file
+  systems), followed by a second barrier so no rank looks for the checkpoint before it exists. A
+  crash at any point leaves at most a `.tmp` folder, which `latest_step` ignores and the next save
+  of that step (or pruning) removes.
+- Nothing non-finite is saved: `save` checks every floating-point tensor of the state first and
+  raises naming the keys (on every rank together, so no rank is left waiting in a collective).
+  Trainers skip such steps before they happen (`all_finite`); this check is the last line.
+- One code path with and without `torch.distributed`: DCP runs without a process group in a single
+  process (its `no_dist` mode, chosen automatically), and the barriers are skipped there.
+- `keep_last` completed checkpoints are kept; older ones are deleted by rank 0 after a new one is
+  complete, so a crash during pruning still leaves the newest checkpoint.
+- `resolve_resume("auto" | "none" | step | path)` turns the `resume` config value into a folder,
+  so trainers share one meaning of it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any, Mapping, Optional, Union
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from megalign.checkpoint.state import nonfinite_keys
+
+_STEP_DIR = re.compile(r"step_(\d{8})")
+
+State = Mapping[str, Union[Stateful, Mapping[str, Any]]]
+"""Top-level name -> a `Stateful` (model, optimizer, RNG, sampler) or a plain nested dict."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+class CheckpointManager:
+    """Saves, finds and loads the checkpoints of one run directory (rules in the module doc).
+
+    Every method that writes or reads a checkpoint is collective when a process group exists:
+    every rank calls it with the same step.
+    """
+
+    def __init__(self, run_dir: Union[str, os.PathLike], keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.run_dir = os.fspath(run_dir)
+        self.dir = os.path.join(self.run_dir, "checkpoints")
+        self.keep_last = keep_last
+
+    def path(self, step: int) -> str:
+        """Folder of the completed checkpoint of `step`."""
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        return os.path.join(self.dir, f"step_{step:08d}")
+
+    def steps(self) -> list[int]:
+        """Steps of the completed checkpoints, ascending (`.tmp` folders are not checkpoints)."""
+        if not os.path.isdir(self.dir):
+            return []
+        found = (_STEP_DIR.fullmatch(name) for name in os.listdir(self.dir))
+        return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(self.dir, m.group(0))))
+
+    def latest_step(self) -> Optional[int]:
+        """The newest completed checkpoint's step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: State) -> str:
+        """Write `state` as the checkpoint of `step` and return its folder.
+
+        `Stateful` values are asked for their `state_dict()` once here. Raises ValueError, on every
+        rank and before anything is written, when any rank's state holds NaN or inf.
+        """
+        final = self.path(step)
+        tmp = final + ".tmp"
+        materialised = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        bad = nonfinite_keys(materialised)
+        if _distributed():
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, bad)
+            bad = [f"rank {r}: {key}" for r, keys in enumerate(everyone) for key in keys]
+        if bad:
+            raise ValueError(f"not saving checkpoint step {step} in {self.dir}: non-finite tensors {bad[:8]}"
+                             f"{' ...' if len(bad) > 8 else ''}")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt at this step
+            os.makedirs(tmp)
+        _barrier()
+        dcp.save(materialised, checkpoint_id=tmp)
+        _barrier()
+        if _rank() == 0:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep_last` checkpoints, and `.tmp` leftovers (rank 0 only; no save is in flight)."""
+        for step in self.steps()[: -self.keep_last]:
+            shutil.rmtree(self.path(step), ignore_errors=True)
+        for name in os.listdir(self.dir):
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+    def load(self, checkpoint: Union[int, str, os.PathLike], state: State) -> None:
+        """Restore `state` in place from a step number or a checkpoint folder.
+
+        DCP fills the existing tensors of each state dict and then calls `load_state_dict` on the
+        `Stateful` values; plain dicts get their non-tensor values replaced. A key of `state`
+        missing from the checkpoint (another layout, another model) raises naming the key.
+        """
+        path = self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+        dcp.load(dict(state), checkpoint_id=path)
+
+    def resolve_resume(self, resume: Union[str, int]) -> Optional[str]:
+        """The checkpoint folder to resume from, or None to start fresh.
+
+        "auto": the latest completed checkpoint of this run, or None when there is none;
+        "none": None; an int or a string of digits: that step of this run (must exist);
+        anything else: a checkpoint folder path (must exist and be complete).
+        """
+        if resume == "none":
+            return None
+        if resume == "auto":
+            step = self.latest_step()
+            return None if step is None else self.path(step)
+        if isinstance(resume, int) or (isinstance(resume, str) and resume.isdigit()):
+            path = self.path(int(resume))
+        else:
+            path = os.fspath(resume)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(f"resume={resume!r}: {path} is not a complete checkpoint (no .metadata); "
+                                    f"completed steps in {self.dir}: {self.steps()}")
+        return path
+
+
+def checkpoint_step(path: Union[str, os.PathLike]) -> int:
+    """The step number of a checkpoint folder named `step_{N:08d}`."""
+    match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(os.fspath(path))))
+    if match is None:
+        raise ValueError(f"{os.fspath(path)} is not a checkpoint folder named step_NNNNNNNN")
+    return int(match.group(1))

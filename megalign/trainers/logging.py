@@ -1,0 +1,168 @@
+"""Training metrics: a JSONL file, TensorBoard scalars and a progress bar, plus phase timers and memory.
+
+Design choices:
+
+- Rank 0 writes; other ranks' `MetricsLogger` is a no-op, so trainers call `.log` on every rank
+  without branching (the values should already be reduced across ranks by the trainer).
+- `metrics.jsonl` is the record of truth: one JSON object per `log` call, `{"step": N, ...}`,
+  appended and flushed at once, so a crash loses at most the line being written and a resumed run
+  appends to the same file (lines from a step logged twice, before and after a crash, are both kept;
+  readers take the last line per step). TensorBoard and tqdm are conveniences: each is imported
+  lazily and, when missing, disabled with one warning instead of stopping training.
+- Values may be Python numbers or 0-dim tensors; tensors are converted here, at log time, which is
+  the one host sync per step that logging costs. Non-finite values are written as JSON `null`
+  (JSON has no NaN), so the file stays valid for every parser.
+- `PhaseTimer` accumulates wall-clock seconds per named phase (`with timer("update"): ...`),
+  reported as `time/<phase>`; it synchronises CUDA at phase edges so GPU work is attributed to the
+  phase that queued it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from typing import Iterator, Mapping, Optional, Union
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Number = Union[int, float, torch.Tensor]
+
+PROGRESS_KEYS = ("loss", "lr", "grad_norm", "accuracy", "reward/mean")
+"""Metrics shown on the progress bar when present (the rest go only to the files)."""
+
+
+def _to_float(name: str, value: Number) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().float().cpu())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"metric {name!r} must be a number or a 1-element tensor, got {type(value).__name__}")
+    return float(value)
+
+
+class MetricsLogger:
+    """Per-step metrics to `run_dir/metrics.jsonl`, TensorBoard (`run_dir/tensorboard`) and a tqdm bar, on rank 0.
+
+    Args:
+        run_dir: the run directory (created if needed).
+        rank: global rank; every rank but 0 logs nothing.
+        tensorboard: also write TensorBoard scalars.
+        progress_total: total steps for the progress bar; None for no bar.
+        initial_step: steps already done (a resumed run), where the bar starts.
+    """
+
+    def __init__(self, run_dir: Union[str, os.PathLike], rank: int = 0, tensorboard: bool = True,
+                 progress_total: Optional[int] = None, initial_step: int = 0):
+        self.enabled = rank == 0
+        self.path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
+        self._file = self._writer = self._bar = None
+        if not self.enabled:
+            return
+        os.makedirs(os.fspath(run_dir), exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # tensorboard is optional
+                logger.warning("tensorboard is not installed (%s); metrics go to %s only", exc, self.path)
+            else:
+                self._writer = SummaryWriter(os.path.join(os.fspath(run_dir), "tensorboard"))
+        if progress_total is not None:
+            try:
+                from tqdm import tqdm
+            except ImportError as exc:
+                logger.warning("tqdm is not installed (%s); no progress bar", exc)
+            else:
+                self._bar = tqdm(total=progress_total, initial=initial_step, dynamic_ncols=True, file=sys.stderr)
+        self._last_step = initial_step
+
+    def log(self, step: int, metrics: Mapping[str, Number]) -> None:
+        """Record `metrics` for `step` (all ranks call it; rank 0 writes)."""
+        if not self.enabled:
+            return
+        values = {name: _to_float(name, value) for name, value in metrics.items()}
+        row = {"step": int(step), **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for name, value in values.items():
+                self._writer.add_scalar(name, value, step)
+        if self._bar is not None:
+            self._bar.update(max(0, step - self._last_step))
+            self._bar.set_postfix({k: f"{values[k]:.4g}" for k in PROGRESS_KEYS if k in values}, refresh=False)
+        self._last_step = max(self._last_step, step)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._writer = self._bar = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase name, accumulated over `with timer("phase"):` blocks until `reset`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self, prefix: str = "time/") -> dict[str, float]:
+        """{prefix + phase: seconds} accumulated so far."""
+        return {f"{prefix}{phase}": s for phase, s in self.seconds.items()}
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def _current_rss_bytes() -> Optional[int]:
+    """Resident set size of this process from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_report(prefix: str = "memory/") -> dict[str, float]:
+    """This process's memory in GiB: host RSS and peak RSS; on CUDA also allocated, reserved and peak allocated.
+
+    Peak RSS comes from `getrusage` (kilobytes on Linux). CUDA numbers are for the current device.
+    """
+    gib = float(2**30)
+    out = {f"{prefix}cpu_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+    rss = _current_rss_bytes()
+    if rss is not None:
+        out[f"{prefix}cpu_rss_gib"] = rss / gib
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"{prefix}cuda_allocated_gib"] = torch.cuda.memory_allocated() / gib
+        out[f"{prefix}cuda_reserved_gib"] = torch.cuda.memory_reserved() / gib
+        out[f"{prefix}cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / gib
+    return out
