@@ -462,6 +462,7 @@ class GRPOTrainer:
         if errors.numel():
             errors = all_reduce(errors.to(self.layout.device), dp).cpu()
             metrics.update(dict(zip(self.reward.error_counts(), errors.tolist())))
+        metrics.update(self.train_set.stats.as_dict())  # rows left out at load (invalid, too long), every step
         metrics.update(self.timer.metrics())
         metrics.update(self.memory)
         metrics.update(memory_report())
