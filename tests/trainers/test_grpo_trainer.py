@@ -94,3 +94,10 @@ def test_bad_rows_are_counted_and_a_raising_reward_scores_zero(policy, tmp_path)
     assert metrics[2]["data/invalid"] == 2 and metrics[2]["data/kept"] == 4
     # a raising sample scores 0, every other one 1: the mean reward is the fraction that did not raise
     assert 0 < metrics[1]["reward/mean"] < 1
+
+
+def test_tensor_parallel_actor_with_a_smaller_reference(policy, tmp_path):
+    # actor tp=2 (hybrid-engine generation on the shards), reference tp=1 on each rank: its own layout
+    run_distributed(_train, policy, str(tmp_path), "actor.tp=2", "reference.tp=1", "algo.beta=0.1", "export_hf=false")
+    metrics = _read_metrics(str(tmp_path))
+    assert sorted(metrics) == [1, 2] and metrics[2]["actor/kl"] > 0 and metrics[2]["nan_skips"] == 0
