@@ -228,6 +228,11 @@ def prompt_datasets(cfg: GRPODataConfig, tokenizer: Tokenizer, run_dir: str) -> 
     return load_prompts(path, **load), (load_prompts(eval_path, **load) if eval_path is not None else None)
 
 
+def _concat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batches of one set of keys, concatenated along the response dim 0 (shapes are fixed per run)."""
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
 class _RankState:
     """Per-rank trainer state for the checkpoint: the rollout generator and the reward error counters."""
 
@@ -362,9 +367,8 @@ class GRPOTrainer:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every rank takes the same number of rounds
             if done.item():
                 break
-        cat = lambda parts: {k: torch.cat([p[k] for p in parts]) for k in parts[0]}  # noqa: E731
-        train = {k: v[: per_rank * group] for k, v in cat(kept).items()}
-        return train, cat(generated), {"rounds": rounds, "dropped_groups": dropped,
+        train = {k: v[: per_rank * group] for k, v in _concat(kept).items()}
+        return train, _concat(generated), {"rounds": rounds, "dropped_groups": dropped,
                                        "kept_groups": train["rewards"].numel() // group}
 
     def _logprob_inputs(self, batch, rows):
