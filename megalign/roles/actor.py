@@ -11,17 +11,18 @@ Design choices:
   temperature divides the logits exactly as during sampling, so on-policy ratios start at 1.
 - Precision: the actor keeps fp32 master weights and computes in bf16 under autocast when its dtype
   is bf16 (`megalign.parallel.MixedPrecision`); the frozen reference simply stores bf16 weights.
-- `TrainableRole` is what a PPO critic will reuse: a model, an AdamW optimizer whose state is the
+- `TrainableRole` is what a PPO critic will reuse: a model, a ZeRO-1 AdamW whose state is the
   "optimizer" offload part, gradient sync over dp, global-norm clipping and a skipped update when
   anything is non-finite.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from megalign.checkpoint import all_finite
 from megalign.models import CausalLM
 from megalign.parallel import (MixedPrecision, ParallelLayout, allreduce_gradients, clip_grad_norm_,
                                vocab_parallel_token_logprob)
@@ -71,38 +72,35 @@ class Reference(PolicyRole):
 
 
 class TrainableRole(PolicyRole):
-    """A role that trains its model with AdamW: the actor now, the critic later (PPO).
+    """A role that trains its model: the actor now, the critic later (PPO).
 
-    `optimizer_step` syncs gradients over dp (summed: losses are normalised by global counts, see
-    `megalign.algos.grpo.loss_normalizer`), clips the global norm, and steps only when the loss and
-    the norm are finite on every rank; otherwise it drops the gradients (a skipped update).
+    The optimizer is given (the trainers build AdamW with ZeRO-1 over dp, `megalign.trainers.optim`,
+    and set its learning rate); its local state (the shard of a ZeRO-1 optimizer) is the
+    "optimizer" offload part. `optimizer_step` syncs gradients over dp (summed:
+    losses are normalised by global counts, see `megalign.algos.grpo.loss_normalizer`), clips the
+    global norm, and steps only when the loss and the norm are finite on every rank; otherwise it
+    drops the gradients (a skipped update).
     """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
-                 offload_weights: bool, offload_optimizer: bool, lr: float, weight_decay: float,
-                 betas: tuple[float, float], grad_clip: float):
+                 offload_weights: bool, offload_optimizer: bool, optimizer: torch.optim.Optimizer,
+                 grad_clip: Optional[float]):
         precision.check_model(model)
         super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer})
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.optimizer = optimizer
         self.grad_clip = grad_clip
 
     def parts(self):
-        return {**super().parts(), "optimizer": optimizer_slots(self.optimizer)}
+        return {**super().parts(), "optimizer": optimizer_slots(getattr(self.optimizer, "optim", self.optimizer))}
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def optimizer_step(self, loss: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """After backward of a mini-batch: (stepped, grad norm); `loss` is this rank's share, checked for NaN.
 
-    def optimizer_step(self, loss_sum: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """After backward of a mini-batch: (stepped, grad norm). `loss_sum` is this rank's loss, to check finiteness.
-
-        A collective over the world: every rank must call it, once per mini-batch.
+        A collective over the world: every rank calls it once per mini-batch.
         """
         allreduce_gradients(self.model.parameters(), self.layout.dp_group, average=False)
-        norm = clip_grad_norm_(self.model, self.grad_clip, self.layout)
-        finite = torch.stack([loss_sum.detach().float(), norm.float()]).isfinite().all().float()
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        stepped = bool(finite.item())
+        norm = clip_grad_norm_(self.model, self.grad_clip or math.inf, self.layout)
+        stepped = all_finite([loss.detach(), norm])
         if stepped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
