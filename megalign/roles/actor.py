@@ -1,0 +1,129 @@
+"""Policy roles: the actor (trains, and generates with its own tensor-parallel weights) and the frozen reference.
+
+Design choices:
+
+- Hybrid engine: the actor's rollout runs `megalign.rollout.generate` on the very modules it trains
+  (KV-cache decode on the tp shards), so there is no inference copy of the weights to refresh
+  after each update and no weight-sync step.
+- Log-probs of response tokens come from one forward over prompt + response, the LM head applied
+  only to the positions that predict response tokens, and the vocab-parallel log-prob
+  (`megalign.parallel.vocab_parallel_token_logprob`), which never gathers `[tokens, V]`. The
+  temperature divides the logits exactly as during sampling, so on-policy ratios start at 1.
+- Precision: the actor keeps fp32 master weights and computes in bf16 under autocast when its dtype
+  is bf16 (`megalign.parallel.MixedPrecision`); the frozen reference simply stores bf16 weights.
+- `TrainableRole` is what a PPO critic will reuse: a model, a ZeRO-1 AdamW whose state is the
+  "optimizer" offload part, gradient sync over dp, global-norm clipping and a skipped update when
+  anything is non-finite.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megalign.checkpoint import all_finite
+from megalign.models import CausalLM
+from megalign.parallel import (MixedPrecision, ParallelLayout, allreduce_gradients, clip_grad_norm_,
+                               vocab_parallel_token_logprob)
+from megalign.roles.base import ModelRole, optimizer_slots
+from megalign.rollout import GenerationOutput, SamplingParams, generate
+
+
+def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                      response_len: int, temperature: float, with_entropy: bool = False):
+    """log p(response token) [B, R] fp32 (and entropy [B, R]) under softmax(logits / temperature).
+
+    Args:
+        sequences: [B, P + R] left-padded prompts then responses (`GenerationOutput.sequences`).
+        attention_mask: [B, P + R] 1 for real tokens.
+        response_len: R, the response columns at the end of `sequences`.
+    Positions that are padding give finite values that the caller masks out.
+    """
+    hidden = model.model(sequences, attention_mask)
+    logits = model.lm_head(hidden[:, -response_len - 1:-1])
+    return vocab_parallel_token_logprob(logits, sequences[:, -response_len:], layout.tp_group,
+                                        model.lm_head.vocab_start, temperature=temperature,
+                                        return_entropy=with_entropy, vocab_size=model.config.vocab_size)
+
+
+class PolicyRole(ModelRole):
+    """A causal LM role that scores responses (the reference, and the base of the actor)."""
+
+    def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
+                 offload_weights: bool, extra_switches: Optional[dict[str, bool]] = None):
+        super().__init__(name, model, layout, offload_weights, extra_switches)
+        self.precision = precision
+
+    @torch.no_grad()
+    def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                 temperature: float) -> torch.Tensor:
+        """[B, R] fp32 log-probs of the responses, without gradient (old or reference log-probs)."""
+        with self.precision.autocast(self.layout.device):
+            return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature)
+
+
+class Reference(PolicyRole):
+    """The frozen reference policy of the KL term; never trained, so its weights may be stored in bf16."""
+
+    def __init__(self, model: CausalLM, layout: ParallelLayout, offload_weights: bool):
+        model.requires_grad_(False).eval()
+        super().__init__("reference", model, layout, MixedPrecision(None), offload_weights)
+
+
+class TrainableRole(PolicyRole):
+    """A role that trains its model: the actor now, the critic later (PPO).
+
+    The optimizer is given (the trainers build AdamW with ZeRO-1 over dp, `megalign.trainers.optim`,
+    and set its learning rate); its local state (the shard of a ZeRO-1 optimizer) is the
+    "optimizer" offload part. `optimizer_step` syncs gradients over dp (summed:
+    losses are normalised by global counts, see `megalign.algos.grpo.loss_normalizer`), clips the
+    global norm, and steps only when the loss and the norm are finite on every rank; otherwise it
+    drops the gradients (a skipped update).
+    """
+
+    def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
+                 offload_weights: bool, offload_optimizer: bool, optimizer: torch.optim.Optimizer,
+                 grad_clip: Optional[float]):
+        precision.check_model(model)
+        super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer})
+        self.optimizer = optimizer
+        self.grad_clip = grad_clip
+
+    def parts(self):
+        return {**super().parts(), "optimizer": optimizer_slots(getattr(self.optimizer, "optim", self.optimizer))}
+
+    def optimizer_step(self, loss: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """After backward of a mini-batch: (stepped, grad norm); `loss` is this rank's share, checked for NaN.
+
+        A collective over the world: every rank calls it once per mini-batch.
+        """
+        allreduce_gradients(self.model.parameters(), self.layout.dp_group, average=False)
+        norm = clip_grad_norm_(self.model, self.grad_clip or math.inf, self.layout)
+        stepped = all_finite([loss.detach(), norm])
+        if stepped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped, norm
+
+
+class Actor(TrainableRole):
+    """The policy being trained; it also produces the rollouts (hybrid engine)."""
+
+    def __init__(self, *args, **kwargs):
+        """The arguments of `TrainableRole` after its name."""
+        super().__init__("actor", *args, **kwargs)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator) -> GenerationOutput:
+        """Sample continuations of left-padded prompts [B, P] with the training weights (eval mode, no dropout)."""
+        with self.precision.autocast(self.layout.device):
+            return generate(self.model, input_ids, attention_mask, params, generator)
+
+    def logprobs_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, R], entropy [B, R]) with gradient through the log-probs, for the policy loss."""
+        with self.precision.autocast(self.layout.device):
+            return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
+                                     with_entropy=True)

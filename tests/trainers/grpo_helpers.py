@@ -1,0 +1,59 @@
+"""Shared pieces of the GRPO tests: a tiny random policy in HF format, test reward functions, a config."""
+import json
+import os
+
+import torch
+
+from megalign.config import load_config
+from megalign.data import CharTokenizer
+from megalign.models import CausalLM, ModelConfig, save_hf_checkpoint
+from megalign.trainers.grpo import GRPOConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def digit_fraction(prompt, response, answer, metadata):
+    """A dense reward a random policy can climb: the fraction of response characters that are digits."""
+    return sum(ch.isdigit() for ch in response) / max(1, len(response))
+
+
+def raise_on_odd_length(prompt, response, answer, metadata):
+    """A broken user reward: raises for about half of the responses."""
+    if len(response) % 2:
+        raise RuntimeError("deliberately broken reward")
+    return 1.0
+
+
+def tiny_policy(path, seed=0):
+    """A 2-layer random Llama over the character vocabulary, written as an HF checkpoint at `path`."""
+    tok = CharTokenizer()
+    config = ModelConfig(model_type="llama", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=64, pad_token_id=tok.pad_id,
+                         extra_hf={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    save_hf_checkpoint(model, path)
+    return str(path)
+
+
+def tiny_config(policy, run_dir, *overrides):
+    """A GRPO config that runs a step in well under a second on the tiny policy, rewarding digits."""
+    return load_config(GRPOConfig, None, [
+        f"run_dir={run_dir}", f"actor.path={policy}", "steps=2", "seed=0", "device=cpu", "tensorboard=false",
+        f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]",
+        "data.arith.max_operand=4", "data.arith.ops=['+']", "rollout.group_size=4", "rollout.prompts_per_step=4",
+        "rollout.max_response_length=8", "algo.mini_batches=2", "optim.lr=0.01", "optim.warmup_steps=0",
+        "eval.max_samples=0", "save_every=0", *overrides])
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+    return str(path)
