@@ -19,7 +19,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import Row, format_table, median_time  # noqa: E402
+from harness import Row, format_table, median_times_interleaved  # noqa: E402
 
 from megalign.models import from_pretrained  # noqa: E402
 from megalign.rollout import SamplingParams, generate  # noqa: E402
@@ -54,9 +54,11 @@ def run(quick: bool) -> list:
         hf.train(), ours.train()
         ids = torch.randint(0, VOCAB, (batch, seq))
         case = f"B={batch} T={seq} ({batch * seq} tok)"
-        rows.append(Row("fwd+bwd", case, "megalign", median_time(_train_step(ours, ids, lambda x: x), repeats)))
-        rows.append(Row("fwd+bwd", case, "transformers",
-                        median_time(_train_step(hf, ids, lambda out: out.logits), repeats)))
+        times = median_times_interleaved({
+            "megalign": _train_step(ours, ids, lambda x: x),
+            "transformers": _train_step(hf, ids, lambda out: out.logits),
+        }, repeats)
+        rows += [Row("fwd+bwd", case, impl, t) for impl, t in times.items()]
 
         hf.eval(), ours.eval()
         prompts = torch.randint(1, VOCAB, (gen_batch, prompt))
@@ -64,11 +66,16 @@ def run(quick: bool) -> list:
         params = SamplingParams(max_new_tokens=new, temperature=0.0)
         hf_config = GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
         case = f"B={gen_batch} prompt={prompt} new={new} ({gen_batch * new} tok)"
-        rows.append(Row("generate", case, "megalign", median_time(lambda: generate(ours, prompts, mask, params),
-                                                                  repeats)))
-        with torch.no_grad():
-            rows.append(Row("generate", case, "transformers", median_time(
-                lambda: hf.generate(prompts, attention_mask=mask, generation_config=hf_config), repeats)))
+
+        def hf_generate():
+            with torch.no_grad():
+                return hf.generate(prompts, attention_mask=mask, generation_config=hf_config)
+
+        times = median_times_interleaved({
+            "megalign": lambda: generate(ours, prompts, mask, params),
+            "transformers": hf_generate,
+        }, repeats)
+        rows += [Row("generate", case, impl, t) for impl, t in times.items()]
     return rows
 
 

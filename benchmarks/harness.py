@@ -1,6 +1,7 @@
 """Side-by-side measurement helpers for benchmarks/: median wall time and peak extra memory.
 
-Time: `median_time(fn)` runs fn after warm-up and returns the median seconds of `repeats` runs.
+Time: `median_time(fn)` runs fn after warm-up and returns the median seconds of `repeats` runs;
+`median_times_interleaved({name: fn})` alternates several implementations within each repeat.
 
 Memory on CPU: `peak_memory(factory, *args)` runs in a fresh spawned process. `factory(*args)`
 builds the inputs and returns a zero-argument callable; the child then resets the kernel's
@@ -33,6 +34,25 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def median_times_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5,
+                             warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each fn, running them in turn each repeat (a, b, a, b, ...), so a change in
+    the machine's load during the run hits every implementation alike."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _status_kib(field: str) -> int:
