@@ -3,7 +3,7 @@
 // Forward: each row is walked in chunks of kChunk logits that stay in L1: a max pass, then an
 // exp pass accumulating s and t relative to the chunk max, then a merge of the chunk's
 // (m, s, t) into the row's (math/token_logprob.h). Both passes are `omp simd` reductions over
-// branch-free code (exp_poly), so GCC vectorises them without -ffast-math. Memory traffic is one
+// branch-free code (exp_acc), so GCC vectorises them without -ffast-math. Memory traffic is one
 // read of the logits; nothing of size N x V is allocated.
 // Backward: one pass per row recomputing p_j = e^{z_j - lse} from the saved lse.
 #include "megalign/token_logprob.h"

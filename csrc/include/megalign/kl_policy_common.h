@@ -11,36 +11,9 @@
 #include <type_traits>
 
 #include "megalign/common.h"
-
-// MEGALIGN_HD is plain `inline` on the host, and GCC may then keep the per-token functions out of
-// line, which stops the CPU loops from vectorising; force them inline as nvcc does on the device.
-#if defined(__CUDACC__)
-#define MEGALIGN_HD_INLINE MEGALIGN_HD
-#else
-#define MEGALIGN_HD_INLINE MEGALIGN_HD __attribute__((always_inline))
-#endif
+#include "megalign/math/exp.h"
 
 namespace megalign {
-
-// c ? a : b without a branch. GCC if-converts plain ternaries only in simple shapes (chains of
-// them with floating-point compares under -ftrapping-math end up as control flow, and the loop
-// stays scalar); on the host the select is done on the bits, which always vectorises.
-MEGALIGN_HD_INLINE float select_acc(bool c, float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return c ? a : b;
-#else
-  const uint32_t m = 0u - static_cast<uint32_t>(c);
-  return __builtin_bit_cast(float, (__builtin_bit_cast(uint32_t, a) & m) | (__builtin_bit_cast(uint32_t, b) & ~m));
-#endif
-}
-MEGALIGN_HD_INLINE double select_acc(bool c, double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return c ? a : b;
-#else
-  const uint64_t m = 0u - static_cast<uint64_t>(c);
-  return __builtin_bit_cast(double, (__builtin_bit_cast(uint64_t, a) & m) | (__builtin_bit_cast(uint64_t, b) & ~m));
-#endif
-}
 
 // Element type of a token mask. Masks keep 0/1 semantics whatever their dtype: an element is a
 // valid token when it is nonzero (a float mask is not a weight). bool and uint8 share kBool.

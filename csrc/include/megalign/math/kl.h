@@ -27,48 +27,6 @@ namespace megalign {
 
 enum class KlKind : int { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3, kLowVarKl = 4 };
 
-MEGALIGN_HD_INLINE float float_from_bits(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  return __builtin_bit_cast(float, u);  // common.h's bits_float uses memcpy, opaque to GCC's vectoriser
-#endif
-}
-MEGALIGN_HD_INLINE uint32_t bits_from_float(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  return __builtin_bit_cast(uint32_t, f);
-#endif
-}
-
-// e^x in fp32 without a libm call, written so GCC vectorises the CPU loops (no branches, no float
-// clamps: range checks are three selects at the end); the GPU runs the same arithmetic. Cody-Waite
-// reduction x = n ln2 + r, |r| <= ln2/2, and Cephes' expf polynomial (about 1 ulp). Below -87.33
-// it gives 0 (no subnormals), above 88.72 +inf; NaN stays NaN.
-MEGALIGN_HD_INLINE float exp_acc(float x) {
-  const float hi = 88.72283905f, lo = -87.33654475f;
-  // n = round(x / ln2) by adding 1.5 * 2^23; its integer value is read from the low mantissa bits.
-  // Outside [lo, hi] the intermediates are meaningless and the final selects discard them.
-  const float shifted = x * 1.44269504088896341f + 12582912.0f;
-  const float n = shifted - 12582912.0f;
-  const uint32_t ni = bits_from_float(shifted) - 0x4B400000u;  // n modulo 2^32
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // 2^n in two factors 2^(n/2) 2^(n - n/2): n reaches 128 at the top, past the largest exponent.
-  const uint32_t n1 = static_cast<uint32_t>(static_cast<int32_t>(ni) >> 1);
-  const float y = p * float_from_bits((n1 + 127u) << 23) * float_from_bits((ni - n1 + 127u) << 23);
-  const float big = select_acc(x > hi, std::numeric_limits<float>::infinity(), y);
-  const float out = select_acc(x < lo, 0.0f, big);
-  return select_acc(x == x, out, x);
-}
-MEGALIGN_HD_INLINE double exp_acc(double x) { return exp(x); }
 
 // e^x - 1 and the excess e^x - 1 - x (k3's core), both accurate near x = 0 where the excess is
 // x^2/2 + ...: fp32 uses the Taylor series x^2 (1/2 + x/6 + ... + x^6/8!) for |x| < ln2/2 and

@@ -19,55 +19,19 @@
 #include <cstdint>
 
 #include "megalign/common.h"
+#include "megalign/math/exp.h"
 
 namespace megalign::math {
 
-// e^x in fp32 without libm, written so GCC vectorises loops that call it (std::exp is not
-// vectorised without -ffast-math). Cephes expf: x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite
-// split of ln2), a degree-6 polynomial for e^r, and 2^k built from exponent bits in two halves so
-// k = 128 (x just below ln FLT_MAX) does not overflow early. Within 2 ulp of the exact value for
-// x in [-87.33, 88.72]; exactly 0 below -87.33 (results there are < 1.2e-38, skipped to avoid
-// denormal arithmetic), +inf above ln FLT_MAX, NaN for NaN. Branch-free: selects only.
-MEGALIGN_HD float exp_poly(float x) {
-  constexpr float kLo = -87.33654475f;  // ln FLT_MIN: smallest x with a normal result
-  constexpr float kHi = 88.72283905f;   // ln FLT_MAX
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float xc = x < kLo ? kLo : x;          // NaN compares false and stays NaN
-  xc = xc > kHi ? kHi : xc;
-  const float kf = (xc * kLog2e + kRound) - kRound;
-  const float r = (xc - kf * kLn2Hi) - kf * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t k = static_cast<int32_t>(kf);
-  const int32_t k1 = k >> 1;  // k in [-126, 128]: both halves are normal exponents
-  const int32_t k2 = k - k1;
-  const float s1 = bits_float(static_cast<uint32_t>(k1 + 127) << 23);
-  const float s2 = bits_float(static_cast<uint32_t>(k2 + 127) << 23);
-  float y = p * s1 * s2;
-  y = x < kLo ? 0.0f : y;
-  y = x > kHi ? INFINITY : y;
-  return y;
-}
-
-// fp64 is the gradcheck / exactness path: libm's exp.
-MEGALIGN_HD double exp_poly(double x) { return std::exp(x); }
-
 // The exp the kernels call. On the GPU the hardware ex2 (__expf, ~2 ulp, flushes results below
-// FLT_MIN to 0 like exp_poly) costs one SFU op where the polynomial costs about as many ALU
-// instructions as a bf16 element's share of HBM time would allow; on the CPU it is exp_poly.
+// FLT_MIN to 0 like exp_acc) costs one SFU op where the polynomial costs about as many ALU
+// instructions as a bf16 element's share of HBM time would allow; on the CPU it is exp_acc
+// (megalign/math/exp.h), the polynomial shared with kl_penalty and policy_loss.
 MEGALIGN_HD float kernel_exp(float x) {
 #if defined(__CUDA_ARCH__)
   return __expf(x);
 #else
-  return exp_poly(x);
+  return exp_acc(x);
 #endif
 }
 MEGALIGN_HD double kernel_exp(double x) { return std::exp(x); }

@@ -1,0 +1,88 @@
+// The pieces every per-element kernel formula needs on both the host and the device: forced
+// inlining, a branch-free select, bit casts, and e^x in fp32 without libm (std::exp is not
+// vectorised without -ffast-math). One copy, shared by token_logprob, kl_penalty and policy_loss.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "megalign/common.h"
+
+// MEGALIGN_HD is plain `inline` on the host, and GCC may then keep the per-token functions out of
+// line, which stops the CPU loops from vectorising; force them inline as nvcc does on the device.
+#if defined(__CUDACC__)
+#define MEGALIGN_HD_INLINE MEGALIGN_HD
+#else
+#define MEGALIGN_HD_INLINE MEGALIGN_HD __attribute__((always_inline))
+#endif
+
+namespace megalign {
+
+// c ? a : b without a branch. GCC if-converts plain ternaries only in simple shapes (chains of
+// them with floating-point compares under -ftrapping-math end up as control flow, and the loop
+// stays scalar); on the host the select is done on the bits, which always vectorises.
+MEGALIGN_HD_INLINE float select_acc(bool c, float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return c ? a : b;
+#else
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return __builtin_bit_cast(float, (__builtin_bit_cast(uint32_t, a) & m) | (__builtin_bit_cast(uint32_t, b) & ~m));
+#endif
+}
+MEGALIGN_HD_INLINE double select_acc(bool c, double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return c ? a : b;
+#else
+  const uint64_t m = 0u - static_cast<uint64_t>(c);
+  return __builtin_bit_cast(double, (__builtin_bit_cast(uint64_t, a) & m) | (__builtin_bit_cast(uint64_t, b) & ~m));
+#endif
+}
+
+MEGALIGN_HD_INLINE float float_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return __builtin_bit_cast(float, u);  // common.h's bits_float uses memcpy, opaque to GCC's vectoriser
+#endif
+}
+MEGALIGN_HD_INLINE uint32_t bits_from_float(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return __builtin_bit_cast(uint32_t, f);
+#endif
+}
+
+// e^x in fp32 without a libm call, branch-free so GCC vectorises the loops that call it; the GPU
+// runs the same arithmetic. Cephes expf: x = k ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2),
+// a degree-6 polynomial for e^r, and 2^k built from exponent bits in two halves so k = 128 (x just
+// below ln FLT_MAX) does not overflow early. Within 2 ulp for x in [-87.33, 88.72]; exactly 0
+// below -87.33 (results there are < 1.2e-38, skipped to avoid denormal arithmetic), +inf above
+// ln FLT_MAX, NaN for NaN. The input is clamped first so the intermediates stay finite; the
+// clamps and the final range checks are compare-selects.
+MEGALIGN_HD_INLINE float exp_acc(float x) {
+  constexpr float kLo = -87.33654475f;  // ln FLT_MIN: smallest x with a normal result
+  constexpr float kHi = 88.72283905f;   // ln FLT_MAX
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float xc = x < kLo ? kLo : x;          // NaN compares false and stays NaN
+  xc = xc > kHi ? kHi : xc;
+  const float kf = (xc * 1.44269504088896341f + kRound) - kRound;
+  const float r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t k = static_cast<int32_t>(kf);
+  const int32_t k1 = k >> 1;  // k in [-126, 128]: both halves are normal exponents
+  const float y = p * float_from_bits(static_cast<uint32_t>(k1 + 127) << 23) *
+                  float_from_bits(static_cast<uint32_t>(k - k1 + 127) << 23);
+  const float lo = x < kLo ? 0.0f : y;
+  return x > kHi ? std::numeric_limits<float>::infinity() : lo;
+}
+MEGALIGN_HD_INLINE double exp_acc(double x) { return exp(x); }
+
+}  // namespace megalign
