@@ -13,6 +13,10 @@ Why this difficulty (defaults max_operand=20, ops "+-*"; 3 * 21 * 21 = 1323 prob
   them right; products up to 400 have to be largely memorised, so held-out products stay mostly
   wrong after SFT while the right answer is often among the G samples (nearby digits), which is
   exactly the signal GRPO sharpens.
+- Measured on 2 CPU processes (examples/*.yaml): SFT stopped at 300 steps (~18 epochs) is at ~21%
+  train / ~16% held-out, and GRPO's gains on the training prompts transfer (+12.8 held-out points in
+  150 steps). SFT run to 900 steps memorises the training split (75% train / 38% held-out, products
+  23% held-out) and GRPO on the same prompts then adds only ~2 points: keep the warm start short.
 - Everything is short: prompts of 3-6 characters and responses of 18-21, so G samples per prompt
   generate quickly on a CPU and the reward is 0/1 with no parsing ambiguity.
 - Raising `max_operand` or dropping `*` moves the task harder or easier without other changes.

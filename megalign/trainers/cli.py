@@ -1,6 +1,7 @@
 """What every launch script does before handing over to a trainer: argv, process group, logging.
 
-`launch/train_*.py` stay thin: `config_path, overrides = parse_cli(sys.argv[1:])`, then the trainer.
+`launch/train_*.py` stay thin: `main(SFTConfig, train_sft, sys.argv[1:])` parses argv, loads the
+typed config, initialises the process group and logging, runs the trainer and tears the group down.
 
 Design choice: a process group always exists. Under `torchrun` (WORLD_SIZE set) it is the usual
 env:// group; under plain `python` it is a one-rank group on a file store in a temporary folder. So
@@ -15,10 +16,14 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from megalign.config import load_config
+
+C = TypeVar("C")
 
 
 def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -73,3 +78,19 @@ def setup_logging(rank: int) -> None:
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def main(config_cls: type[C], train_fn: Callable[[C], Any], argv: Sequence[str]) -> Any:
+    """What every launch script runs: `[--config CONFIG.yaml] [key.sub=value ...]` -> `train_fn(config)`.
+
+    The config is loaded (and checked) before the process group exists, so a bad key fails fast;
+    the group is destroyed however `train_fn` ends. Returns what `train_fn` returns.
+    """
+    config_path, overrides = parse_cli(argv)
+    cfg = load_config(config_cls, config_path, overrides)
+    init_distributed(cfg.device)
+    setup_logging(dist.get_rank())
+    try:
+        return train_fn(cfg)
+    finally:
+        dist.destroy_process_group()

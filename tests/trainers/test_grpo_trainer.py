@@ -5,7 +5,7 @@ import os
 import pytest
 import torch.distributed as dist
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import HERE, tiny_config, tiny_policy, write_rows
+from trainers.grpo_helpers import HERE, digit_fraction, tiny_config, tiny_policy, write_rows
 
 from megalign.data import DataError
 from megalign.trainers.grpo import train_grpo
@@ -101,3 +101,45 @@ def test_tensor_parallel_actor_with_a_smaller_reference(policy, tmp_path):
     run_distributed(_train, policy, str(tmp_path), "actor.tp=2", "reference.tp=1", "algo.beta=0.1", "export_hf=false")
     metrics = _read_metrics(str(tmp_path))
     assert sorted(metrics) == [1, 2] and metrics[2]["actor/kl"] > 0 and metrics[2]["nan_skips"] == 0
+
+
+def _rollout_batch_lines_up(policy, run_dir):
+    """One step's training batch, checked against what was generated: the invariants GRPO's update relies on."""
+    import torch
+
+    from megalign.algos.grpo import response_advantages
+    from megalign.data import CharTokenizer
+    from megalign.trainers.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(tiny_config(policy, run_dir, "rollout.max_response_length=16", "rollout.prompts_per_step=8"))
+    tok, group, width = CharTokenizer(), trainer.cfg.rollout.group_size, trainer.prompt_width
+    batch, _, _ = trainer._collect()
+    mask = batch["response_mask"]
+    assert batch["rewards"].numel() == 4 * group and batch["rewards"].std() > 0
+    # old log-probs recorded while sampling are those a fresh forward gives: the first ratio is exactly 1
+    recomputed = trainer._score_logprobs(trainer.actor, batch)
+    torch.testing.assert_close(recomputed * mask, batch["rollout_logp"] * mask, rtol=0, atol=1e-5)
+    assert not (batch["rollout_logp"] * (1 - mask)).any()
+    answers = {e.prompt_text: e.answer for e in trainer.train_set.examples}
+    for row, row_mask, reward, finished in zip(batch["sequences"].tolist(), mask.tolist(), batch["rewards"].tolist(),
+                                               batch["finished"].tolist()):
+        n = int(sum(row_mask))
+        # the mask covers exactly the generated tokens, EOS included, then padding
+        assert row_mask == [1.0] * n + [0.0] * (len(row_mask) - n)
+        response = row[width:]
+        assert all(t == tok.pad_id for t in response[n:]) and tok.eos_id not in response[:n - 1]
+        assert finished == (n > 0 and response[n - 1] == tok.eos_id)
+        # the reward is the reward function's on this very response and prompt
+        prompt = tok.decode(row[:width])
+        assert reward == pytest.approx(digit_fraction(prompt, tok.decode(response[:n]), answers[prompt], {}))
+    # advantages are per group of G consecutive responses of the same prompt
+    prompts = batch["sequences"][:, :width].view(-1, group, width)
+    assert (prompts == prompts[:, :1]).all()
+    expected = response_advantages(batch["rewards"], mask, group)
+    rewards = batch["rewards"].view(-1, group)
+    by_hand = (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(expected, by_hand.reshape(-1, 1) * (mask != 0), rtol=1e-5, atol=1e-6)
+
+
+def test_rollout_batch_lines_up(policy, tmp_path):
+    run_distributed(_rollout_batch_lines_up, policy, str(tmp_path))

@@ -1,4 +1,5 @@
-"""MetricsLogger output, PhaseTimer accumulation, memory_report, the LR schedule and the launch argv parser."""
+"""MetricsLogger output, PhaseTimer accumulation, memory_report, the LR schedule and the launch helpers."""
+import dataclasses
 import json
 import logging
 import math
@@ -6,9 +7,11 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megalign.config import option
 from megalign.trainers import logging as logging_mod
-from megalign.trainers.cli import parse_cli
+from megalign.trainers.cli import main, parse_cli
 from megalign.trainers.logging import MetricsLogger, PhaseTimer, memory_report
 from megalign.trainers.optim import OptimConfig, lr_at
 
@@ -92,3 +95,31 @@ def test_parse_cli():
     for bad in (["--lr", "3"], ["--config"], ["--config", "a", "--config", "b"], ["loose"]):
         with pytest.raises(SystemExit):
             parse_cli(bad)
+
+
+@dataclasses.dataclass
+class _LaunchConfig:
+    device: str = option("cpu", doc="device")
+    steps: int = option(1, doc="steps")
+
+
+def test_main_loads_config_runs_trainer_and_destroys_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+
+    def train(cfg):
+        seen.append((cfg.steps, dist.get_world_size()))
+        return "done"
+
+    assert main(_LaunchConfig, train, ["steps=3"]) == "done"
+    assert seen == [(3, 1)] and not dist.is_initialized()
+
+    def boom(cfg):
+        raise RuntimeError("trainer failed")
+
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        main(_LaunchConfig, boom, [])
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="nope"):  # an unknown key fails before any process group exists
+        main(_LaunchConfig, train, ["nope=1"])
+    assert not dist.is_initialized() and len(seen) == 1
