@@ -2,7 +2,9 @@
 
     python benchmarks/bench_model.py [--quick]
 
-Cases: forward+backward of a next-token loss (training step without the optimizer), and greedy
+Cases: forward+backward of a next-token loss (training step without the optimizer; cross entropy
+on both models, plus megalign with the loss through its token_logprob kernel, as its trainers
+compute it), and greedy
 generation with a KV cache (transformers `generate(do_sample=False)`, forced to the same length with
 min_new_tokens). Model: 4 layers, hidden 512, 8 heads / 4 kv heads, vocab 32000, fp32. The case label
 carries the token count, so tokens/s = tokens / time.
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import Row, format_table, median_times_interleaved  # noqa: E402
 
 from megalign.models import from_pretrained  # noqa: E402
+from megalign.ops import token_logprob  # noqa: E402
 from megalign.rollout import SamplingParams, generate  # noqa: E402
 
 VOCAB = 32000
@@ -36,11 +39,19 @@ def _models(tmp: str):
     return hf, from_pretrained(tmp)
 
 
-def _train_step(model, ids, logits_of):
+def _cross_entropy(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _token_logprob_loss(logits, ids):
+    """The same next-token loss through megalign's kernel: -mean log p(next token)."""
+    return -token_logprob(logits[:, :-1], ids[:, 1:]).mean()
+
+
+def _train_step(model, ids, logits_of, loss_fn=_cross_entropy):
     def step():
         model.zero_grad(set_to_none=True)
-        logits = logits_of(model(ids))
-        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+        loss_fn(logits_of(model(ids)), ids).backward()
     return step
 
 
@@ -56,6 +67,7 @@ def run(quick: bool) -> list:
         case = f"B={batch} T={seq} ({batch * seq} tok)"
         times = median_times_interleaved({
             "megalign": _train_step(ours, ids, lambda x: x),
+            "megalign + token_logprob loss": _train_step(ours, ids, lambda x: x, _token_logprob_loss),
             "transformers": _train_step(hf, ids, lambda out: out.logits),
         }, repeats)
         rows += [Row("fwd+bwd", case, impl, t) for impl, t in times.items()]
