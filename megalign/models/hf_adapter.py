@@ -154,7 +154,45 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
                     param.copy_(_read_local(tensor_slice, global_shape, param, shard_dim, factory.tp_rank))
 
 
-def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architecture: Optional[str] = None) -> None:
+def _hf_config(model: _Model, architecture: Optional[str]) -> dict:
+    """config.json contents for `model`; `architecture` as in `save_hf_checkpoint`."""
+    config: ModelConfig = model.config
+    if architecture is None and not isinstance(model, CausalLM):
+        architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                        "mistral": "MistralForSequenceClassification"}[config.model_type]
+    hf_config = config.to_hf(architecture)
+    if not isinstance(model, CausalLM):
+        for key in ("id2label", "label2id"):
+            hf_config.pop(key, None)
+        hf_config["num_labels"] = 1
+    return hf_config
+
+
+def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
+    """HF name (global layer index) -> whole CPU tensor of this stage; None except on tp rank 0."""
+    factory = model.model.factory
+    config: ModelConfig = model.config
+    offset = model.model.layer_range[0]
+    tensors = {}
+    for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
+        hf_name, shard_dim = hf_rule(name, offset)
+        tensor = param.detach()
+        if shard_dim is not None:
+            tensor = factory.gather_to_first(tensor, shard_dim)
+        if tensor is None:  # not tp rank 0: this rank only sends
+            continue
+        if name in _VOCAB_PARAMS:
+            tensor = tensor[: config.vocab_size]
+        tensors[hf_name] = tensor.contiguous().cpu()
+    return tensors if factory.tp_rank == 0 else None
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [hf_name for hf_name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+
+
+def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architecture: Optional[str] = None,
+                       layout: Optional[ParallelLayout] = None) -> None:
     """Write `model.safetensors` + `config.json` that `transformers` loads (padded vocab rows dropped).
 
     A tensor-parallel model is gathered tensor by tensor onto tp rank 0 (so at most one whole tensor
@@ -165,37 +203,30 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
     and renamed when complete, so a crash never leaves a half-written checkpoint; a model holding NaN or
     inf is refused (ValueError naming the tensors) before anything is written.
     `architecture` defaults to the family's ...ForCausalLM, or ...ForSequenceClassification for scalar heads.
+
+    Pipeline stages (`layer_range`, pp > 1): pass `layout`; every rank of every stage calls it. The
+    result is a sharded HF checkpoint: stage s writes its tensors (global layer indices) to
+    `model-{s+1:05d}-of-{pp:05d}.safetensors` in a temporary directory next to `path` (the stages must
+    share a filesystem); after all stages wrote, the first stage adds `model.safetensors.index.json` and
+    `config.json` and renames the directory to `path` (an existing `path` is replaced whole), so a
+    half-written checkpoint never appears under `path`. The tp-rank-0 ranks of all stages return after
+    the rename; a NaN / inf on any stage is refused on every stage before anything is written.
     """
     path = os.fspath(path)
-    factory = model.model.factory
     config: ModelConfig = model.config
     if model.model.layer_range != (0, config.num_hidden_layers):
-        raise ValueError(f"save_hf_checkpoint needs the whole model; got the pipeline stage of layers "
-                         f"{model.model.layer_range} out of {config.num_hidden_layers}")
-    tensors = {}
-    for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
-        hf_name, shard_dim = hf_rule(name)
-        tensor = param.detach()
-        if shard_dim is not None:
-            tensor = factory.gather_to_first(tensor, shard_dim)
-        if tensor is None:  # not tp rank 0: this rank only sends
-            continue
-        if name in _VOCAB_PARAMS:
-            tensor = tensor[: config.vocab_size]
-        tensors[hf_name] = tensor.contiguous().cpu()
-    if factory.tp_rank != 0:
+        if layout is None or layout.pp == 1:
+            raise ValueError(f"save_hf_checkpoint needs the whole model or the layout of its pipeline; got the "
+                             f"pipeline stage of layers {model.model.layer_range} out of "
+                             f"{config.num_hidden_layers} without a layout with pp > 1")
+        return _save_pipeline_stage(model, path, architecture, layout)
+    tensors = _gathered_tensors(model)
+    if tensors is None:
         return
-    broken = [hf_name for hf_name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+    broken = _non_finite(tensors)
     if broken:
         raise ValueError(f"save_hf_checkpoint: not writing {path}: tensors {broken} hold NaN or inf values")
-    if architecture is None and not isinstance(model, CausalLM):
-        architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                        "mistral": "MistralForSequenceClassification"}[config.model_type]
-    hf_config = config.to_hf(architecture)
-    if not isinstance(model, CausalLM):
-        for key in ("id2label", "label2id"):
-            hf_config.pop(key, None)
-        hf_config["num_labels"] = 1
+    hf_config = _hf_config(model, architecture)
     os.makedirs(path, exist_ok=True)
     weights, cfg = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
     tmp = f".tmp{os.getpid()}"
@@ -204,6 +235,66 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
         json.dump(hf_config, f, indent=2)
     os.replace(weights + tmp, weights)
     os.replace(cfg + tmp, cfg)
+
+
+def _save_pipeline_stage(model: _Model, path: str, architecture: Optional[str], layout: ParallelLayout) -> None:
+    """The pp > 1 branch of `save_hf_checkpoint` (see there); collectives over tp, then over pp on tp rank 0."""
+    import shutil
+    import uuid
+
+    import torch.distributed as dist
+
+    tensors = _gathered_tensors(model)
+    if tensors is None:  # tp rank > 0: shards sent; the tp-rank-0 ranks' pp group does the rest
+        return
+    group, first = layout.pp_group, layout.stage_rank(0)
+    # every stage learns every stage's non-finite tensors, so all refuse together instead of hanging
+    broken = [None] * layout.pp
+    dist.all_gather_object(broken, _non_finite(tensors), group=group)
+    broken = sum(broken, [])
+    if broken:
+        raise ValueError(f"save_hf_checkpoint: not writing {path}: tensors {broken} hold NaN or inf values")
+    target = os.path.abspath(path)
+    tmp = [None]
+    if layout.is_first_stage:
+        tmp[0] = f"{target}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp[0])
+    dist.broadcast_object_list(tmp, src=first, group=group)
+    tmp = tmp[0]
+    shard = f"model-{layout.pp_rank + 1:05d}-of-{layout.pp:05d}.safetensors"
+    error = None
+    try:
+        save_file(tensors, os.path.join(tmp, shard), metadata={"format": "pt"})
+    except Exception as e:  # reported to every stage below, so none waits for a file that never comes
+        error = f"stage {layout.pp_rank}: {e!r}"
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    stages = [None] * layout.pp
+    dist.all_gather_object(stages, (shard, sorted(tensors), size, error), group=group)  # also the barrier
+    errors = [s[3] for s in stages if s[3] is not None]
+    status = [None]
+    if layout.is_first_stage:
+        try:
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            weight_map = {name: file for file, names, _, _ in stages for name in names}
+            index = {"metadata": {"total_size": sum(s[2] for s in stages)}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(_hf_config(model, architecture), f, indent=2)
+            old = None
+            if os.path.lexists(target):
+                old = f"{target}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                os.replace(target, old)
+            os.replace(tmp, target)
+            if old is not None:
+                shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            status[0] = f"save_hf_checkpoint: not writing {path}: {e!r}"
+    dist.broadcast_object_list(status, src=first, group=group)
+    if status[0] is not None:
+        raise RuntimeError(status[0])
 
 
 _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}

@@ -1,4 +1,7 @@
 """Pipeline parallelism at pp=2 (2 gloo ranks) vs transformers (logits) and the unpipelined model (loss, grads)."""
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -6,7 +9,7 @@ from models.hf_fixtures import make_causal_lm, make_seq_cls, random_ids
 from parallel.dist_utils import run_distributed
 
 from conftest import TOL
-from megalign.models import from_pretrained
+from megalign.models import from_pretrained, save_hf_checkpoint
 from megalign.models.hf_adapter import hf_rule
 from megalign.parallel import ParallelLayout, Pipeline, stage_from_pretrained, stage_layer_range
 
@@ -127,3 +130,46 @@ def test_tied_embeddings_rejected_across_stages(tmp_path):
     make_causal_lm(tmp_path, "qwen2_tied")
     with pytest.raises(ValueError, match=r"tie_word_embeddings=True .* layer_range=\(1, 2\) .* cannot be split"):
         stage_from_pretrained(tmp_path, PLAN)
+
+
+def _save_stages(path, out, ref_logits, ids):
+    layout = ParallelLayout.build(pp=2)
+    stage = stage_from_pretrained(path, layout)
+    save_hf_checkpoint(stage, out, layout=layout)  # every stage returns once the checkpoint is in place
+    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00002.safetensors",
+                                       "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert not [f for f in os.listdir(os.path.dirname(out)) if ".tmp-" in f or ".old-" in f]
+    if layout.is_first_stage:
+        from transformers import LlamaForCausalLM
+        with torch.no_grad():
+            logits = LlamaForCausalLM.from_pretrained(out).eval()(ids).logits
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    dist.barrier(group=layout.pp_group)
+    save_hf_checkpoint(stage, out, layout=layout)  # over an existing checkpoint: replaced whole
+    assert len(os.listdir(out)) == 4
+    with torch.no_grad():
+        name = next(n for n, _ in stage.named_parameters() if n.endswith("mlp_norm.weight"))
+        stage.get_parameter(name).fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"hold NaN or inf"):  # refused on both stages, NaN on each
+        save_hf_checkpoint(stage, os.path.join(os.path.dirname(out), "nan"), layout=layout)
+    assert not os.path.exists(os.path.join(os.path.dirname(out), "nan"))
+
+
+def test_save_hf_checkpoint_of_pipeline_stages(tmp_path):
+    """pp=2: each stage writes its shard; transformers loads the sharded checkpoint with identical logits."""
+    hf = make_causal_lm(tmp_path / "lm", "llama3_gqa", num_hidden_layers=4)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        ref_logits = hf(ids).logits
+    run_distributed(_save_stages, tmp_path / "lm", str(tmp_path / "out"), ref_logits, ids)
+    with open(tmp_path / "out" / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    assert weight_map["model.embed_tokens.weight"] == "model-00001-of-00002.safetensors"
+    assert weight_map["model.layers.3.mlp.down_proj.weight"] == "model-00002-of-00002.safetensors"
+    assert weight_map["lm_head.weight"] == "model-00002-of-00002.safetensors"
+
+
+def test_save_hf_checkpoint_refuses_stage_without_layout(tmp_path):
+    make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
+    with pytest.raises(ValueError, match=r"layers \(2, 4\) out of 4 without a layout"):
+        save_hf_checkpoint(stage_from_pretrained(tmp_path, PLAN), tmp_path / "out")
