@@ -25,6 +25,13 @@ Design choices:
   ranks never diverge even if sampling kernels were not bitwise reproducible across processes; only tp
   rank 0's generator matters (give every tp rank the same seed anyway, and different dp ranks
   different seeds for different rollouts). Log-probs are computed on every rank for the agreed token.
+- Pipeline parallelism (`pipeline_generate`, pp > 1): every stage keeps a KV cache for its own layers.
+  Per forward (the prefill, then one per token), the first stage embeds and runs its layers and
+  `dist.send`s the hidden states `[B, T, H]` to the next stage over the pp group; each later stage
+  `recv`s, runs its layers and sends on; the last stage applies the head and samples (only its
+  generator matters). The token and its log-prob are broadcast from the last stage to every pp rank,
+  so all stages feed the same token, stop together and return the same output. Stages run one after
+  another (no overlap between micro-batches): a simple, exact baseline, not a fast one.
 """
 from __future__ import annotations
 
@@ -34,7 +41,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+import torch.distributed as dist
+
 from megalign.models import CausalLM
+from megalign.parallel.layout import ParallelLayout
 
 
 @dataclass
@@ -116,6 +126,18 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Optiona
     return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
+def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Validate left-padded prompts; return the mask as long."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [batch, prompt_len], got "
+                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    mask = attention_mask.long()
+    if not bool(mask[:, -1].all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("prompts must be left-padded with a real last token in every row (attention_mask rows "
+                         "of the form 0...01...1)")
+    return mask
+
+
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
              generator: Optional[torch.Generator] = None) -> GenerationOutput:
@@ -124,13 +146,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
     Every row must hold at least one real token and be padded on the left only. With a tensor-parallel
     `model`, every tp rank calls it with the same prompts and gets the same output.
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(f"input_ids and attention_mask must both be [batch, prompt_len], got "
-                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
-    mask = attention_mask.long()
-    if not bool(mask[:, -1].all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        raise ValueError("prompts must be left-padded with a real last token in every row (attention_mask rows "
-                         "of the form 0...01...1)")
+    mask = _check_prompts(input_ids, attention_mask)
     batch, prompt_len = input_ids.shape
     stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=input_ids.device)
     cache = model.model.new_kv_cache(batch, prompt_len + params.max_new_tokens)
@@ -149,4 +165,60 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
         if step + 1 == params.max_new_tokens or bool(finished.all()):
             break
         hidden = model.model(token[:, None], mask, kv_cache=cache)
+    return GenerationOutput(torch.cat([input_ids, torch.stack(tokens, 1)], 1), mask, torch.stack(logprobs, 1))
+
+
+@torch.no_grad()
+def pipeline_generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      params: SamplingParams, layout: ParallelLayout,
+                      generator: Optional[torch.Generator] = None) -> GenerationOutput:
+    """`generate` with `model` this rank's pipeline stage (`stage_from_pretrained`) over `layout.pp_group`.
+
+    Every rank of the pp group (and of each stage's tp group) calls it with the same prompts and gets the
+    same output; only the last stage's `generator` is used. At pp == 1 it is `generate`.
+    """
+    if layout.pp == 1:
+        return generate(model, input_ids, attention_mask, params, generator)
+    mask = _check_prompts(input_ids, attention_mask)
+    device = layout.device
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    batch, prompt_len = input_ids.shape
+    group, last = layout.pp_group, layout.stage_rank(layout.pp - 1)
+    stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
+    cache = model.model.new_kv_cache(batch, prompt_len + params.max_new_tokens)
+    hidden_dtype = next(model.parameters()).dtype
+
+    def stage_forward(ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """Run this stage on the step's input (token ids on the first stage, else the received hidden states)."""
+        x = ids
+        if not layout.is_first_stage:
+            x = torch.empty(batch, ids.shape[1], model.config.hidden_size, dtype=hidden_dtype, device=device)
+            dist.recv(x, src=layout.prev_stage_rank, group=group)
+        hidden = model.model(x, mask, kv_cache=cache)
+        if layout.is_last_stage:
+            return hidden
+        dist.send(hidden.contiguous(), dst=layout.next_stage_rank, group=group)
+        return None
+
+    step_ids = input_ids
+    tokens, logprobs = [], []
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    for step in range(params.max_new_tokens):
+        hidden = stage_forward(step_ids)
+        if layout.is_last_stage:
+            logits = model.lm_head.gather_logits(model.lm_head(hidden[:, -1]))
+            token, logprob = sample_next(logits, params, generator, agree=model.model.factory.broadcast_from_first)
+        else:
+            token = torch.empty(batch, dtype=torch.long, device=device)
+            logprob = torch.empty(batch, dtype=torch.float32, device=device)
+        dist.broadcast(token, src=last, group=group)
+        dist.broadcast(logprob, src=last, group=group)
+        token = token.masked_fill(finished, params.pad_token_id)
+        tokens.append(token)
+        logprobs.append(logprob.masked_fill(finished, 0.0))
+        mask = torch.cat([mask, (~finished).long()[:, None]], dim=1)
+        finished = finished | torch.isin(token, stop_ids)
+        if step + 1 == params.max_new_tokens or bool(finished.all()):  # the same on every stage
+            break
+        step_ids = token[:, None]
     return GenerationOutput(torch.cat([input_ids, torch.stack(tokens, 1)], 1), mask, torch.stack(logprobs, 1))
