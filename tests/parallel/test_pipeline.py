@@ -173,3 +173,20 @@ def test_save_hf_checkpoint_refuses_stage_without_layout(tmp_path):
     make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
     with pytest.raises(ValueError, match=r"layers \(2, 4\) out of 4 without a layout"):
         save_hf_checkpoint(stage_from_pretrained(tmp_path, PLAN), tmp_path / "out")
+
+
+def _save_tp_stages(path, out):
+    layout = ParallelLayout.build(tp=2, pp=2)
+    stage = from_pretrained(path, layer_range=stage_layer_range(4, layout), layout=layout)
+    save_hf_checkpoint(stage, out, layout=layout)  # tp rank 0 of each stage gathers and writes
+
+
+def test_save_hf_checkpoint_of_tensor_parallel_pipeline_stages(tmp_path):
+    """tp=2 x pp=2 on 4 ranks: the tp shards are gathered per stage, transformers reads identical logits."""
+    from transformers import LlamaForCausalLM
+    hf = make_causal_lm(tmp_path / "lm", "llama3_gqa", num_hidden_layers=4)
+    run_distributed(_save_tp_stages, tmp_path / "lm", str(tmp_path / "out"), world_size=4)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(LlamaForCausalLM.from_pretrained(tmp_path / "out")(ids).logits, hf(ids).logits,
+                                   rtol=0, atol=0)
