@@ -18,6 +18,9 @@ import torch
 
 _MODES = ("auto", "reference", "kernels")
 
+# The floating dtypes every kernel (and its reference) accepts.
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
 try:
     from megalign import _C  # noqa: F401  (importing registers torch.ops.megalign.*)
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
+from megalign.ops._backend import FLOAT_DTYPES
 from megalign.ops.reference.kl_penalty import acc_dtype, resolve_kind
 from megalign.ops.reference.kl_penalty import kl_penalty as reference_kl_penalty
 from megalign.ops.reference.kl_penalty import kl_penalty_masked_mean as reference_kl_penalty_masked_mean
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64) + FLOAT_DTYPES
 
 

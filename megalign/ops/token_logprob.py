@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
+from megalign.ops._backend import FLOAT_DTYPES
 from megalign.ops.reference.token_logprob import combine_vocab_partials
 from megalign.ops.reference.token_logprob import token_logprob as _ref_token_logprob
 from megalign.ops.reference.token_logprob import token_logprob_partials as _ref_partials
@@ -46,7 +47,6 @@ from megalign.ops.reference.token_logprob import token_logprob_shard_backward as
 __all__ = ["token_logprob", "token_logprob_partials", "combine_vocab_partials",
            "token_logprob_shard_backward"]
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _acc(logits: torch.Tensor) -> torch.dtype:
@@ -54,7 +54,7 @@ def _acc(logits: torch.Tensor) -> torch.dtype:
 
 
 def _check(op: str, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> None:
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOATS:
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: logits must be a float32/float64/bfloat16/float16 tensor, got "
                         f"{getattr(logits, 'dtype', type(logits))}")
     if logits.dim() < 1:

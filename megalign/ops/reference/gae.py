@@ -8,7 +8,8 @@ import math
 
 import torch
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+from megalign.ops._backend import FLOAT_DTYPES
+
 
 
 def check_gae_args(rewards, values, mask, gamma, lam) -> torch.Tensor:
@@ -18,7 +19,7 @@ def check_gae_args(rewards, values, mask, gamma, lam) -> torch.Tensor:
             raise TypeError(f"gae: {name} must be a tensor, got {type(t).__name__}")
     if rewards.dim() != 2:
         raise ValueError(f"gae: rewards must be [B, T], got shape {tuple(rewards.shape)}")
-    if rewards.dtype not in _FLOATS:
+    if rewards.dtype not in FLOAT_DTYPES:
         raise TypeError(f"gae: rewards must be float32, float64, bfloat16 or float16, got {rewards.dtype}")
     if values.shape != rewards.shape:
         raise ValueError(f"gae: values must have the shape of rewards {tuple(rewards.shape)}, got {tuple(values.shape)}")

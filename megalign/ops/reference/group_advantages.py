@@ -7,8 +7,9 @@ import math
 
 import torch
 
+from megalign.ops._backend import FLOAT_DTYPES
+
 MODES = ("grpo", "dr_grpo", "rloo")
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def check_group_args(scores, group_size, group_index, mode, eps) -> tuple[torch.Tensor | None, int]:
@@ -20,7 +21,7 @@ def check_group_args(scores, group_size, group_index, mode, eps) -> tuple[torch.
         raise TypeError(f"group_advantages: scores must be a tensor, got {type(scores).__name__}")
     if scores.dim() != 1:
         raise ValueError(f"group_advantages: scores must be [N], got shape {tuple(scores.shape)}")
-    if scores.dtype not in _FLOATS:
+    if scores.dtype not in FLOAT_DTYPES:
         raise TypeError(f"group_advantages: scores must be float32, float64, bfloat16 or float16, got {scores.dtype}")
     if mode not in MODES:
         raise ValueError(f"group_advantages: mode must be one of {', '.join(MODES)}, got {mode!r}")
