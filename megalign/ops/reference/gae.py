@@ -11,7 +11,6 @@ import torch
 from megalign.ops._backend import FLOAT_DTYPES
 
 
-
 def check_gae_args(rewards, values, mask, gamma, lam) -> torch.Tensor:
     """Validate the arguments of gae (errors name the argument); returns the mask as bool."""
     for name, t in (("rewards", rewards), ("values", values), ("mask", mask)):
