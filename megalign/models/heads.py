@@ -13,8 +13,13 @@ whole on every rank.
 
 Every model takes `layer_range=(start, end)` to build one pipeline stage (see `Decoder`): the head
 exists only on the stage that ends at the last layer, and a stage without it returns the trunk's hidden
-states `[B, T, H]` for the next stage. Tied embeddings need the embedding and the LM head in one module,
-so a tied model cannot be split into stages (rejected with the layer numbers).
+states `[B, T, H]` for the next stage. Tied word embeddings split into stages follow Megatron: the first
+stage's embedding and the last stage's LM head are two Parameters holding the same (vocab-parallel,
+padded) matrix, both loaded from the checkpoint's embedding tensor (`hf_adapter`), and marked `pp_tied`
+so that `megalign.parallel.clip_grad_norm_` sums their gradients over the embedding group (first and
+last stage) and counts the matrix once in the norm; identical updates then keep the copies equal. A
+stage built without loading a checkpoint initialises its copy independently, so load one. Unsplit
+(pp=1), the head shares the embedding's Parameter.
 """
 from __future__ import annotations
 
@@ -117,15 +122,14 @@ class CausalLM(_WithTrunk):
     def __init__(self, config: ModelConfig, factory: Optional[LayerFactory] = None,
                  activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None):
         super().__init__(config, factory, activation_checkpointing, layer_range)
-        if config.tie_word_embeddings and self.model.layer_range != (0, config.num_hidden_layers):
-            raise ValueError(
-                f"tie_word_embeddings=True shares one matrix between the embedding (before layer 0) and the "
-                f"LM head (after layer {config.num_hidden_layers - 1}), but layer_range={self.model.layer_range} "
-                f"holds only part of the {config.num_hidden_layers} layers: tied models cannot be split into "
-                f"pipeline stages"
-            )
-        tied = self.model.embed if config.tie_word_embeddings else None
+        whole = self.model.layer_range == (0, config.num_hidden_layers)
+        tied = self.model.embed if config.tie_word_embeddings and whole else None
         self.lm_head = LMHead(config, self.model.factory, tied) if self.has_head else None
+        if config.tie_word_embeddings and not whole:  # a pipeline stage, see the module notes; {name: is_copy}
+            if self.model.embed is not None:
+                self.model.embed.pp_tied = {"weight": False}
+            if self.lm_head is not None:
+                self.lm_head.proj.pp_tied = {"weight": True}
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, kv_cache=None):
         hidden = self.model(input_ids, attention_mask, position_ids, cu_seqlens, kv_cache)

@@ -16,6 +16,10 @@ has no place for, fail together with both lists of names. Exceptions: a tied mod
 (`layer_range`, see `Decoder`) skips the tensors of other stages: layers outside its range, the
 embedding unless it is the first stage, the final norm and heads unless it is the last (a stray tensor
 is still reported, by the last stage). A stage's local layer i is the file's layer start + i.
+
+Tied word embeddings split into pipeline stages (see `heads`): the last stage's LM-head copy is read
+from `model.embed_tokens.weight` (its vocabulary rows, padded like the embedding) and is not written
+on save, so the tied matrix is saved once, by the first stage, as at pp=1.
 """
 from __future__ import annotations
 
@@ -64,6 +68,15 @@ def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:
                 groups = (str(int(groups[0]) + layer_offset),) + groups[1:]
             return template.format(*groups), shard_dim
     raise KeyError(f"no HF name for megalign parameter {name!r}")
+
+
+def _tied_copy(model: "_Model", name: str) -> bool:
+    """Whether parameter `name` is the last pipeline stage's LM-head copy of a tied embedding.
+
+    Unsplit, the tied head is the embedding's Parameter and `named_parameters` lists it once, as the
+    embedding; so `lm_head.proj.weight` of a tied model appears only when it is a stage's copy.
+    """
+    return model.config.tie_word_embeddings and name == "lm_head.proj.weight"
 
 
 def _other_stage(hf_name: str, layer_range: tuple[int, int], num_layers: int) -> bool:
@@ -122,7 +135,7 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
     layer_range = model.model.layer_range
     wanted = {}  # HF name -> (megalign name, shard_dim)
     for name in params:
-        hf_name, shard_dim = hf_rule(name, layer_range[0])
+        hf_name, shard_dim = hf_rule("model.embed.weight" if _tied_copy(model, name) else name, layer_range[0])
         wanted[hf_name] = (name, shard_dim)
     files = _checkpoint_index(path)
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -175,6 +188,8 @@ def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
     offset = model.model.layer_range[0]
     tensors = {}
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
+        if _tied_copy(model, name):  # the first stage writes the matrix
+            continue
         hf_name, shard_dim = hf_rule(name, offset)
         tensor = param.detach()
         if shard_dim is not None:

@@ -15,7 +15,8 @@ from .collectives import (
     scatter_to_group,
     split_last_dim,
 )
-from .data_parallel import allreduce_gradients, clip_grad_norm_, zero1_optimizer
+from .data_parallel import (allreduce_embedding_gradients, allreduce_gradients, clip_grad_norm_, pp_tied_parameters,
+                            zero1_optimizer)
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,6 +35,7 @@ __all__ = [
     "all_reduce", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first",
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
     "vocab_parallel_token_logprob", "fused_linear_token_logprob",
-    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "MixedPrecision",
+    "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "allreduce_embedding_gradients",
+    "pp_tied_parameters", "MixedPrecision",
     "Pipeline", "stage_layer_range", "stage_from_pretrained",
 ]

@@ -17,6 +17,16 @@ Design choices:
   contribute once (tp rank 0 only), pipeline stages sum over pp. After `allreduce_gradients` the
   gradients are identical across dp ranks, so dp needs no reduction: every dp rank computes the same
   norm and clips identically.
+- Tied word embeddings across pipeline stages (Megatron's embedding group). A tied model split into
+  stages holds the matrix twice: the embedding on the first stage, an LM-head copy on the last (see
+  `heads.CausalLM`), both loaded from the same checkpoint tensor. Each copy's backward gives only its
+  own use's share of the gradient, so `allreduce_embedding_gradients` sums the two over
+  `layout.embedding_group`: both then hold the gradient of the shared matrix and identical optimizer
+  updates keep them equal. It runs inside `clip_grad_norm_`, because that is the one call every
+  trainer makes between the backward and the optimizer step (after `allreduce_gradients`, with
+  `max_norm=inf` when not clipping), once per step; the norm then counts the matrix once (the LM-head
+  copy is left out). Code that steps without `clip_grad_norm_` calls `allreduce_embedding_gradients`
+  itself, exactly once per step (a second call would double the gradient).
 """
 from __future__ import annotations
 
@@ -100,19 +110,56 @@ def zero1_optimizer(
     return ZeroRedundancyOptimizer(parameters, optimizer_class=optimizer_class, process_group=dp_group, **defaults)
 
 
+def pp_tied_parameters(module: nn.Module) -> dict[nn.Parameter, bool]:
+    """{parameter: is_copy} for every parameter of `module` tied to a parameter on another pipeline stage.
+
+    A module declares them with a `pp_tied` attribute ({parameter name: is_copy}), on the module like
+    `tp_shard_dims` (see `layers`): the original is counted in the grad norm, the copy is not.
+    """
+    tied = {}
+    for sub in module.modules():
+        for name, is_copy in getattr(sub, "pp_tied", {}).items():
+            tied[getattr(sub, name)] = is_copy
+    return tied
+
+
+@torch.no_grad()
+def allreduce_embedding_gradients(module: nn.Module, layout: ParallelLayout) -> None:
+    """Sum the `.grad` of the pipeline-tied parameters of `module` (`pp_tied_parameters`) over `layout.embedding_group`.
+
+    After it the first stage's embedding and the last stage's LM-head copy hold the same gradient,
+    that of the shared `[V_pad / tp, H]` matrix. A no-op at pp=1 and for a stage without tied
+    parameters (untied models, middle stages); otherwise a collective between the first and last
+    stage of each (dp, tp) coordinate. Call it once per optimizer step (`clip_grad_norm_` does).
+    A copy without a gradient (its stage saw no loss) takes part with zeros.
+    """
+    tied = [p for p in pp_tied_parameters(module) if p.requires_grad]
+    if layout.pp == 1 or not tied:
+        return
+    for p in tied:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=layout.embedding_group)
+
+
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float, layout: ParallelLayout, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale every gradient of `module` so the global gradient norm is at most `max_norm`; return that norm.
+    """Finalise the gradients of `module` for the optimizer step: sum the pipeline-tied copies
+    (`allreduce_embedding_gradients`), then scale every gradient so the global norm is at most `max_norm`;
+    return that norm.
 
     The norm is taken over the whole model as if unsharded: tp-sharded parameters (declared through
     `tp_shard_dims`, see `layers.tp_sharded_parameters`) count each shard once, replicated parameters
-    count once, and the stages of the pipeline are combined. Call it after `allreduce_gradients`; a
-    collective over the tp and pp groups, so every rank calls it. Returns a 0-dim fp32 tensor (no
-    host sync), the same on every rank.
+    count once, a matrix tied across pipeline stages counts once (its last-stage copy is left out),
+    and the stages of the pipeline are combined. Call it after `allreduce_gradients`, once per step
+    (`max_norm=inf` only finalises); a collective over the tp, pp and embedding groups, so every rank
+    calls it. Returns a 0-dim fp32 tensor (no host sync), the same on every rank.
     """
+    allreduce_embedding_gradients(module, layout)
     sharded = {id(p) for p in tp_sharded_parameters(module)}
+    copies = {id(p) for p, is_copy in pp_tied_parameters(module).items() if is_copy}
     params = [p for p in module.parameters() if p.grad is not None]
-    counted = [p.grad for p in params if id(p) in sharded or layout.tp_rank == 0]
+    counted = [p.grad for p in params if id(p) not in copies and (id(p) in sharded or layout.tp_rank == 0)]
     local = torch.nn.utils.get_total_norm(counted, norm_type).to(device=layout.device, dtype=torch.float32)
     if math.isinf(norm_type):
         total = all_reduce(all_reduce(local, layout.tp_group, dist.ReduceOp.MAX), layout.pp_group, dist.ReduceOp.MAX)

@@ -11,6 +11,12 @@ Design choices:
   tested for many world sizes without starting processes. The `DeviceMesh` of shape (pp, dp, tp)
   built by `ParallelLayout.build` lays ranks out row-major, which is exactly that order.
 - The same code runs on gloo/CPU (tests) and NCCL/GPU (training): only `device_type` changes.
+- Megatron's embedding group (`embedding_group`): per (dp, tp) coordinate, the ranks of the first
+  and the last pipeline stage. A model with tied word embeddings split into stages holds the matrix
+  twice (embedding on the first stage, LM head on the last); their gradients are summed over this
+  group (`data_parallel.allreduce_embedding_gradients`). `build` creates these groups with
+  `torch.distributed.new_group`, which every rank must call for every group in the same order, so
+  they are made eagerly for pp > 1 (a pair of ranks each, cheap) rather than on first use.
 """
 from __future__ import annotations
 
@@ -53,6 +59,11 @@ def coords_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int) -
     return (pp_rank * dp + dp_rank) * tp + tp_rank
 
 
+def embedding_group_ranks(*, tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every embedding group (Megatron's): per pp group, its first and last stage's ranks (one rank at pp=1)."""
+    return [sorted({g[0], g[-1]}) for g in group_ranks("pp", tp=tp, pp=pp, dp=dp)]
+
+
 def group_ranks(dim: Dim, *, tp: int, pp: int, dp: int) -> list[list[int]]:
     """Every group along mesh dimension `dim`, as sorted lists of global ranks.
 
@@ -83,6 +94,8 @@ class ParallelLayout:
         world_size: number of ranks.
         rank: this process's global rank (0 for a plan without processes).
         mesh: the (pp, dp, tp) `DeviceMesh`, or None for a plan.
+        embedding_pg: this rank's embedding group when pp > 1 and this rank is on the first or last stage
+            (made by `build`), else None; read it through `embedding_group`.
     """
 
     tp: int
@@ -91,6 +104,7 @@ class ParallelLayout:
     world_size: int
     rank: int = 0
     mesh: Optional[DeviceMesh] = dataclasses.field(default=None, repr=False, compare=False)
+    embedding_pg: Optional[dist.ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_sizes(self.tp, self.pp, self.dp, self.world_size)
@@ -125,7 +139,14 @@ class ParallelLayout:
             dp = world_size // (tp * pp)
         check_sizes(tp, pp, dp, world_size)
         mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
-        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, rank=dist.get_rank(), mesh=mesh)
+        embedding_pg = None
+        if pp > 1:
+            for ranks in embedding_group_ranks(tp=tp, pp=pp, dp=dp):  # every rank creates every group, in order
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    embedding_pg = group
+        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, rank=dist.get_rank(), mesh=mesh,
+                   embedding_pg=embedding_pg)
 
     # ----- pure rank arithmetic (no processes needed)
 
@@ -202,3 +223,17 @@ class ParallelLayout:
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.group("pp")
+
+    @property
+    def embedding_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's first and last pipeline stage (same dp and tp coordinates); at pp=1 the one-rank pp group.
+
+        Only first- and last-stage ranks are members: on a middle stage (pp > 2) it is an error.
+        """
+        pp_group = self.pp_group  # raises for a plan
+        if self.pp == 1:
+            return pp_group
+        if self.embedding_pg is None:
+            raise RuntimeError(f"parallel layout: rank {self.rank} is on pipeline stage {self.pp_rank} of "
+                               f"{self.pp}, so in no embedding group (first and last stages only)")
+        return self.embedding_pg

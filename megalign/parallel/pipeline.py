@@ -8,9 +8,10 @@ Design choices:
   e.g. `(3, 3, 2)`, to give the last stage, which also runs the LM head and the loss, fewer layers. The
   models build only those layers (`layer_range`): the embedding only on the first stage, the final norm
   and head only on the last; `stage_from_pretrained` reads only the stage's tensors from the checkpoint.
-  Tied embeddings (small Qwen2) are rejected when pp > 1: the embedding and the LM head would live on
-  different ranks and need a gradient all-reduce between the first and last stage (Megatron's embedding
-  group) and de-duplication in the grad norm, which we do not implement yet.
+  Tied embeddings (small Qwen2) follow Megatron: the last stage holds a copy of the embedding matrix as
+  its LM head, and the gradients of the two copies are summed over `layout.embedding_group` when the
+  step's gradients are finalised (`clip_grad_norm_`, see `data_parallel`), not in `train_step`, which
+  may run several times (gradient accumulation) before one optimizer step.
 - Schedules. `torch.distributed.pipelining` runs on gloo and NCCL with our stage modules as they are:
   `PipelineStage` + `Schedule1F1B` for training, `ScheduleGPipe` without a loss function (forward
   only) for scoring. A fresh stage and schedule are built per call and infer the activation shapes
@@ -38,7 +39,7 @@ Design choices:
   last stage `batch`. Padded batches only (no packed `cu_seqlens`, no KV cache); B must divide evenly
   into micro-batches because a stage's receive buffers have one shape.
 - Data parallelism composes from outside: after `train_step`, `allreduce_gradients(stage.parameters(),
-  layout.dp_group)` as for an unpipelined model.
+  layout.dp_group)` then `clip_grad_norm_(stage, max_norm, layout)` as for an unpipelined model.
 """
 from __future__ import annotations
 

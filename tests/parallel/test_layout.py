@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalign.parallel.layout import ParallelLayout, check_sizes, coords_rank, group_ranks, rank_coords
+from megalign.parallel.layout import (ParallelLayout, check_sizes, coords_rank, embedding_group_ranks, group_ranks,
+                                      rank_coords)
 
 from .dist_utils import run_distributed
 
@@ -18,7 +19,8 @@ def megatron_groups(tp, pp, dp):
     for i in range(pp):
         start, end = i * num_pp_groups, (i + 1) * num_pp_groups
         dp_groups += [list(range(start + j, end, tp)) for j in range(tp)]
-    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups}
+    embedding_groups = [[ranks[0], ranks[-1]] if len(ranks) > 1 else ranks for ranks in pp_groups]
+    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "embedding": embedding_groups}
 
 
 def factorisations(world):
@@ -33,6 +35,7 @@ def test_groups_and_coords_follow_megatron_order(world):
         for dim in ("tp", "pp", "dp"):
             got = group_ranks(dim, tp=tp, pp=pp, dp=dp)
             assert sorted(got) == sorted(expected[dim]), (tp, pp, dp, dim)
+        assert sorted(embedding_group_ranks(tp=tp, pp=pp, dp=dp)) == sorted(expected["embedding"]), (tp, pp, dp)
         for rank in range(world):
             c = rank_coords(rank, tp=tp, pp=pp, dp=dp)
             # a rank's coordinate along a dim is its position in its group of that dim
@@ -92,6 +95,11 @@ def _layouts_on_two_ranks():
             assert total.item() == sum(ranks)
         assert layout.tp_group is layout.group("tp") and layout.dp_group is layout.group("dp")
         assert layout.pp_group is layout.group("pp")
+        embedding = layout.embedding_group  # both ranks at pp=2; at pp=1 this rank alone (the pp group)
+        assert dist.get_process_group_ranks(embedding) == ([0, 1] if pp == 2 else layout.group_ranks("pp"))
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=embedding)
+        assert total.item() == (1.0 if pp == 2 else rank)
         if pp == 2:
             assert layout.is_first_stage == (rank == 0) and layout.is_last_stage == (rank == 1)
             assert (layout.prev_stage_rank, layout.next_stage_rank) == ((None, 1) if rank == 0 else (0, None))

@@ -1,5 +1,7 @@
-"""Pipeline parallelism at pp=2 (2 gloo ranks) vs transformers (logits) and the unpipelined model (loss, grads)."""
+"""Pipeline parallelism at pp=2 (2 gloo ranks) vs transformers (logits) and the unpipelined model (loss, grads,
+grad norm, optimizer steps), including tied word embeddings split across stages."""
 import json
+import math
 import os
 
 import pytest
@@ -11,7 +13,8 @@ from parallel.dist_utils import run_distributed
 from conftest import TOL
 from megalign.models import from_pretrained, save_hf_checkpoint
 from megalign.models.hf_adapter import hf_rule
-from megalign.parallel import ParallelLayout, Pipeline, stage_from_pretrained, stage_layer_range
+from megalign.parallel import (ParallelLayout, Pipeline, clip_grad_norm_, pp_tied_parameters, stage_from_pretrained,
+                               stage_layer_range)
 
 FP32 = TOL[torch.float32]
 GRAD_TOL = dict(atol=1e-5, rtol=1e-4)  # sums over tokens in another order than the unpipelined backward
@@ -68,35 +71,132 @@ def test_score_matches_transformers(tmp_path):
     run_distributed(_check_score, tmp_path / "lm", tmp_path / "critic", ids, mask, ref_logits, ref_values)
 
 
-def _check_train_step(path, n_microbatches, split, batch, ref_loss, ref_grads):
+def _ref_name(stage, name):
+    """HF name (global layer index) of a stage parameter; a tied LM-head copy is the unpipelined embedding."""
+    if name == "lm_head.proj.weight" and stage.config.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    return hf_rule(name, stage.model.layer_range[0])[0]
+
+
+def _pg_batch(ids, mask, seed=3):
+    """Loss inputs of `_pg_loss_sum` with random advantages `[B, T]` drawn from `seed`."""
+    advantages = torch.randn(ids.shape, generator=torch.Generator().manual_seed(seed))
+    return {"labels": ids, "mask": mask.float(), "advantages": advantages}
+
+
+def _tied_score_and_save(path, out, ids, mask, ref_logits):
+    layout = ParallelLayout.build(pp=2)
+    stage = stage_from_pretrained(path, layout).eval()
+    logits = Pipeline(stage, layout, n_microbatches=2).score(ids, attention_mask=mask)
+    if layout.is_last_stage:
+        real = mask.bool()  # padding queries are masked out downstream and differ from HF's
+        torch.testing.assert_close(logits[real], ref_logits[real], **FP32)
+    save_hf_checkpoint(stage, out, layout=layout)
+
+
+def test_tied_stages_match_transformers_and_save_the_matrix_once(tmp_path):
+    """Tied Qwen2 at pp=2: logits vs Qwen2ForCausalLM, the last stage's head read from the embedding tensor
+    (a stray lm_head.weight in the file is ignored); the saved checkpoint holds the matrix once and
+    transformers reloads it with identical logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2ForCausalLM
+    hf = make_causal_lm(tmp_path / "lm", "qwen2_tied", num_hidden_layers=4)
+    weights = tmp_path / "lm" / "model.safetensors"
+    tensors = load_file(weights)
+    assert "lm_head.weight" not in tensors
+    save_file({**tensors, "lm_head.weight": torch.zeros_like(tensors["model.embed_tokens.weight"])}, weights)
+    ids, mask = _padded_batch()
+    with torch.no_grad():
+        ref_logits = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    run_distributed(_tied_score_and_save, tmp_path / "lm", str(tmp_path / "out"), ids, mask, ref_logits)
+    with open(tmp_path / "out" / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    assert weight_map["model.embed_tokens.weight"] == "model-00001-of-00002.safetensors"
+    assert "lm_head.weight" not in weight_map
+    with torch.no_grad():
+        torch.testing.assert_close(Qwen2ForCausalLM.from_pretrained(tmp_path / "out")(ids).logits, hf(ids).logits,
+                                   rtol=0, atol=0)
+
+
+def _check_train_step(path, n_microbatches, split, batch, ref_loss, ref_grads, ref_norm):
     layout = ParallelLayout.build(pp=2)
     model = stage_from_pretrained(path, layout, split=split).train()
     normalizer = batch["mask"][:, 1:].sum()
     loss = Pipeline(model, layout, n_microbatches).train_step(
         batch["labels"], _pg_loss_sum, normalizer, attention_mask=batch["mask"], batch=batch)
     torch.testing.assert_close(loss, ref_loss, **FP32)  # on every stage: broadcast from the last
-    offset = model.model.layer_range[0]
+    norm = clip_grad_norm_(model, math.inf, layout)  # finalises the step: sums a tied matrix's two copies
+    torch.testing.assert_close(norm, ref_norm, **FP32)
     names = []
     for name, p in model.named_parameters():
-        hf_name = hf_rule(name, offset)[0]
+        hf_name = _ref_name(model, name)
         names.append(hf_name)
         torch.testing.assert_close(p.grad, ref_grads[hf_name], **GRAD_TOL, msg=lambda m: f"{hf_name}: {m}")
     stage_names = [None] * layout.pp
     dist.all_gather_object(stage_names, names, group=layout.pp_group)
-    assert sorted(sum(stage_names, [])) == sorted(ref_grads)  # the stages hold every parameter exactly once
+    # the stages hold every parameter exactly once, except a tied matrix: once per end of the pipeline
+    copies = ["model.embed_tokens.weight"] if model.config.tie_word_embeddings else []
+    assert sorted(sum(stage_names, [])) == sorted(list(ref_grads) + copies)
 
 
-@pytest.mark.parametrize("n_microbatches,split", [(2, None), (4, (3, 1))])
-def test_train_step_matches_unpipelined(tmp_path, n_microbatches, split):
-    make_causal_lm(tmp_path, "qwen2_untied", num_hidden_layers=4)
+@pytest.mark.parametrize("family,n_microbatches,split", [("qwen2_untied", 2, None), ("qwen2_untied", 4, (3, 1)),
+                                                         ("qwen2_tied", 2, None)])
+def test_train_step_matches_unpipelined(tmp_path, family, n_microbatches, split):
+    """Loss, grad norm and every gradient vs the unpipelined model; tied: both copies get the shared matrix's gradient."""
+    make_causal_lm(tmp_path, family, num_hidden_layers=4)
     ids, mask = _padded_batch()
-    advantages = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
-    batch = {"labels": ids, "mask": mask.float(), "advantages": advantages}
+    batch = _pg_batch(ids, mask)
     dense = from_pretrained(tmp_path).train()
     ref_loss = _pg_loss_sum(dense(ids, attention_mask=mask), batch) / mask[:, 1:].sum()
     ref_loss.backward()
-    ref_grads = {hf_rule(name)[0]: p.grad for name, p in dense.named_parameters()}
-    run_distributed(_check_train_step, tmp_path, n_microbatches, split, batch, ref_loss.detach(), ref_grads)
+    ref_grads = {hf_rule(name)[0]: p.grad for name, p in dense.named_parameters()}  # a tied matrix once
+    ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
+    run_distributed(_check_train_step, tmp_path, n_microbatches, split, batch, ref_loss.detach(), ref_grads, ref_norm)
+
+
+MAX_NORM = 0.05  # below every step's gradient norm here, so clipping acts (checked on the reference)
+
+
+def _sgd(params):
+    """Momentum and weight decay: every step's update depends on all earlier (clipped) gradients."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1)
+
+
+def _check_tied_steps(path, ids, mask, batches, ref_norms, ref_params):
+    layout = ParallelLayout.build(pp=2)
+    model = stage_from_pretrained(path, layout).train()
+    tied = pp_tied_parameters(model)
+    assert list(tied.values()) == [layout.is_last_stage]  # the embedding on stage 0, its copy on stage 1
+    pipe, optimizer = Pipeline(model, layout, n_microbatches=2), _sgd(model.parameters())
+    for batch, ref_norm in zip(batches, ref_norms):
+        pipe.train_step(ids, _pg_loss_sum, batch["mask"][:, 1:].sum(), attention_mask=mask, batch=batch)
+        torch.testing.assert_close(clip_grad_norm_(model, MAX_NORM, layout), ref_norm, **FP32)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        hf_name = _ref_name(model, name)
+        torch.testing.assert_close(p.detach(), ref_params[hf_name], **GRAD_TOL, msg=lambda m: f"{hf_name}: {m}")
+    (weight,) = tied
+    first = weight.detach().clone()
+    dist.broadcast(first, src=layout.stage_rank(0), group=layout.embedding_group)
+    torch.testing.assert_close(weight.detach(), first, rtol=0, atol=0)  # the copies stay bitwise equal
+
+
+def test_tied_optimizer_steps_match_unpipelined(tmp_path):
+    """Three clipped SGD steps of a tied Qwen2 at pp=2 equal pp=1 (torch's clip_grad_norm_ on the unsplit model)."""
+    make_causal_lm(tmp_path, "qwen2_tied", num_hidden_layers=4)
+    ids, mask = _padded_batch()
+    batches = [_pg_batch(ids, mask, seed) for seed in range(3)]
+    dense = from_pretrained(tmp_path).train()
+    optimizer, ref_norms = _sgd(dense.parameters()), []
+    for batch in batches:
+        (_pg_loss_sum(dense(ids, attention_mask=mask), batch) / mask[:, 1:].sum()).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(dense.parameters(), MAX_NORM))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert min(ref_norms) > MAX_NORM
+    ref_params = {hf_rule(name)[0]: p.detach() for name, p in dense.named_parameters()}
+    run_distributed(_check_tied_steps, tmp_path, ids, mask, batches, ref_norms, ref_params)
 
 
 def test_layer_split_checks():
@@ -112,7 +212,7 @@ def test_layer_split_checks():
 
 def test_stage_of_checkpoint_and_its_input_checks(tmp_path):
     make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
-    last = stage_from_pretrained(tmp_path, PLAN)  # stage 1 of 2: layers 2, 3, final norm, LM head
+    last = from_pretrained(tmp_path, layer_range=stage_layer_range(4, PLAN))  # layers 2, 3, final norm, LM head
     dense = from_pretrained(tmp_path)
     assert last.model.embed is None and last.lm_head is not None
     for name, p in last.named_parameters():
@@ -124,12 +224,6 @@ def test_stage_of_checkpoint_and_its_input_checks(tmp_path):
         Pipeline(last, PLAN, n_microbatches=3).score(random_ids(4, 5))
     with pytest.raises(ValueError, match=r"batch\['labels'\] has 3 rows, input_ids has 4"):
         Pipeline(last, PLAN, n_microbatches=2).score(random_ids(4, 5), batch={"labels": random_ids(3, 5)})
-
-
-def test_tied_embeddings_rejected_across_stages(tmp_path):
-    make_causal_lm(tmp_path, "qwen2_tied")
-    with pytest.raises(ValueError, match=r"tie_word_embeddings=True .* layer_range=\(1, 2\) .* cannot be split"):
-        stage_from_pretrained(tmp_path, PLAN)
 
 
 def _save_stages(path, out, ref_logits, ids):
@@ -172,7 +266,7 @@ def test_save_hf_checkpoint_of_pipeline_stages(tmp_path):
 def test_save_hf_checkpoint_refuses_stage_without_layout(tmp_path):
     make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
     with pytest.raises(ValueError, match=r"layers \(2, 4\) out of 4 without a layout"):
-        save_hf_checkpoint(stage_from_pretrained(tmp_path, PLAN), tmp_path / "out")
+        save_hf_checkpoint(from_pretrained(tmp_path, layer_range=stage_layer_range(4, PLAN)), tmp_path / "out")
 
 
 def _save_tp_stages(path, out):
