@@ -1,5 +1,5 @@
 """Pipeline parallelism at pp=2 (2 gloo ranks) vs transformers (logits) and the unpipelined model (loss, grads,
-grad norm, optimizer steps), including tied word embeddings split across stages."""
+grad norm, optimizer steps), including tied word embeddings split across stages and tp=2 x pp=2 (4 ranks)."""
 import json
 import math
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from models.hf_fixtures import make_causal_lm, make_seq_cls, random_ids
+from models.hf_fixtures import VOCAB, make_causal_lm, make_seq_cls, random_ids
 from parallel.dist_utils import run_distributed
 
 from conftest import TOL
@@ -224,6 +224,8 @@ def test_stage_of_checkpoint_and_its_input_checks(tmp_path):
         Pipeline(last, PLAN, n_microbatches=3).score(random_ids(4, 5))
     with pytest.raises(ValueError, match=r"batch\['labels'\] has 3 rows, input_ids has 4"):
         Pipeline(last, PLAN, n_microbatches=2).score(random_ids(4, 5), batch={"labels": random_ids(3, 5)})
+    with pytest.raises(RuntimeError, match="has no DeviceMesh"):  # stages are built over the layout's groups
+        stage_from_pretrained(tmp_path, PLAN)
 
 
 def _save_stages(path, out, ref_logits, ids):
@@ -267,6 +269,42 @@ def test_save_hf_checkpoint_refuses_stage_without_layout(tmp_path):
     make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
     with pytest.raises(ValueError, match=r"layers \(2, 4\) out of 4 without a layout"):
         save_hf_checkpoint(from_pretrained(tmp_path, layer_range=stage_layer_range(4, PLAN)), tmp_path / "out")
+
+
+def _check_tp_pipeline(path, ids, mask, ref_logits, batch, ref_loss, ref_embed_grad, ref_norm):
+    layout = ParallelLayout.build(tp=2, pp=2)
+    stage = stage_from_pretrained(path, layout)
+    pipe = Pipeline(stage.eval(), layout, n_microbatches=2)
+    logits = pipe.score(ids, attention_mask=mask)  # vocab-sharded [B, T, V_pad / tp] on the last stage
+    if layout.is_last_stage:
+        real = mask.bool()
+        torch.testing.assert_close(stage.lm_head.gather_logits(logits)[real], ref_logits[real], **FP32)
+    loss = pipe.train_step(ids, lambda out, b: _pg_loss_sum(stage.lm_head.gather_logits(out), b),
+                           batch["mask"][:, 1:].sum(), attention_mask=mask, batch=batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    torch.testing.assert_close(clip_grad_norm_(stage, math.inf, layout), ref_norm, **FP32)
+    (weight,) = pp_tied_parameters(stage)  # this tp rank's vocab rows of the embedding or of its copy
+    assert weight.shape[0] == (VOCAB + 1) // layout.tp  # the stage really is tp-sharded, vocabulary padded to 98
+    start, end = stage.model.factory.vocab_range(stage.config.padded_vocab_size)
+    expected = torch.zeros_like(weight)  # padding rows get no gradient
+    expected[: min(end, VOCAB) - start] = ref_embed_grad[start:end]
+    torch.testing.assert_close(weight.grad, expected, **GRAD_TOL)
+
+
+def test_tensor_parallel_pipeline_matches_transformers(tmp_path):
+    """tp=2 x pp=2 on 4 ranks, tied Qwen2 with a vocabulary (97) padded for tp: logits vs Qwen2ForCausalLM; loss,
+    grad norm and the tied matrix's gradient shards (per tp rank, on both stages) vs the unpipelined model."""
+    hf = make_causal_lm(tmp_path, "qwen2_tied", num_hidden_layers=4)
+    ids, mask = _padded_batch()
+    batch = _pg_batch(ids, mask)
+    with torch.no_grad():
+        ref_logits = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    dense = from_pretrained(tmp_path).train()
+    ref_loss = _pg_loss_sum(dense(ids, attention_mask=mask), batch) / mask[:, 1:].sum()
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in dense.parameters()])
+    run_distributed(_check_tp_pipeline, tmp_path, ids, mask, ref_logits, batch, ref_loss.detach(),
+                    dense.model.embed.weight.grad, ref_norm, world_size=4)
 
 
 def _save_tp_stages(path, out):
