@@ -15,7 +15,8 @@ uses it. Design choices:
   each query head with its GQA kv head (HF orders query heads grouped by kv head), so attention and
   the KV cache are purely rank-local.
 - Vocabulary. The embedding is a `VocabParallelEmbedding` and the LM head a `ColumnParallelLinear`
-  over the same rows, so a tied LM head shares its shard with the embedding. The vocabulary is padded
+  over the same rows, so a tied LM head shares its shard with the embedding (split into pipeline stages,
+  the last stage's head holds a copy of the same rows, see `heads`). The vocabulary is padded
   Megatron-style to a multiple of `lcm(vocab_pad_multiple, tp)` (`tensor_parallel_config`): pass
   `vocab_pad_multiple=128 * tp` for Megatron's 128-row alignment per rank. Padding rows are zero
   when loaded, get logit -inf (`LMHead`), so they never receive probability, and are dropped on save.
