@@ -187,7 +187,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, batc
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-    """q `[B, h, T, D]`, k and v `[B, h_kv, S, D]` (h_kv divides h) -> `[B, T, h, D]`, through `select_backend`'s choice."""
+    """q `[B, h, T, D]`, k and v `[B, h_kv, S, D]` (h_kv divides h) -> `[B, T, h, D]`, by `select_backend`'s choice."""
     dtype = compute_dtype(q)
     if select_backend(q.device, dtype, q.shape[-1], batch) == "flash":
         return _flash_attention(*(x.transpose(1, 2).to(dtype) for x in (q, k, v)), batch)
