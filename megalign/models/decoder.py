@@ -6,13 +6,16 @@ Design choices:
   `VocabParallelEmbedding` / `ColumnParallelLinear` / `RowParallelLinear` instead and nothing else in
   the model changes. Attention reads its per-rank head counts (`n_heads_local`, `n_kv_heads_local`)
   from the factory's `tp_size`, so the model never assumes it holds all heads.
-- Attention goes through `F.scaled_dot_product_attention` with `enable_gqa`, so the kv heads are never
-  repeated in memory. The unpadded, unpacked, cache-less case passes `is_causal=True` (lets torch pick
-  its flash kernel); every other case passes one boolean mask `[B, 1, T, S]` built once per forward.
+- Attention (`attention.causal_attention`) runs flash-attn 2 when it is installed and the inputs are
+  fp16/bf16 on a GPU without a KV cache (padded and packed batches through its variable-length kernel,
+  no mask), else `F.scaled_dot_product_attention` with `enable_gqa` and one boolean mask `[B, 1, T, S]`
+  (or `is_causal=True`); either way the kv heads are never repeated in memory. The per-forward batch
+  description (`AttentionBatch`) is built once and shared by all layers.
 - Three batch layouts, each with its own position ids:
   padded `[B, T]` + `attention_mask` (left or right padding; positions count only real tokens),
-  packed `[1, total]` + `cu_seqlens` (positions restart per document; a document-id mask stops
-  attention across documents), and incremental decoding with a `KVCache` (positions passed by the caller).
+  packed `[1, total]` + `cu_seqlens` (positions restart per document; a document-id mask, or flash-attn's
+  varlen boundaries, stop attention across documents), and incremental decoding with a `KVCache`
+  (positions passed by the caller).
 - Numerics follow `transformers` (RMSNorm in fp32, RoPE tables in fp32 cast to the activation dtype) so
   fp32 logits agree to rounding.
 """
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention import AttentionBatch, causal_attention
 from .config import ModelConfig, RopeScaling
 
 
@@ -182,9 +186,9 @@ class Attention(nn.Module):
         self.v_proj = factory.column_linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.o_proj = factory.row_linear(config.num_attention_heads * d, h, bias=config.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                 kv_cache: Optional[KVCache]) -> torch.Tensor:
-        """mask: bool `[B or 1, 1, T, S]` (True = attend) or None for plain causal without a cache."""
+        """batch: padding, packing and window of this forward (see `attention.AttentionBatch`)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads_local, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads_local, self.head_dim).transpose(1, 2)
@@ -192,11 +196,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            enable_gqa=self.n_heads_local != self.n_kv_heads_local,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads_local * self.head_dim))
+        out = causal_attention(q, k, v, batch)
+        return self.o_proj(out.reshape(b, t, self.n_heads_local * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -223,35 +224,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config, factory)
 
-    def forward(self, x, cos, sin, mask, kv_cache):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache)
+    def forward(self, x, cos, sin, batch, kv_cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, batch, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
-
-
-def attention_mask_4d(q_len: int, kv_len: int, key_valid: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
-                      sliding_window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
-    """Boolean SDPA mask `[B or 1, 1, q_len, kv_len]` (True = may attend), or None when plain causal suffices.
-
-    Queries are the last `q_len` of `kv_len` slots. A query at slot i sees key slot j when
-    j <= i, key_valid[j], (sliding window) i - j < sliding_window, and (packing) doc_ids[i] == doc_ids[j].
-    Every query also sees itself, so a padding query never has an all-False row (SDPA would give NaN,
-    and NaN times a zero gradient is still NaN); its output is padding and is ignored downstream.
-    key_valid: `[B, kv_len]` bool; doc_ids: `[B, kv_len]` (only without a cache, so q_len == kv_len).
-    """
-    windowed = sliding_window is not None and kv_len > sliding_window
-    if key_valid is None and doc_ids is None and q_len == kv_len and not windowed:
-        return None
-    q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    k_idx = torch.arange(kv_len, device=device)[None, :]
-    allowed = k_idx <= q_idx
-    if windowed:
-        allowed = allowed & (q_idx - k_idx < sliding_window)
-    allowed = allowed[None, None]
-    if key_valid is not None:
-        allowed = allowed & key_valid[:, None, None, :]
-    if doc_ids is not None:
-        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
-    return allowed | (k_idx == q_idx)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,15 +321,16 @@ class Decoder(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
             else:
                 position_ids = torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
-        mask = attention_mask_4d(t, offset + t, key_valid, doc_ids, self.config.sliding_window, input_ids.device)
+        batch = AttentionBatch(t, offset + t, key_valid, doc_ids, cu_seqlens, self.config.sliding_window,
+                               kv_cache is not None, input_ids.device)
 
         x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
             if self.activation_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, batch, None, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, kv_cache)
+                x = layer(x, cos, sin, batch, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)
         return self.norm(x) if self.norm is not None else x
