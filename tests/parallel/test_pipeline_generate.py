@@ -1,4 +1,6 @@
-"""KV-cache generation at pp=2 (2 gloo ranks) vs transformers greedy `generate` and the unpipelined sampler."""
+"""KV-cache generation at pp=2, with tp=1 (2 gloo ranks) and tp=2 (4 ranks), vs transformers greedy `generate`
+and the unpipelined tp=1 sampler."""
+import pytest
 import torch
 from models.hf_fixtures import make_causal_lm, random_ids
 from parallel.dist_utils import run_distributed
@@ -21,20 +23,28 @@ def _left_padded(lengths):
     return ids, mask
 
 
-def _check(path, ids, mask, greedy, ref_greedy, sampled, ref_sampled):
-    layout = ParallelLayout.build(pp=2)
+def _check(path, tp, ids, mask, greedy, ref_greedy, sampled, ref_sampled):
+    layout = ParallelLayout.build(tp=tp, pp=2)
     stage = stage_from_pretrained(path, layout, vocab_pad_multiple=64).eval()  # padding rows must never win
+    k_proj = next(p for name, p in stage.named_parameters() if name.endswith("k_proj.weight"))
+    assert k_proj.shape[0] == stage.config.num_key_value_heads * stage.config.head_dim // tp  # kv heads are sharded
     out = pipeline_generate(stage, ids, mask, greedy, layout)
-    assert torch.equal(out.sequences, ref_greedy)  # on every stage: the token is broadcast from the last
-    # only the last stage's generator is used: give the first stage another seed to show it
-    generator = torch.Generator().manual_seed(5 if layout.is_last_stage else 123)
+    assert torch.equal(out.sequences, ref_greedy)  # on every rank: the token is broadcast from the last stage
+    # only the generator of the last stage's tp rank 0 is used: give every other rank another seed to show it
+    generator = torch.Generator().manual_seed(5 if layout.is_last_stage and layout.tp_rank == 0 else 123)
     out = pipeline_generate(stage, ids, mask, sampled, layout, generator)
     assert torch.equal(out.sequences, ref_sampled.sequences)
     assert torch.equal(out.attention_mask, ref_sampled.attention_mask)
     torch.testing.assert_close(out.logprobs, ref_sampled.logprobs, rtol=1e-5, atol=1e-5)
 
 
-def test_pipeline_generate_matches_transformers_and_unpipelined(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_generate_matches_transformers_and_unpipelined(tmp_path, tp):
+    """Greedy tokens equal transformers'; seeded sampling equals the unpipelined tp=1 `generate` with the same seed.
+
+    At tp=2 each stage's decode runs on its head shards with a vocab-sharded head (4 ranks, tp innermost), so
+    the hidden states sent between stages, the gathered logits and the sampled token's agreement are all exercised.
+    """
     hf = make_causal_lm(tmp_path, "llama3_gqa", num_hidden_layers=4)
     ids, mask = _left_padded([3, 9, 6])
 
@@ -51,4 +61,4 @@ def test_pipeline_generate_matches_transformers_and_unpipelined(tmp_path):
     sampled = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, pad_token_id=PAD)
     dense = from_pretrained(tmp_path, vocab_pad_multiple=64).eval()
     ref_sampled = generate(dense, ids, mask, sampled, torch.Generator().manual_seed(5))
-    run_distributed(_check, tmp_path, ids, mask, greedy, ref_greedy, sampled, ref_sampled)
+    run_distributed(_check, tmp_path, tp, ids, mask, greedy, ref_greedy, sampled, ref_sampled, world_size=2 * tp)
