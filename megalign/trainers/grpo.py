@@ -413,7 +413,9 @@ class GRPOTrainer:
                 norms.append(norm)
                 if not stepped:
                     skipped += 1
-                    logger.warning("step %d: non-finite loss or gradient norm; skipping this update", self.progress["step"])
+                    # progress["step"] counts finished steps: this is step + 1, as in metrics.jsonl and the checkpoints
+                    logger.warning("step %d: non-finite loss or gradient norm; skipping this update",
+                                   self.progress["step"] + 1)
         self.progress["nan_skips"] += skipped
         return {"sums": sums, "grad_norm": torch.stack(norms).mean(), "updates": algo.ppo_epochs * algo.mini_batches}
 

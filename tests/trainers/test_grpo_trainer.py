@@ -1,13 +1,16 @@
-"""GRPO end to end on a tiny random policy: learning, exact resume, offload, bad data and broken rewards."""
+"""GRPO end to end on a tiny random policy: learning, exact resume, offload, bad data, broken rewards, NaN updates."""
 import json
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import HERE, digit_fraction, tiny_config, tiny_policy, write_rows
+from trainers.helpers import NaNOnCalls, capture_warnings, checkpoint_params
 
 from megalign.data import DataError
+from megalign.trainers import grpo as grpo_mod
 from megalign.trainers.grpo import train_grpo
 
 
@@ -101,6 +104,32 @@ def test_tensor_parallel_actor_with_a_smaller_reference(policy, tmp_path):
     run_distributed(_train, policy, str(tmp_path), "actor.tp=2", "reference.tp=1", "algo.beta=0.1", "export_hf=false")
     metrics = _read_metrics(str(tmp_path))
     assert sorted(metrics) == [1, 2] and metrics[2]["actor/kl"] > 0 and metrics[2]["nan_skips"] == 0
+
+
+def _nan_updates_are_skipped(policy, run_dir):
+    warnings = capture_warnings("megalign.trainers.grpo")
+    # tiny_config's step: 16 responses in 2 mini-batches of one micro-batch each, so 2 loss calls per step.
+    # Calls 3, 4 are both updates of step 2; call 5 is the first update of step 3, whose second update is clean.
+    grpo_mod.aggregate_loss = NaNOnCalls(grpo_mod.aggregate_loss, nan_calls={3, 4, 5})
+    _train(policy, run_dir, "steps=4", "save_every=1", "keep_last=4", "export_hf=false")
+    skips = [w for w in warnings if "non-finite loss" in w and "skipping this update" in w]
+    assert [w.split(":")[0] for w in skips] == ["step 2", "step 2", "step 3"], warnings
+    metrics = _read_metrics(run_dir)
+    assert [metrics[s]["nan_skips"] for s in (1, 2, 3, 4)] == [0, 2, 3, 3]
+    assert metrics[2]["actor/loss"] is None  # NaN is written as null
+    params = {s: checkpoint_params(run_dir, s, role="actor") for s in (1, 2, 3, 4)}
+    assert params[1].keys() == params[2].keys() and params[1]
+    for name in params[1]:
+        assert all(torch.isfinite(params[s][name]).all() for s in (2, 3, 4)), name
+        torch.testing.assert_close(params[2][name], params[1][name], rtol=0, atol=0, msg=name)  # step 2 changed nothing
+    # step 3's clean mini-batch still updated the weights, and step 4 trained normally
+    assert any(not torch.equal(params[3][n], params[2][n]) for n in params[2])
+    assert any(not torch.equal(params[4][n], params[3][n]) for n in params[3])
+
+
+def test_nan_loss_skips_only_its_update_and_never_reaches_a_checkpoint(policy, tmp_path):
+    """A blown-up mini-batch must not touch the weights (nor the checkpoints), nor cost the step's other updates."""
+    run_distributed(_nan_updates_are_skipped, policy, str(tmp_path), world_size=1)
 
 
 def _rollout_batch_lines_up(policy, run_dir):

@@ -1,15 +1,13 @@
 """SFT trainer: exact resume (dp=2 with ZeRO-1), NaN steps skipped and kept out of checkpoints, learning, HF export."""
 import json
-import logging
 import math
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from parallel.dist_utils import run_distributed
 from safetensors.torch import load_file
+from trainers.helpers import NaNOnCalls, capture_warnings, checkpoint_params
 
-from megalign.checkpoint import CheckpointManager
 from megalign.config import load_config
 from megalign.data import CharTokenizer
 from megalign.data.sft import IGNORE_INDEX, collate_sft, encode_sft
@@ -29,15 +27,6 @@ def tiny_config(run_dir, *overrides) -> SFTConfig:
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def final_params(run_dir, step):
-    """The model tensors of checkpoint `step` of a tp=1 run (keys `model.tp0_pp0.<name>`), read by this rank alone."""
-    reader = dcp.FileSystemReader(CheckpointManager(run_dir).path(step))
-    meta = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
-    dcp.load(state, storage_reader=reader, no_dist=True)  # only the caller reads
-    return state
 
 
 def test_collate_masks_prompt_and_padding():
@@ -64,7 +53,7 @@ def _resume_matches_straight_run(tmp: str) -> None:
         losses = {r["step"]: r["loss"] for r in read_metrics(straight)}
         resumed_losses = {r["step"]: r["loss"] for r in read_metrics(split)}
         assert losses == resumed_losses and len(losses) == 4, (losses, resumed_losses)
-        a, b = final_params(straight, 4), final_params(split, 4)
+        a, b = checkpoint_params(straight, 4), checkpoint_params(split, 4)
         assert a.keys() == b.keys()
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
@@ -74,30 +63,14 @@ def test_resume_continues_exactly_dp2(tmp_path):
     run_distributed(_resume_matches_straight_run, str(tmp_path))
 
 
-class _NaNOnCall:
-    """`sft_loss` whose `nan_call`-th call (1-based) returns NaN, like a numerical blow-up."""
-
-    def __init__(self, nan_call):
-        self.calls, self.nan_call, self.real = 0, nan_call, sft_mod.sft_loss
-
-    def __call__(self, *args):
-        self.calls += 1
-        loss = self.real(*args)
-        return loss * float("nan") if self.calls == self.nan_call else loss
-
-
 def _nan_step_is_skipped(tmp: str) -> None:
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("megalign.trainers.sft").addHandler(handler)
-    sft_mod.sft_loss = _NaNOnCall(nan_call=2)
+    warnings = capture_warnings("megalign.trainers.sft")
+    sft_mod.sft_loss = NaNOnCalls(sft_mod.sft_loss, nan_calls={2})
     train_sft(tiny_config(tmp, "save_every=1", "steps=3"))
-    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert any("step 2: non-finite loss" in w and "skipping the update" in w for w in warnings), warnings
     rows = read_metrics(tmp)
     assert [r["nan_skips"] for r in rows] == [0, 1, 1] and rows[1]["loss"] is None  # NaN is written as null
-    step1, step2, step3 = (final_params(tmp, s) for s in (1, 2, 3))
+    step1, step2, step3 = (checkpoint_params(tmp, s) for s in (1, 2, 3))
     for name in step1:
         assert torch.isfinite(step2[name]).all(), name
         torch.testing.assert_close(step2[name], step1[name], rtol=0, atol=0, msg=name)  # the NaN step changed nothing
@@ -118,7 +91,7 @@ def _learns_and_exports(tmp: str) -> None:
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses
     assert result.accuracy is not None and 0.0 <= result.accuracy <= 1.0
     exported = load_file(os.path.join(result.hf_path, "model.safetensors"))
-    ckpt = final_params(tmp, 40)
+    ckpt = checkpoint_params(tmp, 40)
     torch.testing.assert_close(exported["model.embed_tokens.weight"], ckpt["model.tp0_pp0.model.embed.weight"],
                                rtol=0, atol=0)
     with open(os.path.join(result.hf_path, "config.json")) as f:
