@@ -2,26 +2,25 @@
 
 A problem is `a op b` with `a, b` in [0, max_operand] and `op` in + - *. The prompt is the bare
 expression `"12+7="`; the answer is the integer result (negative for some differences); the SFT
-target and the format the reward verifies is `"<answer>19</answer>"` (read by the
-`math_accuracy` reward, `megalign.rewards.math`).
+target and the format the reward verifies is `"\\boxed{19}"` (read by the `math_accuracy` reward,
+`megalign.rewards.math`).
 
 Why this difficulty (defaults max_operand=20, ops "+-*"; 3 * 21 * 21 = 1323 problems, 265 held out):
 
-- It must be learnable *partially* by a tiny character-level model in about two minutes of CPU SFT,
-  and leave room for GRPO to add 20+ points of held-out accuracy. Sums and differences of numbers
-  up to 20 have a digit structure a small model picks up from ~1000 examples, so SFT gets many of
-  them right; products up to 400 have to be largely memorised, so held-out products stay mostly
-  wrong after SFT while the right answer is often among the G samples (nearby digits), which is
-  exactly the signal GRPO sharpens.
-- Measured on 2 CPU processes (examples/*.yaml): SFT stopped at 300 steps (~18 epochs) is at ~21%
-  train / ~16% held-out, and GRPO's gains on the training prompts transfer (+12.8 held-out points in
-  150 steps). SFT run to 900 steps memorises the training split (75% train / 38% held-out, products
-  23% held-out) and GRPO on the same prompts then adds only ~2 points: keep the warm start short.
-- Everything is short: prompts of 3-6 characters and responses of 18-21, so G samples per prompt
-  generate quickly on a CPU and the reward is 0/1 with no parsing ambiguity.
+- It must be learnable *partially* by a tiny character-level model in well under a minute of CPU
+  SFT, and leave room for GRPO to add 20+ points of held-out accuracy. Sums and differences of
+  numbers up to 20 have a digit structure a small model picks up from ~1000 examples; products up to
+  400 have to be largely memorised. After the short SFT the right answer is usually among the G
+  samples even when the greedy one is wrong (held-out pass@16 ~69% against ~16% pass@1 at
+  temperature 1), which is exactly the signal GRPO sharpens.
+- The response is `\\boxed{N}`, not `<answer>N</answer>`: 11 tokens with EOS instead of 20, so
+  sampling and the update are about twice as fast, and the loss is not spread over 17 characters of
+  fixed format. Measured end to end on 2 CPU processes (`launch/run_embedded.sh`): SFT 300 steps
+  18.1% held-out -> GRPO 300 steps 45.3% (+27.2 points) in under 4 minutes for both stages, where
+  the `<answer>` format reached +14.3 in 8.5 minutes (numbers and settings in examples/*.yaml).
+- Keep the warm start short: SFT run to 900 steps memorises the training split (75% train / 38%
+  held-out with the `<answer>` format) and GRPO on the same prompts then adds only a few points.
 - Raising `max_operand` or dropping `*` moves the task harder or easier without other changes.
-  These defaults are the intended operating point, to be confirmed (and tuned through the config)
-  by the end-to-end SFT -> GRPO run, which is where the model and its budget are fixed.
 
 The split is fixed by `seed`: all problems are enumerated, shuffled once and cut, so train and
 held-out never share a problem (`3+4` and `4+3` are different problems: getting the held-out one
@@ -62,7 +61,7 @@ class ArithProblem:
     @property
     def response(self) -> str:
         """The SFT target: the answer in the task's answer format."""
-        return f"<answer>{self.answer}</answer>"
+        return f"\\boxed{{{self.answer}}}"
 
 
 @dataclasses.dataclass

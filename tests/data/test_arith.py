@@ -9,7 +9,7 @@ def test_problems_render_and_answer_correctly():
     assert ArithProblem(12, "+", 7).prompt == "12+7="
     assert ArithProblem(3, "-", 17).answer == -14
     assert ArithProblem(13, "*", 11).answer == 143
-    assert ArithProblem(13, "*", 11).response == "<answer>143</answer>"
+    assert ArithProblem(13, "*", 11).response == "\\boxed{143}"
     assert math_accuracy(ArithProblem(3, "-", 17).response, -14) == 1.0  # the SFT target earns the reward
 
 
