@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megalign.parallel.data_parallel import pp_tied_parameters
 from megalign.parallel.layout import ParallelLayout
 
 from .config import ModelConfig
@@ -70,13 +71,13 @@ def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:
     raise KeyError(f"no HF name for megalign parameter {name!r}")
 
 
-def _tied_copy(model: "_Model", name: str) -> bool:
-    """Whether parameter `name` is the last pipeline stage's LM-head copy of a tied embedding.
+def _tied_copies(model: "_Model") -> set[int]:
+    """ids of the parameters that are a pipeline stage's copy of a tied embedding (`pp_tied_parameters`).
 
-    Unsplit, the tied head is the embedding's Parameter and `named_parameters` lists it once, as the
-    embedding; so `lm_head.proj.weight` of a tied model appears only when it is a stage's copy.
+    Unsplit, the tied head is the embedding's Parameter and is not marked; only the last stage's
+    LM-head copy of a split tied model is, and it is read from (and saved as) the embedding.
     """
-    return model.config.tie_word_embeddings and name == "lm_head.proj.weight"
+    return {id(p) for p, is_copy in pp_tied_parameters(model).items() if is_copy}
 
 
 def _other_stage(hf_name: str, layer_range: tuple[int, int], num_layers: int) -> bool:
@@ -133,9 +134,10 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
     factory = model.model.factory
     params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
     layer_range = model.model.layer_range
+    copies = _tied_copies(model)
     wanted = {}  # HF name -> (megalign name, shard_dim)
-    for name in params:
-        hf_name, shard_dim = hf_rule("model.embed.weight" if _tied_copy(model, name) else name, layer_range[0])
+    for name, param in params.items():
+        hf_name, shard_dim = hf_rule("model.embed.weight" if id(param) in copies else name, layer_range[0])
         wanted[hf_name] = (name, shard_dim)
     files = _checkpoint_index(path)
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -187,8 +189,9 @@ def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
     config: ModelConfig = model.config
     offset = model.model.layer_range[0]
     tensors = {}
+    copies = _tied_copies(model)
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
-        if _tied_copy(model, name):  # the first stage writes the matrix
+        if id(param) in copies:  # the first stage writes the matrix
             continue
         hf_name, shard_dim = hf_rule(name, offset)
         tensor = param.detach()
