@@ -3,9 +3,10 @@
 Environment:
   MEGALIGN_SKIP_CUDA_BUILD=1   build the CPU kernels only, even with a CUDA torch.
   MEGALIGN_CUDA_ARCHS          semicolon list of SM versions for the CUDA kernels (default "80;90").
-  MEGALIGN_CPU_ARCH            value for -march (default "native": the kernels' inner loops are
-                               vectorised for the building machine; use e.g. "x86-64-v3" when the
-                               build machine differs from the machines that run it, "" for none).
+  MEGALIGN_CPU_ARCH            a -march for the whole extension (default none: the build runs on any
+                               CPU of its architecture). The vector kernels do not need it: they are
+                               compiled for each x86-64 level (SSE2, AVX2, AVX-512) and the CPU's
+                               own level is chosen at run time (csrc/cpu/isa.h).
   MAX_JOBS                     parallel compile jobs (torch's cpp_extension honours it).
 """
 import glob
@@ -24,9 +25,10 @@ def _extensions():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
-    cpu_arch = os.environ.get("MEGALIGN_CPU_ARCH", "native")
+    cpu_arch = os.environ.get("MEGALIGN_CPU_ARCH", "")
     # No -std flag: cpp_extension adds the standard its headers need (C++17; C++20 from torch 2.14).
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno"]
+    # -ffp-contract=fast: a * b + c may become one FMA where the ISA has it (an ISO -std turns it off).
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
     include = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "torch")]

@@ -1,7 +1,10 @@
-// CPU kernels of kl_penalty: elementwise estimate and gradient (kind and layout fixed at compile
-// time so the simple kinds vectorise), and the masked mean fused into one pass with its gradient.
+// CPU kernels of kl_penalty: elementwise estimate and gradient, and the masked mean fused into one
+// pass with its gradient. fp32 / bf16 / fp16 operands that are unit-stride within rows run the
+// vector kernels of the CPU's ISA (kl_policy_simd.h, chosen at run time: isa.h); fp64 and other
+// strided layouts run the scalar loops below (kind and layout fixed at compile time).
 #include "megalign/kl_penalty.h"
 
+#include "isa.h"
 #include "kl_policy_cpu.h"
 
 namespace megalign::cpu {
@@ -11,6 +14,12 @@ using detail::offset;
 
 bool all_dense(const KlArgs& a, const StridedView& mask = {}) {
   return is_dense(a.logp, a.cols) && is_dense(a.ref_logp, a.cols) && is_dense(mask, a.cols);
+}
+
+// Whether the vector kernels take these operands (isa.h).
+bool vector_ok(const KlArgs& a, const StridedView& mask = {}, const StridedView& grad = {}) {
+  return a.dtype != DType::kFloat64 && row_contiguous(a.logp, a.cols) && row_contiguous(a.ref_logp, a.cols) &&
+         row_contiguous(mask, a.cols) && row_contiguous_or_broadcast(grad, a.cols);
 }
 
 template <typename T, KlKind K, bool Dense>
@@ -88,6 +97,7 @@ void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* gra
 }  // namespace
 
 void kl_penalty_fwd(const KlArgs& a, void* out) {
+  if (vector_ok(a)) return isa_kernels().kl_penalty_fwd(a, out);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_fwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
       dispatch_bool(all_dense(a), [&](auto dense) {
@@ -98,6 +108,7 @@ void kl_penalty_fwd(const KlArgs& a, void* out) {
 }
 
 void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
+  if (vector_ok(a, {}, grad)) return isa_kernels().kl_penalty_bwd(a, grad, grad_logp);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_bwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
       dispatch_bool(all_dense(a), [&](auto dense) {
@@ -108,6 +119,7 @@ void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
 }
 
 void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
+  if (vector_ok(a, m.mask)) return isa_kernels().kl_masked_mean_fwd(a, m, mean, count);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_masked_mean_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
       detail::dispatch_kl_kind(a.kind, [&](auto kind) {
@@ -124,6 +136,7 @@ void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t
 
 void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_mean, const int64_t* count,
                         void* grad_logp) {
+  if (vector_ok(a, m.mask)) return isa_kernels().kl_masked_mean_bwd(a, m, grad_mean, count, grad_logp);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_masked_mean_bwd", [&] {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_bwd", [&] {
       using A = acc_t<scalar_t>;

@@ -1,14 +1,25 @@
 // CPU kernels of the fused policy loss: one pass writes the per-token loss and accumulates the
 // statistics (per-chunk partials merged in order); the backward recomputes each token from the
 // inputs (math/policy.h) and writes grad_logp, so no [rows, cols] intermediate is ever stored.
+// fp32 / bf16 / fp16 operands that are unit-stride within rows run the vector kernels of the
+// CPU's ISA (kl_policy_simd.h, chosen at run time: isa.h); fp64 and other strided layouts run
+// the scalar loops below.
 #include "megalign/policy_loss.h"
 
+#include "isa.h"
 #include "kl_policy_cpu.h"
 
 namespace megalign::cpu {
 namespace {
 
 using detail::offset;
+
+// Whether the vector kernels take these operands (isa.h).
+bool vector_ok(const PolicyLossArgs& a, const StridedView& grad = {}) {
+  return a.dtype != DType::kFloat64 && row_contiguous(a.logp, a.cols) && row_contiguous(a.old_logp, a.cols) &&
+         row_contiguous(a.advantages, a.cols) && row_contiguous(a.mask, a.cols) &&
+         row_contiguous(a.ref_logp, a.cols) && row_contiguous_or_broadcast(grad, a.cols);
+}
 
 bool inputs_dense(const PolicyLossArgs& a) {
   return is_dense(a.logp, a.cols) && is_dense(a.old_logp, a.cols) && is_dense(a.advantages, a.cols) &&
@@ -107,6 +118,7 @@ void dispatch_layout(const PolicyLossArgs& a, Fn&& fn) {
 }  // namespace
 
 void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
+  if (vector_ok(a)) return isa_kernels().policy_loss_fwd(a, loss, stats);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
       dispatch_layout(a, [&](auto dense, auto has_ref) {
@@ -119,6 +131,7 @@ void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
 }
 
 void policy_loss_bwd(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp) {
+  if (vector_ok(a, grad)) return isa_kernels().policy_loss_bwd(a, grad, grad_logp);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_bwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_bwd", [&] {
       dispatch_layout(a, [&](auto dense, auto has_ref) {

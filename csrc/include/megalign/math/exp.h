@@ -1,6 +1,7 @@
 // The pieces every per-element kernel formula needs on both the host and the device: forced
-// inlining, a branch-free select, bit casts, and e^x in fp32 without libm (std::exp is not
-// vectorised without -ffast-math). One copy, shared by token_logprob, kl_penalty and policy_loss.
+// inlining, a branch-free select, bit casts, the lane-type traits, and e^x in fp32 without libm.
+// One copy, shared by token_logprob, kl_penalty and policy_loss on the GPU, in the scalar CPU
+// loops and, instantiated on SIMD vectors, in the vector CPU kernels (csrc/cpu/simd.h).
 #pragma once
 
 #include <cmath>
@@ -54,35 +55,48 @@ MEGALIGN_HD_INLINE uint32_t bits_from_float(float f) {
 #endif
 }
 
-// e^x in fp32 without a libm call, branch-free so GCC vectorises the loops that call it; the GPU
-// runs the same arithmetic. Cephes expf: x = k ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2),
+// Lane types. The per-element formulas below and in kl.h / policy.h / token_logprob.h are
+// templates over the value type A: a scalar (float, double; the GPU and the scalar CPU loops) or
+// one of the CPU's SIMD vectors (csrc/cpu/simd.h: fp32 lanes, overloading the arithmetic, the
+// compares, select_acc and the bit casts below). mask_of<A> is what a compare of two A gives:
+// bool for a scalar, a lane mask for a vector; lane_t<A> is the element type.
+template <typename A> struct LaneOf { using type = A; };
+template <typename A> using lane_t = typename LaneOf<A>::type;
+template <typename A> using mask_of = decltype(A() < A());
+
+MEGALIGN_HD_INLINE int32_t to_int_bits(float x) { return static_cast<int32_t>(x); }
+MEGALIGN_HD_INLINE float float_from_int_bits(int32_t u) { return float_from_bits(static_cast<uint32_t>(u)); }
+
+// e^x in fp32 without a libm call, branch-free so the CPU runs it on whole vectors; the GPU runs
+// the same arithmetic. Cephes expf: x = k ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2),
 // a degree-6 polynomial for e^r, and 2^k built from exponent bits in two halves so k = 128 (x just
 // below ln FLT_MAX) does not overflow early. Within 2 ulp for x in [-87.33, 88.72]; exactly 0
 // below -87.33 (results there are < 1.2e-38, skipped to avoid denormal arithmetic), +inf above
 // ln FLT_MAX, NaN for NaN. The input is clamped first so the intermediates stay finite; the
-// clamps and the final range checks are compare-selects.
-MEGALIGN_HD_INLINE float exp_acc(float x) {
+// clamps and the final range checks are compare-selects. A is float or an fp32 vector.
+template <typename A>
+MEGALIGN_HD_INLINE A exp_f32(A x) {
   constexpr float kLo = -87.33654475f;  // ln FLT_MIN: smallest x with a normal result
   constexpr float kHi = 88.72283905f;   // ln FLT_MAX
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float xc = x < kLo ? kLo : x;          // NaN compares false and stays NaN
-  xc = xc > kHi ? kHi : xc;
-  const float kf = (xc * 1.44269504088896341f + kRound) - kRound;
-  const float r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t k = static_cast<int32_t>(kf);
-  const int32_t k1 = k >> 1;  // k in [-126, 128]: both halves are normal exponents
-  const float y = p * float_from_bits(static_cast<uint32_t>(k1 + 127) << 23) *
-                  float_from_bits(static_cast<uint32_t>(k - k1 + 127) << 23);
-  const float lo = x < kLo ? 0.0f : y;
-  return x > kHi ? std::numeric_limits<float>::infinity() : lo;
+  A xc = select_acc(x < A(kLo), A(kLo), x);  // NaN compares false and stays NaN
+  xc = select_acc(xc > A(kHi), A(kHi), xc);
+  const A kf = (xc * A(1.44269504088896341f) + A(kRound)) - A(kRound);
+  const A r = (xc - kf * A(0.693359375f)) - kf * A(-2.12194440e-4f);
+  A p = A(1.9875691500e-4f);
+  p = p * r + A(1.3981999507e-3f);
+  p = p * r + A(8.3334519073e-3f);
+  p = p * r + A(4.1665795894e-2f);
+  p = p * r + A(1.6666665459e-1f);
+  p = p * r + A(5.0000001201e-1f);
+  p = p * r * r + r + A(1.0f);
+  const auto k = to_int_bits(kf);
+  const auto k1 = k >> 1;  // k in [-126, 128]: both halves are normal exponents
+  const A y = p * float_from_int_bits((k1 + 127) << 23) * float_from_int_bits((k - k1 + 127) << 23);
+  const A lo = select_acc(x < A(kLo), A(0.0f), y);
+  return select_acc(x > A(kHi), A(std::numeric_limits<float>::infinity()), lo);
 }
+MEGALIGN_HD_INLINE float exp_acc(float x) { return exp_f32(x); }
 MEGALIGN_HD_INLINE double exp_acc(double x) { return exp(x); }
 
 }  // namespace megalign

@@ -37,19 +37,21 @@ struct Expm1Split {
   A excess;
 };
 
-MEGALIGN_HD_INLINE Expm1Split<float> expm1_split(float x) {
-  float q = 1.0f / 40320.0f;
-  q = q * x + 1.0f / 5040.0f;
-  q = q * x + 1.0f / 720.0f;
-  q = q * x + 1.0f / 120.0f;
-  q = q * x + 1.0f / 24.0f;
-  q = q * x + 1.0f / 6.0f;
-  q = q * x + 0.5f;
-  const float small_excess = x * x * q;
-  const float big_em1 = exp_acc(x) - 1.0f;
-  const bool small = (x > -0.34657359f) & (x < 0.34657359f);
+template <typename A>  // float or an fp32 vector
+MEGALIGN_HD_INLINE Expm1Split<A> expm1_split_f32(A x) {
+  A q = A(1.0f / 40320.0f);
+  q = q * x + A(1.0f / 5040.0f);
+  q = q * x + A(1.0f / 720.0f);
+  q = q * x + A(1.0f / 120.0f);
+  q = q * x + A(1.0f / 24.0f);
+  q = q * x + A(1.0f / 6.0f);
+  q = q * x + A(0.5f);
+  const A small_excess = x * x * q;
+  const A big_em1 = exp_acc(x) - A(1.0f);
+  const mask_of<A> small = (x > A(-0.34657359f)) & (x < A(0.34657359f));
   return {select_acc(small, x + small_excess, big_em1), select_acc(small, small_excess, big_em1 - x)};
 }
+MEGALIGN_HD_INLINE Expm1Split<float> expm1_split(float x) { return expm1_split_f32(x); }
 MEGALIGN_HD_INLINE Expm1Split<double> expm1_split(double x) {
   const double em1 = expm1(x);
   return {em1, em1 - x};
@@ -82,8 +84,8 @@ MEGALIGN_HD_INLINE KlValue<A> kl_low_var(A logp, A ref) {
   const A d = ref - logp;
   const A dc = clamp_acc(d, -bound, bound);
   const Expm1Split<A> e = expm1_split(dc);  // excess >= 0, so only the upper clamp can bind
-  const bool capped = e.excess > A(kLowVarKlBound);
-  const bool inside = (d >= -bound) & (d <= bound);
+  const mask_of<A> capped = e.excess > A(kLowVarKlBound);
+  const mask_of<A> inside = (d >= -bound) & (d <= bound);
   return {select_acc(capped, A(kLowVarKlBound), e.excess), select_acc(capped | !inside, A(0), -e.em1)};
 }
 

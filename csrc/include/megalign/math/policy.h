@@ -52,8 +52,8 @@ struct PolicyToken {
   A log_ratio;
   A ratio;
   A kl;  // k3(logp, ref_logp); 0 without a reference
-  bool clipped;
-  bool dual_clipped;
+  mask_of<A> clipped;
+  mask_of<A> dual_clipped;
 };
 
 template <typename A>
@@ -65,14 +65,14 @@ MEGALIGN_HD_INLINE PolicyToken<A> policy_token(A logp, A old_logp, A adv, bool h
   const A ratio = exp_acc(log_ratio);
   const A surr1 = -adv * ratio;
   const A surr2 = -adv * clamp_acc(ratio, A(1) - p.eps_low, A(1) + p.eps_high);
-  const bool clipped = surr2 > surr1;
+  const mask_of<A> clipped = surr2 > surr1;
   const A surr = select_acc(clipped, surr2, surr1);
   // Written as selects, without branches, so the CPU loops vectorise.
   const A surr3 = -adv * p.dual_clip;
-  const bool dual = (p.dual_clip > A(0)) & (adv < A(0)) & (surr > surr3);
-  const bool live = !clipped & !dual & (log_ratio == diff);  // the log-ratio clamp is inactive
+  const mask_of<A> dual = (p.dual_clip > A(0)) & (adv < A(0)) & (surr > surr3);
+  const mask_of<A> live = (!clipped) & (!dual) & (log_ratio == diff);  // the log-ratio clamp is inactive
   const KlValue<A> k3 = kl_k3(logp, select_acc(has_ref, ref_logp, logp));
-  const bool penalise = has_ref & (p.beta > A(0));
+  const mask_of<A> penalise = mask_of<A>(has_ref) & (p.beta > A(0));
   const A kl = select_acc(has_ref, k3.value, A(0));
   const A loss = select_acc(dual, surr3, surr) + select_acc(penalise, p.beta * k3.value, A(0));
   const A dlogp = select_acc(live, surr1, A(0)) + select_acc(penalise, p.beta * k3.dlogp, A(0));

@@ -27,14 +27,14 @@ namespace megalign::math {
 // FLT_MIN to 0 like exp_acc) costs one SFU op where the polynomial costs about as many ALU
 // instructions as a bf16 element's share of HBM time would allow; on the CPU it is exp_acc
 // (megalign/math/exp.h), the polynomial shared with kl_penalty and policy_loss.
-MEGALIGN_HD float kernel_exp(float x) {
+MEGALIGN_HD_INLINE float kernel_exp(float x) {
 #if defined(__CUDA_ARCH__)
   return __expf(x);
 #else
   return exp_acc(x);
 #endif
 }
-MEGALIGN_HD double kernel_exp(double x) { return std::exp(x); }
+MEGALIGN_HD_INLINE double kernel_exp(double x) { return std::exp(x); }
 
 // Most negative finite value: z - m is clamped to it so e^{z-m} (z-m) is 0 * finite = 0 for -inf
 // logits instead of NaN. The clamp is a compare-select, which vectorises; NaN stays NaN (a NaN
@@ -43,7 +43,10 @@ template <typename A> MEGALIGN_HD A lowest();
 template <> MEGALIGN_HD float lowest<float>() { return -FLT_MAX; }
 template <> MEGALIGN_HD double lowest<double>() { return -DBL_MAX; }
 
-template <typename A> MEGALIGN_HD A clamp_low(A d) { return d < lowest<A>() ? lowest<A>() : d; }
+template <typename A> MEGALIGN_HD_INLINE A clamp_low(A d) {
+  const A lo = A(lowest<lane_t<A>>());
+  return select_acc(d < lo, lo, d);
+}
 
 template <typename A>
 struct SoftmaxStats {
@@ -69,8 +72,9 @@ template <typename A> MEGALIGN_HD SoftmaxStats<A> merge_stats(SoftmaxStats<A> x,
   return {m, rx.s + ry.s, rx.t + ry.t};
 }
 
-// Adds one logit z to stats already based at m >= z (the inner-loop step; branch-free).
-template <typename A> MEGALIGN_HD void accumulate(A z, A m, A& s, A& t) {
+// Adds one logit z to stats already based at m >= z (the inner-loop step; branch-free; A may be a
+// CPU vector of logits, see exp.h).
+template <typename A> MEGALIGN_HD_INLINE void accumulate(A z, A m, A& s, A& t) {
   const A d = clamp_low(z - m);
   const A e = kernel_exp(d);
   s += e;
@@ -93,7 +97,7 @@ template <typename A> MEGALIGN_HD RowResult<A> finalize_row(SoftmaxStats<A> st, 
 //   g_logp (1[j = target] - p_j) + g_ent (-p_j (log p_j + H)).
 // With with_entropy false the entropy term is skipped (g_ent and H unused).
 template <bool WithEntropy, typename A>
-MEGALIGN_HD A logit_grad(A z, A lse, A entropy, A g_logp, A g_ent, bool is_target) {
+MEGALIGN_HD_INLINE A logit_grad(A z, A lse, A entropy, A g_logp, A g_ent, bool is_target) {
   const A lp = clamp_low(z - lse);
   const A p = kernel_exp(lp);
   A g = (is_target ? g_logp : A(0)) - g_logp * p;

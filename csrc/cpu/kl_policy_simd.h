@@ -1,0 +1,262 @@
+// Vector kernels of kl_penalty, its masked mean and the fused policy loss for one ISA (included
+// by csrc/cpu/isa_*.cpp after simd.h). Same work split as the scalar loops (kl_policy_cpu.h:
+// chunks of a row, partials merged in chunk order), same per-token formulas (math/kl.h,
+// math/policy.h) evaluated on whole vectors. Operands are unit-stride within a row (isa.h); the
+// last partial vector of a chunk is read and written through buffers (simd.h), its missing lanes
+// masked out of every statistic.
+#pragma once
+
+#include "kl_policy_cpu.h"
+#include "simd.h"
+
+namespace megalign::cpu::MEGALIGN_ISA {
+
+using simd::MEGALIGN_ISA::Mask;
+using simd::MEGALIGN_ISA::Vec;
+using simd::MEGALIGN_ISA::W;
+using simd::MEGALIGN_ISA::i32v;
+
+// len lanes from p (len == W but for the last vector of a chunk).
+template <typename T>
+MEGALIGN_SIMD_FN Vec ld(const T* p, int64_t len) {
+  return len == W ? simd::MEGALIGN_ISA::load(p) : simd::MEGALIGN_ISA::load_tail(p, len, T{});
+}
+template <typename M>
+MEGALIGN_SIMD_FN Mask ld_mask(const M* p, int64_t len) {
+  return len == W ? simd::MEGALIGN_ISA::load_mask(p) : simd::MEGALIGN_ISA::load_mask_tail(p, len);
+}
+template <typename T>
+MEGALIGN_SIMD_FN void st(T* p, Vec v, int64_t len) {
+  if (len == W) {
+    simd::MEGALIGN_ISA::store(p, v);
+  } else {
+    simd::MEGALIGN_ISA::store_tail(p, v, len);
+  }
+}
+
+// Element (r, c0) of a unit-stride-in-row operand.
+template <typename T>
+MEGALIGN_SIMD_FN const T* row_ptr(const StridedView& v, int64_t r, int64_t c0) {
+  return static_cast<const T*>(v.data) + r * v.row_stride + c0;
+}
+
+// The incoming gradient of one chunk: unit stride, or one value broadcast along the row.
+struct GradChunk {
+  const float* p;
+  bool broadcast;
+  GradChunk(const StridedView& g, int64_t r, int64_t c0)
+      : p(static_cast<const float*>(g.data) + r * g.row_stride + c0 * g.col_stride), broadcast(g.col_stride == 0) {}
+  MEGALIGN_SIMD_FN Vec at(int64_t j, int64_t len) const { return broadcast ? Vec(*p) : ld(p + j, len); }
+};
+
+template <typename T, KlKind K>
+void kl_fwd(const KlArgs& a, float* out) {
+  detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+    const T* lp = row_ptr<T>(a.logp, r, c0);
+    const T* ref = row_ptr<T>(a.ref_logp, r, c0);
+    float* o = out + r * a.cols + c0;
+    for (int64_t j = 0; j < c1 - c0; j += W) {
+      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+      st(o + j, kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).value, len);
+    }
+  });
+}
+
+template <typename T, KlKind K>
+void kl_bwd(const KlArgs& a, const StridedView& grad, T* grad_logp) {
+  detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+    const T* lp = row_ptr<T>(a.logp, r, c0);
+    const T* ref = row_ptr<T>(a.ref_logp, r, c0);
+    const GradChunk g(grad, r, c0);
+    T* o = grad_logp + r * a.cols + c0;
+    for (int64_t j = 0; j < c1 - c0; j += W) {
+      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+      st(o + j, g.at(j, len) * kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).dlogp, len);
+    }
+  });
+}
+
+template <typename T, typename M, KlKind K>
+KlMeanPartial<double> kl_masked_sum(const KlArgs& a, const KlMaskArg& m) {
+  return detail::parallel_reduce_chunks<KlMeanPartial<double>>(
+      a.rows, a.cols, [&](KlMeanPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+        const T* lp = row_ptr<T>(a.logp, r, c0);
+        const T* ref = row_ptr<T>(a.ref_logp, r, c0);
+        const M* mk = row_ptr<M>(m.mask, r, c0);
+        Vec sum(0.0f);
+        i32v count{};
+        for (int64_t j = 0; j < c1 - c0; j += W) {
+          const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+          const Mask valid = ld_mask(mk + j, len);
+          sum += select_acc(valid, kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).value, Vec(0.0f));
+          count -= valid.m;  // a set lane is -1
+        }
+        part.merge(KlMeanPartial<double>{simd::MEGALIGN_ISA::hsum(sum), simd::MEGALIGN_ISA::hcount(count)});
+      });
+}
+
+template <typename T, typename M, KlKind K>
+void kl_masked_bwd(const KlArgs& a, const KlMaskArg& m, float scale, T* grad_logp) {
+  detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+    const T* lp = row_ptr<T>(a.logp, r, c0);
+    const T* ref = row_ptr<T>(a.ref_logp, r, c0);
+    const M* mk = row_ptr<M>(m.mask, r, c0);
+    T* o = grad_logp + r * a.cols + c0;
+    const Vec vs(scale);
+    for (int64_t j = 0; j < c1 - c0; j += W) {
+      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+      const Vec g = vs * kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).dlogp;
+      st(o + j, select_acc(ld_mask(mk + j, len), g, Vec(0.0f)), len);
+    }
+  });
+}
+
+// The policy-loss operands of one chunk.
+template <typename T, typename M>
+struct PolicyChunk {
+  const T *lp, *old, *adv, *ref;
+  const M* mask;
+  PolicyChunk(const PolicyLossArgs& a, int64_t r, int64_t c0)
+      : lp(row_ptr<T>(a.logp, r, c0)), old(row_ptr<T>(a.old_logp, r, c0)), adv(row_ptr<T>(a.advantages, r, c0)),
+        ref(a.ref_logp.data ? row_ptr<T>(a.ref_logp, r, c0) : nullptr), mask(row_ptr<M>(a.mask, r, c0)) {}
+  template <bool HasRef>
+  MEGALIGN_SIMD_FN PolicyToken<Vec> token(int64_t j, int64_t len, const PolicyCoeffs<Vec>& p) const {
+    const Vec r = HasRef ? ld(ref + j, len) : Vec(0.0f);
+    return policy_token(ld(lp + j, len), ld(old + j, len), ld(adv + j, len), HasRef, r, p);
+  }
+};
+
+inline PolicyCoeffs<Vec> vector_coeffs(const PolicyLossArgs& a) {
+  const PolicyCoeffs<float> p = policy_coeffs<float>(a);
+  return {Vec(p.eps_low), Vec(p.eps_high), Vec(p.dual_clip), Vec(p.beta)};
+}
+
+template <typename T, typename M, bool HasRef>
+PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss) {
+  using simd::MEGALIGN_ISA::vmax;
+  using simd::MEGALIGN_ISA::vmin;
+  const PolicyCoeffs<Vec> p = vector_coeffs(a);
+  return detail::parallel_reduce_chunks<PolicyPartial<double>>(
+      a.rows, a.cols, [&](PolicyPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+        const PolicyChunk<T, M> in(a, r, c0);
+        float* o = loss + r * a.cols + c0;
+        i32v count{}, clipped{}, dual{};
+        Vec neg_log_ratio(0.0f), kl(0.0f), ratio_min(1e30f), ratio_max(0.0f);
+        for (int64_t j = 0; j < c1 - c0; j += W) {
+          const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+          const Mask valid = ld_mask(in.mask + j, len);
+          const PolicyToken<Vec> t = in.template token<HasRef>(j, len, p);
+          st(o + j, select_acc(valid, t.loss, Vec(0.0f)), len);
+          const Mask valid_clipped = valid & t.clipped;
+          const Mask valid_dual = valid & t.dual_clipped;
+          count -= valid.m;  // a set lane is -1
+          clipped -= valid_clipped.m;
+          dual -= valid_dual.m;
+          neg_log_ratio -= select_acc(valid, t.log_ratio, Vec(0.0f));
+          kl += select_acc(valid, t.kl, Vec(0.0f));
+          ratio_min = select_acc(valid, vmin(ratio_min, t.ratio), ratio_min);
+          ratio_max = select_acc(valid, vmax(ratio_max, t.ratio), ratio_max);
+        }
+        PolicyPartial<double> chunk;
+        chunk.count = simd::MEGALIGN_ISA::hcount(count);
+        chunk.clipped = simd::MEGALIGN_ISA::hcount(clipped);
+        chunk.dual_clipped = simd::MEGALIGN_ISA::hcount(dual);
+        chunk.neg_log_ratio = simd::MEGALIGN_ISA::hsum(neg_log_ratio);
+        chunk.kl = simd::MEGALIGN_ISA::hsum(kl);
+        chunk.ratio_min = simd::MEGALIGN_ISA::hmin(ratio_min);
+        chunk.ratio_max = simd::MEGALIGN_ISA::hmax(ratio_max);
+        part.merge(chunk);
+      });
+}
+
+template <typename T, typename M, bool HasRef>
+void policy_bwd(const PolicyLossArgs& a, const StridedView& grad, T* grad_logp) {
+  const PolicyCoeffs<Vec> p = vector_coeffs(a);
+  detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
+    const PolicyChunk<T, M> in(a, r, c0);
+    const GradChunk g(grad, r, c0);
+    T* o = grad_logp + r * a.cols + c0;
+    for (int64_t j = 0; j < c1 - c0; j += W) {
+      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+      const Vec d = g.at(j, len) * in.template token<HasRef>(j, len, p).dlogp;
+      st(o + j, select_acc(ld_mask(in.mask + j, len), d, Vec(0.0f)), len);
+    }
+  });
+}
+
+// ---- launchers (isa.h: fp32 / bf16 / fp16, unit-stride rows)
+
+// Invokes fn with scalar_t bound to the element type of an fp32 / bf16 / fp16 dtype.
+template <typename Fn>
+void dispatch_f32_lanes(DType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(float{}); return;
+    case DType::kBFloat16: fn(bf16{}); return;
+    case DType::kFloat16: fn(fp16{}); return;
+    default: throw std::invalid_argument(std::string(op) + ": the vector kernels take float32, bfloat16 or float16");
+  }
+}
+
+void kl_penalty_fwd(const KlArgs& a, void* out) {
+  dispatch_f32_lanes(a.dtype, "kl_penalty_fwd", [&](auto t) {
+    detail::dispatch_kl_kind(a.kind, [&](auto kind) {
+      kl_fwd<decltype(t), decltype(kind)::value>(a, static_cast<float*>(out));
+    });
+  });
+}
+
+void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
+  dispatch_f32_lanes(a.dtype, "kl_penalty_bwd", [&](auto t) {
+    detail::dispatch_kl_kind(a.kind, [&](auto kind) {
+      kl_bwd<decltype(t), decltype(kind)::value>(a, grad, static_cast<decltype(t)*>(grad_logp));
+    });
+  });
+}
+
+void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
+  dispatch_f32_lanes(a.dtype, "kl_masked_mean_fwd", [&](auto t) {
+    MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
+      detail::dispatch_kl_kind(a.kind, [&](auto kind) {
+        const KlMeanPartial<double> total = kl_masked_sum<decltype(t), mask_t, decltype(kind)::value>(a, m);
+        *static_cast<float*>(mean) = static_cast<float>(total.mean());
+        *count = total.count;
+      });
+    });
+  });
+}
+
+void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_mean, const int64_t* count,
+                        void* grad_logp) {
+  // With no valid token every gradient is 0; the guard only avoids dividing by zero.
+  const float scale = *static_cast<const float*>(grad_mean) / static_cast<float>(*count > 0 ? *count : 1);
+  dispatch_f32_lanes(a.dtype, "kl_masked_mean_bwd", [&](auto t) {
+    MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_bwd", [&] {
+      detail::dispatch_kl_kind(a.kind, [&](auto kind) {
+        kl_masked_bwd<decltype(t), mask_t, decltype(kind)::value>(a, m, scale,
+                                                                   static_cast<decltype(t)*>(grad_logp));
+      });
+    });
+  });
+}
+
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
+  dispatch_f32_lanes(a.dtype, "policy_loss_fwd", [&](auto t) {
+    MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
+      dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) {
+        policy_fwd<decltype(t), mask_t, decltype(has_ref)::value>(a, static_cast<float*>(loss)).finalize(stats);
+      });
+    });
+  });
+}
+
+void policy_loss_bwd(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp) {
+  dispatch_f32_lanes(a.dtype, "policy_loss_bwd", [&](auto t) {
+    MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_bwd", [&] {
+      dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) {
+        policy_bwd<decltype(t), mask_t, decltype(has_ref)::value>(a, grad, static_cast<decltype(t)*>(grad_logp));
+      });
+    });
+  });
+}
+
+}  // namespace megalign::cpu::MEGALIGN_ISA

@@ -1,0 +1,229 @@
+// Explicit SIMD for the CPU kernels: fp32 vectors of MEGALIGN_SIMD_LANES lanes built on the
+// GCC/Clang vector extensions, with the operators, compares, selects and bit casts that the shared
+// per-element formulas (megalign/math/*.h, templates over their value type) need, so the vector
+// kernels evaluate exactly those formulas, a whole vector at a time.
+//
+// Why not leave it to the auto-vectoriser: whether GCC vectorises a loop of selects, bit casts and
+// a polynomial exp depends on the target, its cost model and the compiler version (on AVX2-only
+// machines the same loops that ran as AVX-512 code elsewhere stayed scalar, ~10x slower). With
+// the vector types the code generator only chooses instructions.
+//
+// This header is included only by the per-ISA translation units (csrc/cpu/isa_*.cpp), with
+// MEGALIGN_ISA (the namespace, one per ISA) and MEGALIGN_SIMD_LANES defined, *before* their
+// `#pragma GCC target`: like the shared formulas, everything here is defined for the baseline
+// target and forced inline, and takes the ISA of the kernel loop it is inlined into (GCC inlines
+// a callee whose target is a subset of the caller's, not the reverse). So the only functions
+// compiled for a wider ISA are the kernels of csrc/cpu/*_simd.h, all in the ISA's namespace, and
+// no inline function that code for another ISA might link to carries its instructions.
+#pragma once
+
+#pragma GCC diagnostic ignored "-Wpsabi"  // vectors wider than the baseline pass only inlined
+
+#if !defined(MEGALIGN_ISA) || !defined(MEGALIGN_SIMD_LANES)
+#error "simd.h is included by csrc/cpu/isa_*.cpp, which define MEGALIGN_ISA and MEGALIGN_SIMD_LANES"
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "megalign/common.h"
+#include "megalign/math/exp.h"
+#include "megalign/math/kl.h"
+
+namespace megalign::simd::MEGALIGN_ISA {
+
+constexpr int W = MEGALIGN_SIMD_LANES;
+
+typedef float f32v __attribute__((vector_size(4 * W)));
+typedef int32_t i32v __attribute__((vector_size(4 * W)));
+typedef uint32_t u32v __attribute__((vector_size(4 * W)));
+typedef uint16_t u16v __attribute__((vector_size(2 * W)));
+typedef int16_t i16v __attribute__((vector_size(2 * W)));
+typedef uint8_t u8v __attribute__((vector_size(W)));
+typedef int64_t i64v __attribute__((vector_size(8 * W)));
+typedef double f64v __attribute__((vector_size(8 * W)));
+
+#define MEGALIGN_SIMD_FN inline __attribute__((always_inline))
+
+template <typename V, typename T>
+MEGALIGN_SIMD_FN V load_raw(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// Lane mask: all bits set where true. A bool converts to an all-lanes mask, so the formulas'
+// `mask_t<A>(flag) & (x > y)` works on vectors as on scalars.
+struct Mask {
+  i32v m;
+  Mask() = default;
+  MEGALIGN_SIMD_FN explicit Mask(i32v v) : m(v) {}
+  MEGALIGN_SIMD_FN Mask(bool b) : m(i32v{} + (b ? -1 : 0)) {}  // NOLINT: implicit on purpose
+  friend MEGALIGN_SIMD_FN Mask operator&(Mask a, Mask b) { return Mask(a.m & b.m); }
+  friend MEGALIGN_SIMD_FN Mask operator|(Mask a, Mask b) { return Mask(a.m | b.m); }
+  friend MEGALIGN_SIMD_FN Mask operator!(Mask a) { return Mask(~a.m); }
+};
+
+// int32 lanes: exponent arithmetic of exp_f32.
+struct VecI {
+  i32v v;
+  friend MEGALIGN_SIMD_FN VecI operator+(VecI a, int32_t b) { return {a.v + b}; }
+  friend MEGALIGN_SIMD_FN VecI operator-(VecI a, VecI b) { return {a.v - b.v}; }
+  friend MEGALIGN_SIMD_FN VecI operator<<(VecI a, int b) { return {a.v << b}; }
+  friend MEGALIGN_SIMD_FN VecI operator>>(VecI a, int b) { return {a.v >> b}; }
+};
+
+struct Vec {
+  f32v v;
+  Vec() = default;
+  MEGALIGN_SIMD_FN explicit Vec(f32v x) : v(x) {}
+  MEGALIGN_SIMD_FN Vec(float s) : v(f32v{} + s) {}  // NOLINT: broadcast, as A(1) in the formulas
+
+  friend MEGALIGN_SIMD_FN Vec operator+(Vec a, Vec b) { return Vec(a.v + b.v); }
+  friend MEGALIGN_SIMD_FN Vec operator-(Vec a, Vec b) { return Vec(a.v - b.v); }
+  friend MEGALIGN_SIMD_FN Vec operator*(Vec a, Vec b) { return Vec(a.v * b.v); }
+  friend MEGALIGN_SIMD_FN Vec operator/(Vec a, Vec b) { return Vec(a.v / b.v); }
+  friend MEGALIGN_SIMD_FN Vec operator-(Vec a) { return Vec(-a.v); }
+  MEGALIGN_SIMD_FN Vec& operator+=(Vec b) { v += b.v; return *this; }
+  MEGALIGN_SIMD_FN Vec& operator-=(Vec b) { v -= b.v; return *this; }
+
+  friend MEGALIGN_SIMD_FN Mask operator<(Vec a, Vec b) { return Mask(a.v < b.v); }
+  friend MEGALIGN_SIMD_FN Mask operator>(Vec a, Vec b) { return Mask(a.v > b.v); }
+  friend MEGALIGN_SIMD_FN Mask operator<=(Vec a, Vec b) { return Mask(a.v <= b.v); }
+  friend MEGALIGN_SIMD_FN Mask operator>=(Vec a, Vec b) { return Mask(a.v >= b.v); }
+  friend MEGALIGN_SIMD_FN Mask operator==(Vec a, Vec b) { return Mask(a.v == b.v); }
+
+  // The primitives the shared formulas call unqualified (found by argument-dependent lookup).
+  friend MEGALIGN_SIMD_FN Vec select_acc(Mask c, Vec a, Vec b) { return Vec(c.m ? a.v : b.v); }
+  friend MEGALIGN_SIMD_FN VecI to_int_bits(Vec x) { return {__builtin_convertvector(x.v, i32v)}; }
+  friend MEGALIGN_SIMD_FN Vec exp_acc(Vec x) { return exp_f32(x); }
+  friend MEGALIGN_SIMD_FN Vec kernel_exp(Vec x) { return exp_f32(x); }
+};
+
+MEGALIGN_SIMD_FN Vec float_from_int_bits(VecI u) { return Vec(reinterpret_cast<f32v>(u.v)); }
+MEGALIGN_SIMD_FN Expm1Split<Vec> expm1_split(Vec x) { return expm1_split_f32(x); }
+MEGALIGN_SIMD_FN Vec vmax(Vec a, Vec b) { return select_acc(a > b, a, b); }  // NaN lanes keep a's partner b
+MEGALIGN_SIMD_FN Vec vmin(Vec a, Vec b) { return select_acc(a < b, a, b); }
+
+// Horizontal reductions, lanes in order (deterministic).
+MEGALIGN_SIMD_FN float hsum(Vec a) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += a.v[i];
+  return s;
+}
+MEGALIGN_SIMD_FN float hmax(Vec a) {
+  float m = a.v[0];
+  for (int i = 1; i < W; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+MEGALIGN_SIMD_FN float hmin(Vec a) {
+  float m = a.v[0];
+  for (int i = 1; i < W; ++i) m = a.v[i] < m ? a.v[i] : m;
+  return m;
+}
+// Number of set lanes of a mask sum kept as int32 lanes (each lane counts up by one per set bit).
+MEGALIGN_SIMD_FN int64_t hcount(i32v counts) {
+  int64_t s = 0;
+  for (int i = 0; i < W; ++i) s += counts[i];
+  return s;
+}
+
+// ---- loads of W consecutive elements as fp32 lanes (exact for every input dtype)
+
+MEGALIGN_SIMD_FN Vec load(const float* p) { return Vec(load_raw<f32v>(p)); }
+MEGALIGN_SIMD_FN Vec load(const bf16* p) {
+  const u32v w = __builtin_convertvector(load_raw<u16v>(p), u32v) << 16;
+  return Vec(reinterpret_cast<f32v>(w));
+}
+// IEEE binary16 -> binary32 without branches (F. Giesen's "half to float" by exponent rescaling):
+// shift exponent and mantissa into place, multiply by 2^112 to rebias (exact, also for subnormal
+// halves), and restore the all-ones exponent of inf / NaN.
+MEGALIGN_SIMD_FN Vec load(const fp16* p) {
+  const u32v h = __builtin_convertvector(load_raw<u16v>(p), u32v);
+  const u32v magnitude = (h & 0x7FFFu) << 13;
+  f32v f = reinterpret_cast<f32v>(magnitude) * bits_float((254u - 15u) << 23);
+  const i32v infnan = f >= bits_float((127u + 16u) << 23);
+  u32v u = reinterpret_cast<u32v>(f) | (reinterpret_cast<u32v>(infnan) & (255u << 23));
+  u |= (h & 0x8000u) << 16;
+  return Vec(reinterpret_cast<f32v>(u));
+}
+
+// ---- token masks: a lane is valid where the element is nonzero (kl_policy_common.h's rule)
+
+MEGALIGN_SIMD_FN Mask load_mask(const uint8_t* p) {
+  return Mask(__builtin_convertvector(load_raw<u8v>(p), i32v) != 0);
+}
+MEGALIGN_SIMD_FN Mask load_mask(const int32_t* p) { return Mask(load_raw<i32v>(p) != 0); }
+MEGALIGN_SIMD_FN Mask load_mask(const int64_t* p) {
+  return Mask(__builtin_convertvector(load_raw<i64v>(p) != 0, i32v));
+}
+MEGALIGN_SIMD_FN Mask load_mask(const float* p) { return Mask(load_raw<f32v>(p) != 0.0f); }
+MEGALIGN_SIMD_FN Mask load_mask(const double* p) {
+  return Mask(__builtin_convertvector(load_raw<f64v>(p) != 0.0, i32v));
+}
+MEGALIGN_SIMD_FN Mask load_mask_16(const uint16_t* p) {  // bf16 / fp16: only +-0 are zero
+  return Mask(__builtin_convertvector((load_raw<u16v>(p) & 0x7FFF) != 0, i32v));
+}
+MEGALIGN_SIMD_FN Mask load_mask(const bf16* p) { return load_mask_16(reinterpret_cast<const uint16_t*>(p)); }
+MEGALIGN_SIMD_FN Mask load_mask(const fp16* p) { return load_mask_16(reinterpret_cast<const uint16_t*>(p)); }
+
+// ---- stores of fp32 lanes as W elements of T, rounding to nearest even like common.h's from_acc
+
+MEGALIGN_SIMD_FN void store(float* p, Vec x) { std::memcpy(p, &x.v, sizeof(f32v)); }
+MEGALIGN_SIMD_FN void store(bf16* p, Vec x) {
+  u32v u = reinterpret_cast<u32v>(x.v);
+  const i32v nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  const u32v rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  u = (reinterpret_cast<u32v>(nan) & ((u >> 16) | 0x40u)) | (~reinterpret_cast<u32v>(nan) & rounded);
+  const u16v h = __builtin_convertvector(u, u16v);
+  std::memcpy(p, &h, sizeof(u16v));
+}
+// binary32 -> binary16, round to nearest even, overflow to inf, NaN quiet, subnormals kept
+// (F. Giesen's float_to_half_fast3_rtne, with selects for its three cases).
+MEGALIGN_SIMD_FN void store(fp16* p, Vec x) {
+  const u32v bits = reinterpret_cast<u32v>(x.v);
+  const u32v sign = bits & 0x80000000u;
+  const u32v u = bits ^ sign;
+  // |x| >= 65520 (rounds to inf) or inf / NaN
+  const u32v big = reinterpret_cast<u32v>(u >= ((127u + 16u) << 23));
+  const u32v infnan = (u > (255u << 23)) ? u32v{} + 0x7E00u : u32v{} + 0x7C00u;
+  // |x| < 2^-14: the result is subnormal or zero; adding 0.5 rounds the mantissa in place.
+  const u32v tiny = reinterpret_cast<u32v>(u < (113u << 23));
+  const u32v denorm_magic = u32v{} + (((127u - 15u) + (23u - 10u) + 1u) << 23);
+  const u32v sub = reinterpret_cast<u32v>(reinterpret_cast<f32v>(u) + reinterpret_cast<f32v>(denorm_magic)) -
+                   denorm_magic;
+  const u32v normal = (u + ((15u - 127u) << 23) + 0xFFFu + ((u >> 13) & 1u)) >> 13;
+  const u32v h = (big & infnan) | (~big & ((tiny & sub) | (~tiny & normal))) | (sign >> 16);
+  const u16v out = __builtin_convertvector(h, u16v);
+  std::memcpy(p, &out, sizeof(u16v));
+}
+
+// ---- the last, partial vector of a range: n < W elements through a W-element buffer, so no
+// access ever leaves the caller's range; the missing lanes read as `fill`.
+
+template <typename T>
+MEGALIGN_SIMD_FN Vec load_tail(const T* p, int64_t n, T fill) {
+  T buf[W];
+  for (int i = 0; i < W; ++i) buf[i] = i < n ? p[i] : fill;
+  return load(buf);
+}
+template <typename M>
+MEGALIGN_SIMD_FN Mask load_mask_tail(const M* p, int64_t n) {
+  M buf[W];
+  std::memset(buf, 0, sizeof(buf));
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(M));
+  return load_mask(buf);
+}
+template <typename T>
+MEGALIGN_SIMD_FN void store_tail(T* p, Vec x, int64_t n) {
+  T buf[W];
+  store(buf, x);
+  std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(T));
+}
+
+}  // namespace megalign::simd::MEGALIGN_ISA
+
+namespace megalign {
+template <> struct LaneOf<simd::MEGALIGN_ISA::Vec> { using type = float; };
+}  // namespace megalign
