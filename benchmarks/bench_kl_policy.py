@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Row, format_table, median_time, peak_memory  # noqa: E402
+from harness import Row, format_table, machine_line, median_time, peak_memory  # noqa: E402
 
 from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean  # noqa: E402
 from megalign.ops.policy_loss import policy_loss  # noqa: E402
@@ -123,4 +123,5 @@ def run(quick: bool = False) -> list[Row]:
 
 
 if __name__ == "__main__":
+    print(machine_line())
     print(format_table(run(quick="--quick" in sys.argv)))

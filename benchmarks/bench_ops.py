@@ -10,14 +10,13 @@ Each benchmark module exposes `run(quick) -> list[harness.Row]`; ratios in the t
 import argparse
 import importlib
 import os
-import platform
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import format_table  # noqa: E402
+from harness import format_table, machine_line  # noqa: E402
 
 MODULES = ["bench_token_logprob", "bench_kl_policy", "bench_advantages"]
 
@@ -34,7 +33,7 @@ def main() -> None:
         rows += importlib.import_module(name).run(quick=args.quick)
     if keep:
         rows = [r for r in rows if r.op in keep]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(machine_line())
     print(format_table(rows))
 
 

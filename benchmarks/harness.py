@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -95,6 +96,29 @@ def peak_memory(factory: Callable, *args, device: str = "cpu") -> int:
     if isinstance(result, BaseException):
         raise result
     return int(result)
+
+
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AVX-512 / AVX2 (from /proc/cpuinfo)."""
+    name, flags = platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line)  # the last CPU's fields
+        name = info.get("model name\t", name).strip()
+        flags = set(info.get("flags\t\t", "").split())
+    except OSError:
+        pass
+    units = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    return f"{name} ({units})"
+
+
+def machine_line() -> str:
+    """One line naming what a CPU benchmark ran on: CPU, the megalign kernels' vector ISA, torch."""
+    from megalign.ops import _backend
+
+    isa = _backend._C.cpu_isa() if _backend.HAVE_EXTENSION else "none (references)"
+    return (f"CPU: {cpu_model()}; megalign CPU kernels: {isa}; torch {torch.__version__} "
+            f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads")
 
 
 @dataclass
