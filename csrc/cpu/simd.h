@@ -98,7 +98,7 @@ struct Vec {
   friend MEGALIGN_SIMD_FN Vec select_acc(Mask c, Vec a, Vec b) { return Vec(c.m ? a.v : b.v); }
   friend MEGALIGN_SIMD_FN VecI to_int_bits(Vec x) { return {__builtin_convertvector(x.v, i32v)}; }
   friend MEGALIGN_SIMD_FN Vec exp_acc(Vec x) { return exp_f32(x); }
-  friend MEGALIGN_SIMD_FN Vec kernel_exp(Vec x) { return exp_f32(x); }
+  friend MEGALIGN_SIMD_FN Vec kernel_exp(Vec x) { return exp_nonpos_f32(x); }
 };
 
 MEGALIGN_SIMD_FN Vec float_from_int_bits(VecI u) { return Vec(reinterpret_cast<f32v>(u.v)); }

@@ -23,15 +23,16 @@
 
 namespace megalign::math {
 
-// The exp the kernels call. On the GPU the hardware ex2 (__expf, ~2 ulp, flushes results below
-// FLT_MIN to 0 like exp_acc) costs one SFU op where the polynomial costs about as many ALU
-// instructions as a bf16 element's share of HBM time would allow; on the CPU it is exp_acc
-// (megalign/math/exp.h), the polynomial shared with kl_penalty and policy_loss.
+// The exp the kernels call, always on x = z - max or z - lse (<= 0 up to rounding). On the GPU the
+// hardware ex2 (__expf, ~2 ulp, flushes results below FLT_MIN to 0 like exp_acc) costs one SFU op
+// where the polynomial costs about as many ALU instructions as a bf16 element's share of HBM time
+// would allow; on the CPU it is exp_nonpos_f32 (megalign/math/exp.h), exp_acc's polynomial for
+// that range, also on vectors (csrc/cpu/simd.h).
 MEGALIGN_HD_INLINE float kernel_exp(float x) {
 #if defined(__CUDA_ARCH__)
   return __expf(x);
 #else
-  return exp_acc(x);
+  return exp_nonpos_f32(x);
 #endif
 }
 MEGALIGN_HD_INLINE double kernel_exp(double x) { return std::exp(x); }
