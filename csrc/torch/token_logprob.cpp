@@ -6,7 +6,12 @@
 //                           its inplace_backward flag is read only by the autograd formula.
 //   token_logprob_bwd / token_logprob_bwd_: dL/dlogits of a shard from the saved lse (and
 //                           entropy), into a new tensor or into the logits buffer itself.
+#include <cstdint>
 #include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "megalign/token_logprob.h"
 #include "token_logprob_glue.h"
@@ -40,6 +45,24 @@ struct CpuBackend {
   }
   template <class... Args> static void backward(const char*, Args... args) {
     cpu::token_logprob_backward(args...);
+  }
+
+  // The [N, V] gradient, the one large buffer of the op (2.4 GB at N = 4096, V = 151936 fp32).
+  // The backward is its first toucher, and with 4 KiB pages the page faults cost more than the
+  // arithmetic (measured on a 2-core VM: 0.40 s of faults to 0.10 s of kernel for 622 MB), so
+  // its 2 MiB-aligned interior is offered to transparent huge pages first (Linux, where THP is
+  // "madvise" or "always"; advisory, nothing changes elsewhere).
+  static at::Tensor new_grad(const at::Tensor& logits) {
+    at::Tensor grad = at::empty(logits.sizes(), logits.options());
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+    const auto begin = reinterpret_cast<uintptr_t>(grad.data_ptr());
+    const uintptr_t end = begin + static_cast<uintptr_t>(grad.numel()) * grad.element_size();
+    const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t hi = end & ~(kHuge - 1);
+    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#endif
+    return grad;
   }
 };
 

@@ -145,7 +145,7 @@ at::Tensor bwd_op(const at::Tensor& logits, const at::Tensor& targets, const at:
                   double temperature, int64_t ignore_index) {
   const BackwardArgs a = check_backward(kBwdOp, logits, targets, lse, entropy, grad_logp,
                                         grad_entropy, temperature);
-  at::Tensor grad = at::empty(a.logits.sizes(), a.logits.options());
+  at::Tensor grad = Backend::new_grad(a.logits);
   run_backward<Backend>(a, vocab_start, temperature, ignore_index, grad);
   return grad;
 }

@@ -29,6 +29,7 @@ struct CudaBackend {
   template <class... Args> static void backward(const char* op, Args... args) {
     launch(op, &cuda::token_logprob_backward, args...);
   }
+  static at::Tensor new_grad(const at::Tensor& logits) { return at::empty(logits.sizes(), logits.options()); }
 };
 
 }  // namespace
