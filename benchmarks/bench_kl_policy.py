@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Row, format_table, machine_line, median_time, peak_memory  # noqa: E402
+from harness import Row, format_table, machine_line, median_times_interleaved, peak_memory  # noqa: E402
 
 from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean  # noqa: E402
 from megalign.ops.policy_loss import policy_loss  # noqa: E402
@@ -113,12 +113,16 @@ def run(quick: bool = False) -> list[Row]:
     _check_agreement(b, t)
     rows = []
     for case in ("kl_penalty", "kl_masked_mean", "policy_loss"):
+        # The two implementations alternate within each repeat, so load changes hit both alike.
+        steps = {}
         for impl in ("megalign", "eager"):
             inputs = _inputs(b, t)
-            seconds = median_time(lambda: _step(case, impl, *inputs), repeats=5 if quick else 20, warmup=5)
+            steps[impl] = (lambda impl=impl, inputs=inputs: _step(case, impl, *inputs))
+        times = median_times_interleaved(steps, repeats=5 if quick else 30, warmup=5)
+        for impl in ("megalign", "eager"):
             peak = peak_memory(_factory, case, impl, b, t)
             rows.append(Row(op=case, case=f"{b}x{t} fp32 fwd+bwd", impl=impl if impl == "megalign" else "torch eager (verl)",
-                            seconds=seconds, peak_bytes=peak))
+                            seconds=times[impl], peak_bytes=peak))
     return rows
 
 
