@@ -49,8 +49,17 @@ def _check_targets_in_range(targets: torch.Tensor, ignore_index: int, vocab_size
 
 
 def _gather(z: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """z[r, local[r]] for local ids [rows] clamped into [0, Vs); rows whose id is outside need masking."""
-    return z.gather(-1, local.clamp(0, max(z.shape[-1] - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    """z[r, local[r]] for local ids [rows] clamped into [0, Vs) (0 for an empty shard); rows whose id
+    is outside need masking."""
+    if z.shape[-1] == 0:
+        return z.new_zeros(local.shape)
+    return z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+
+
+def _row_max(z: torch.Tensor) -> torch.Tensor:
+    """max z over the vocabulary [rows]; -inf for an empty shard (Vs = 0, a tensor-parallel rank
+    holding only padding), whose statistics are then the empty (-inf, 0, 0)."""
+    return z.amax(-1) if z.shape[-1] else z.new_full(z.shape[:-1], float("-inf"))
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -88,7 +97,7 @@ def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ig
     for rows in _row_chunks(n, v):
         z = _scaled(logits[rows], temperature)
         z_t = _gather(z, targets[rows])
-        shift = _shift(z.amax(-1))
+        shift = _shift(_row_max(z))
         s, t = _sums(z, shift, with_entropy)
         log_s = s.log()
         lse[rows] = shift + log_s
@@ -109,6 +118,8 @@ def _backward_into(out: torch.Tensor, logits_shard: torch.Tensor, targets: torch
     The math is float64: p_j = e^{z_j - lse}; [g_logp (1[j=t] - p_j) - g_ent p_j (log p_j + H)] / T.
     """
     n, vs = logits_shard.shape
+    if vs == 0:
+        return out
     f64 = dict(dtype=torch.float64)
     lse, grad_logp = lse.to(**f64), grad_logp.to(**f64)
     if entropy is not None:
@@ -128,7 +139,7 @@ def _backward_into(out: torch.Tensor, logits_shard: torch.Tensor, targets: torch
         if entropy is not None:
             grad.sub_(ent_term)
         hit = in_shard[rows].unsqueeze(-1)
-        grad.scatter_add_(-1, local[rows].clamp(0, max(vs - 1, 0)).unsqueeze(-1), gl * hit)
+        grad.scatter_add_(-1, local[rows].clamp(0, vs - 1).unsqueeze(-1), gl * hit)
         grad.div_(temperature).masked_fill_(ignored[rows].unsqueeze(-1), 0.0)
         out[rows] = grad
     return out
@@ -168,7 +179,7 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     """log p(target) [...] (and entropy [...]) of logits [..., V] / temperature; ignored rows give 0."""
     _check_targets_in_range(targets, ignore_index, logits.shape[-1])
     vocab = logits.shape[-1]
-    logp, entropy = _TokenLogprob.apply(logits.reshape(-1, vocab), targets.reshape(-1), float(temperature),
+    logp, entropy = _TokenLogprob.apply(logits.reshape(targets.numel(), vocab), targets.reshape(-1), float(temperature),
                                         int(ignore_index), bool(return_entropy))
     logp = logp.reshape(targets.shape)
     return (logp, entropy.reshape(targets.shape)) if return_entropy else logp
@@ -191,7 +202,7 @@ def token_logprob_partials(logits_shard: torch.Tensor, targets: torch.Tensor, vo
     for rows in _row_chunks(n, vs):
         z = _scaled(logits_shard[rows], temperature)
         z_t = torch.where(in_shard[rows], _gather(z, local[rows]), 0.0)
-        m = z.amax(-1).to(acc).to(torch.float64)
+        m = _row_max(z).to(acc).to(torch.float64)
         s, t = _sums(z, _shift(m), with_entropy)
         out[rows] = torch.stack([m, s, z_t, t if with_entropy else torch.zeros_like(s)], dim=-1)
     ignored = (targets == ignore_index).unsqueeze(-1)
