@@ -1,4 +1,5 @@
-"""Shared test settings: per-dtype tolerances, and fixtures that pin the op path.
+"""Shared test settings: per-dtype tolerances, the float64-oracle rule (`assert_close_to_oracle`),
+and fixtures that pin the op path.
 
 Kernel tests use the `kernels` fixture (MEGALIGN_OPS=kernels, so a missing extension fails loudly
 instead of silently testing the reference against itself) and compare with
@@ -20,6 +21,44 @@ TOL = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
     torch.float16: dict(atol=2e-3, rtol=2e-3),
 }
+
+
+
+def assert_close_to_oracle(actual: torch.Tensor, oracle: torch.Tensor, torch_result: torch.Tensor, k: float = 2.0,
+                           ulps: float = 2.0, scale: float | None = None, name: str = "result") -> None:
+    """flash-attention's tolerance rule, which holds on any CPU or GPU:
+
+        max|actual - oracle| <= k * max|torch_result - oracle| + ulps * eps(actual.dtype) * scale,
+
+    over the entries where the oracle is finite, with scale = max|oracle| (1 where that is 0)
+    unless given: a mean whose terms cancel should pass the mean of their magnitudes.
+
+    `oracle` is the quantity in float64 from the same (already rounded) inputs, `torch_result` the
+    same quantity from plain torch eager in the precision the code under test computes in, and
+    `actual` the code under test. A fixed tolerance against another fp32 implementation fails
+    wherever the vector ISA or FMA contraction moves either one by a few ulp; this rule instead
+    asks for no more than k times torch's own rounding error. The floor of `ulps` units of the
+    result's magnitude keeps a lucky, nearly exact torch result from demanding an exact answer.
+    Where the oracle is +-inf or NaN, actual must be the same (same inf, or NaN). Shapes must agree.
+    """
+    assert actual.shape == oracle.shape == torch_result.shape, (
+        f"{name}: shapes {tuple(actual.shape)}, oracle {tuple(oracle.shape)}, torch {tuple(torch_result.shape)}")
+    a, o, t = (x.detach().to("cpu", torch.float64) for x in (actual, oracle, torch_result))
+    finite = torch.isfinite(o)
+    unmatched = ~finite & ~((a == o) | (a.isnan() & o.isnan()))
+    assert not unmatched.any(), (f"{name}: oracle is inf/NaN at {unmatched.nonzero()[:5].tolist()} but got "
+                                 f"{a[unmatched][:5].tolist()} (oracle {o[unmatched][:5].tolist()})")
+    if not finite.any():
+        return
+    a, o, t = a[finite], o[finite], t[finite]
+    err = (a - o).abs().max().item()
+    torch_err = (t - o).abs().nan_to_num(nan=0.0, posinf=0.0).max().item()  # torch's inf/NaN sets no bound
+    scale = scale or o.abs().max().item() or 1.0
+    floor = ulps * torch.finfo(actual.dtype).eps * scale
+    bound = k * torch_err + floor
+    assert err <= bound, (f"{name}: max |error| vs the float64 oracle is {err:.3g} > {k} x torch's {torch_err:.3g} "
+                          f"+ floor {floor:.3g} (= {bound:.3g}; {actual.dtype}, scale {scale:.3g})")
+
 
 requires_ext = pytest.mark.skipif(not _backend.HAVE_EXTENSION, reason="megalign._C is not built")
 requires_cuda = pytest.mark.skipif(

@@ -18,18 +18,26 @@ using megalign::math::GroupMode;
 namespace {
 
 // GAE by the definition: for each valid t, n(t) is the next valid position (none: V = A = 0).
+// budget[t] is the running error bound of a recursion that rounds every step (Higham, "Accuracy
+// and Stability of Numerical Algorithms", 3.3): each step's rounding, at most a few eps of the
+// magnitudes it adds, enters A_t and decays by gamma * lam per step back, so |A_t - A*_t| is
+// within a few eps * budget[t] with budget[t] = |r_t| + gamma |V_n| + |V_t| + |A_t| +
+// gamma lam budget[n(t)], whatever the evaluation order within a step (FMA or not).
 void naive_gae(const std::vector<double>& r, const std::vector<double>& v, const std::vector<bool>& m,
-               double gamma, double lam, std::vector<double>& adv, std::vector<double>& ret) {
+               double gamma, double lam, std::vector<double>& adv, std::vector<double>& ret,
+               std::vector<double>& budget) {
   const int64_t T = static_cast<int64_t>(r.size());
   adv.assign(T, 0.0);
   ret.assign(T, 0.0);
+  budget.assign(T, 0.0);
   for (int64_t t = T - 1; t >= 0; --t) {
     if (!m[t]) continue;
     int64_t n = t + 1;
     while (n < T && !m[n]) ++n;
-    const double vn = n < T ? v[n] : 0.0, an = n < T ? adv[n] : 0.0;
+    const double vn = n < T ? v[n] : 0.0, an = n < T ? adv[n] : 0.0, bn = n < T ? budget[n] : 0.0;
     adv[t] = r[t] + gamma * vn - v[t] + gamma * lam * an;
     ret[t] = adv[t] + v[t];
+    budget[t] = std::fabs(r[t]) + std::fabs(gamma * vn) + std::fabs(v[t]) + std::fabs(adv[t]) + gamma * lam * bn;
   }
 }
 
@@ -111,13 +119,14 @@ void test_gae_random() {
     for (int64_t b = 0; b < B; ++b) {
       std::vector<double> rr(r.begin() + b * T, r.begin() + (b + 1) * T), vv(v.begin() + b * T, v.begin() + (b + 1) * T);
       std::vector<bool> mm(m.begin() + b * T, m.begin() + (b + 1) * T);
-      std::vector<double> adv, ret, cadv, cret;
-      naive_gae(rr, vv, mm, gl[0], gl[1], adv, ret);
+      std::vector<double> adv, ret, budget, cadv, cret;
+      naive_gae(rr, vv, mm, gl[0], gl[1], adv, ret, budget);
       for (int64_t t = 0; t < T; ++t) {
         EXPECT_CLOSE(adv64[b * T + t], adv[t], 1e-10, 1e-10);
         EXPECT_CLOSE(ret64[b * T + t], ret[t], 1e-10, 1e-10);
-        EXPECT_CLOSE(adv32[b * T + t], adv[t], 1e-4, 1e-4);
-        EXPECT_CLOSE(ret32[b * T + t], ret[t], 1e-4, 1e-4);
+        // The returns add V_t to A_t: one more rounding at |A_t| + |V_t|.
+        EXPECT_ULPS(adv32[b * T + t], adv[t], 2, kEpsFloat, budget[t]);
+        EXPECT_ULPS(ret32[b * T + t], ret[t], 2, kEpsFloat, budget[t] + std::fabs(ret[t]) + std::fabs(vv[t]));
       }
       for (int64_t chunk : {1, 2, 7, 64, 1000}) {
         chunked_gae(rr, vv, mm, gl[0], gl[1], chunk, cadv, cret);
@@ -184,23 +193,25 @@ double naive_advantage(const std::vector<double>& members, double r, GroupMode m
 }
 
 void test_group_hand_worked() {
-  // scores [1, 0, 0, 0, 0, 0], eps 1e-4: population std sqrt(5)/6 -> 2.23547 / -0.44709;
-  // unbiased std sqrt(1/6) -> 2.04074 / -0.40815.
+  // scores [1, 0, 0, 0, 0, 0]: mean 1/6, deviations 5/6 and -1/6, sum of squares 5/6; eps 1e-4.
+  // Population std sqrt(5/36) = sqrt(5)/6, unbiased std sqrt(1/6). The fp32 kernel is within a
+  // few ulp of these exact values (a mean, a sum of squares, a sqrt and a division, each rounded).
   const float s[6] = {1, 0, 0, 0, 0, 0};
   float out[6];
+  const double pop = std::sqrt(5.0) / 6.0 + 1e-4, unb = std::sqrt(1.0 / 6.0) + 1e-4;
   megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kGrpo, 1e-4, false, out);
-  EXPECT_CLOSE(out[0], 2.23547, 1e-5, 0);
-  EXPECT_CLOSE(out[3], -0.44709, 1e-5, 0);
+  EXPECT_ULPS(out[0], (5.0 / 6.0) / pop, 4, kEpsFloat, (5.0 / 6.0) / pop);
+  EXPECT_ULPS(out[3], (-1.0 / 6.0) / pop, 4, kEpsFloat, (1.0 / 6.0) / pop);
   megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kGrpo, 1e-4, true, out);
-  EXPECT_CLOSE(out[0], 2.04074, 1e-5, 0);
-  EXPECT_CLOSE(out[5], -0.40815, 1e-5, 0);
+  EXPECT_ULPS(out[0], (5.0 / 6.0) / unb, 4, kEpsFloat, (5.0 / 6.0) / unb);
+  EXPECT_ULPS(out[5], (-1.0 / 6.0) / unb, 4, kEpsFloat, (1.0 / 6.0) / unb);
   // rloo: 1 - 0 = 1 and 0 - 1/5 = -0.2; dr_grpo: 1 - 1/6 and -1/6.
   megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kRloo, 0, true, out);
-  EXPECT_CLOSE(out[0], 1.0, 1e-6, 0);
-  EXPECT_CLOSE(out[1], -0.2, 1e-6, 0);
+  EXPECT_ULPS(out[0], 1.0, 4, kEpsFloat, 1.0);
+  EXPECT_ULPS(out[1], -0.2, 4, kEpsFloat, 0.2);
   megalign::cpu::group_advantages(DType::kFloat32, s, 1, 6, 6, GroupMode::kDrGrpo, 0, true, out);
-  EXPECT_CLOSE(out[0], 5.0 / 6.0, 1e-6, 0);
-  EXPECT_CLOSE(out[2], -1.0 / 6.0, 1e-6, 0);
+  EXPECT_ULPS(out[0], 5.0 / 6.0, 4, kEpsFloat, 5.0 / 6.0);
+  EXPECT_ULPS(out[2], -1.0 / 6.0, 4, kEpsFloat, 1.0 / 6.0);
 }
 
 void test_group_random() {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "megalign/kl_penalty.h"
@@ -114,6 +115,12 @@ void test_kl(int64_t rows, int64_t cols, bool strided) {
 struct NaiveToken {
   double loss, dlogp, ratio, log_ratio, kl;
   bool clipped, dual;
+  // Error budgets of the kernel's loss and d loss / d logp, in units of its eps (EXPECT_ULPS):
+  // every term is rounded at its magnitude; the ratio carries exp's ~3 ulp and the rounding of
+  // the log-ratio (|log_ratio| eps relative); k3 is accurate to 2e-6 ~ 17 eps relative (test_exp)
+  // plus |e^d - 1| |d| from rounding d, and this naive's own e^d - d - 1 cancels by up to
+  // e^d + |d| + 1 eps of double.
+  double loss_budget, dlogp_budget, kl_budget;
 };
 
 NaiveToken naive_policy(double lp, double old, double adv, double ref, bool has_ref, double lo, double hi, double c,
@@ -132,11 +139,20 @@ NaiveToken naive_policy(double lp, double old, double adv, double ref, bool has_
     dual = true;
   }
   const double kl = has_ref ? naive_kl(3, lp, ref) : 0.0;
+  // The surrogate's factor: the ratio, its clamp bound or the dual-clip constant, whichever is used.
+  const double factor = dual ? c : (s2 > s1 ? std::min(1.0 + hi, std::max(1.0 - lo, ratio)) : ratio);
+  double loss_budget = std::fabs(adv) * factor * (4 + std::fabs(log_ratio));
+  double dlogp_budget = d != 0.0 ? std::fabs(adv) * ratio * (4 + std::fabs(log_ratio)) : 0.0;
+  const double kd = std::fabs(ref - lp), ed = std::exp(ref - lp);
+  const double kl_budget = has_ref ? 17 * kl + std::fabs(ed - 1) * kd + ed + kd + 1 : 0.0;
   if (beta > 0) {
     loss += beta * kl;
     d += beta * naive_kl_dlogp(3, lp, ref);
+    loss_budget += beta * kl_budget;
+    dlogp_budget += beta * (4 * ed + kd + 1);
   }
-  return {loss, d, ratio, log_ratio, kl, s2 > s1, dual};
+  return {loss, d, ratio, log_ratio, kl, s2 > s1, dual, loss_budget + std::fabs(loss), dlogp_budget + std::fabs(d),
+          kl_budget};
 }
 
 template <typename T>
@@ -144,8 +160,15 @@ T to_storage(double v) {
   return from_acc<T>(static_cast<acc_t<T>>(v));
 }
 
+// Machine epsilon of the storage type T and of its accumulation type.
 template <typename T>
-void test_policy(DType dtype, int64_t rows, int64_t cols, double dual_clip, double beta, bool has_ref, double tol) {
+constexpr double storage_eps() {
+  return std::is_same<T, bf16>::value ? kEpsBf16 : std::is_same<T, double>::value ? kEpsDouble : kEpsFloat;
+}
+
+template <typename T>
+void test_policy(DType dtype, int64_t rows, int64_t cols, double dual_clip, double beta, bool has_ref) {
+  const double eps = storage_eps<acc_t<T>>();
   std::mt19937 rng(static_cast<unsigned>(rows * 7 + cols));
   std::normal_distribution<double> nd(0.0, 1.0);
   const int64_t n = rows * cols;
@@ -169,29 +192,37 @@ void test_policy(DType dtype, int64_t rows, int64_t cols, double dual_clip, doub
   float stats[kNumPolicyStats];
   cpu::policy_loss_fwd(a, loss.data(), stats);
   cpu::policy_loss_bwd(a, dense(grad), g.data());
-  double count = 0, clipped = 0, dual = 0, nlr = 0, kl = 0, rmin = 1e300, rmax = -1e300;
+  double count = 0, clipped = 0, dual = 0, nlr = 0, nlr_abs = 0, kl = 0, kl_budget = 0, rmin = 1e300, rmax = -1e300;
   for (int64_t i = 0; i < n; ++i) {
     const NaiveToken t = naive_policy(to_acc(lp[i]), to_acc(old[i]), to_acc(adv[i]), to_acc(ref[i]), has_ref, 0.2,
                                       0.28, dual_clip, beta);
     const bool valid = mask[i] != 0.0f;
-    EXPECT_CLOSE(loss[i], valid ? t.loss : 0.0, tol, tol);
-    EXPECT_CLOSE(to_acc(g[i]), valid ? grad[i] * t.dlogp : 0.0, 4 * tol, 4 * tol);
+    EXPECT_ULPS(loss[i], valid ? t.loss : 0.0, 2, eps, t.loss_budget);
+    // The gradient is also rounded to T (bf16: 2^-7 relative).
+    const double want_g = valid ? grad[i] * t.dlogp : 0.0;
+    EXPECT_ULPS(to_acc(g[i]), want_g, 2, eps,
+                std::fabs(grad[i]) * t.dlogp_budget + storage_eps<T>() / eps * std::fabs(want_g));
     if (!valid) continue;
     count += 1;
     clipped += t.clipped;
     dual += t.dual;
     nlr -= t.log_ratio;
+    nlr_abs += std::fabs(t.log_ratio);
     kl += t.kl;
+    kl_budget += t.kl_budget;
     rmin = std::min(rmin, t.ratio);
     rmax = std::max(rmax, t.ratio);
   }
+  // The statistics are fp32 whatever T; their sums run in acc_t<T> over chunks of tokens (error
+  // ~sqrt(count) eps relative to the sum of magnitudes) and are merged in double.
+  const double sum_ulps = (std::sqrt(count) + 2) * eps / kEpsFloat;
   EXPECT_CLOSE(stats[kStatCount], count, 0, 0);
-  EXPECT_CLOSE(stats[kStatClipFrac], clipped / count, 1e-6, 1e-6);
-  EXPECT_CLOSE(stats[kStatDualClipFrac], dual / count, 1e-6, 1e-6);
-  EXPECT_CLOSE(stats[kStatApproxKl], nlr / count, 1e-5, 1e-5);
-  EXPECT_CLOSE(stats[kStatKlMean], kl / count, 1e-5, 1e-5);
-  EXPECT_CLOSE(stats[kStatRatioMin], rmin, 0, 1e-6);
-  EXPECT_CLOSE(stats[kStatRatioMax], rmax, 0, 1e-6);
+  EXPECT_ULPS(stats[kStatClipFrac], clipped / count, 1, kEpsFloat, clipped / count);
+  EXPECT_ULPS(stats[kStatDualClipFrac], dual / count, 1, kEpsFloat, dual / count);
+  EXPECT_ULPS(stats[kStatApproxKl], nlr / count, 2, kEpsFloat, std::fabs(nlr / count) + sum_ulps * nlr_abs / count);
+  EXPECT_ULPS(stats[kStatKlMean], kl / count, 2, kEpsFloat, kl / count + sum_ulps * kl_budget / count);
+  EXPECT_ULPS(stats[kStatRatioMin], rmin, 2, kEpsFloat, rmin * (4 + std::fabs(std::log(rmin))));
+  EXPECT_ULPS(stats[kStatRatioMax], rmax, 2, kEpsFloat, rmax * (4 + std::fabs(std::log(rmax))));
 }
 
 void test_policy_empty_mask() {
@@ -217,9 +248,9 @@ int main() {
   for (double c : {0.0, 3.0}) {
     for (bool has_ref : {false, true}) {
       const double beta = has_ref ? 0.1 : 0.0;
-      test_policy<double>(DType::kFloat64, 3, 5000, c, beta, has_ref, 1e-10);
-      test_policy<float>(DType::kFloat32, 4, 777, c, beta, has_ref, 2e-5);
-      test_policy<bf16>(DType::kBFloat16, 2, 300, c, beta, has_ref, 1e-2);
+      test_policy<double>(DType::kFloat64, 3, 5000, c, beta, has_ref);
+      test_policy<float>(DType::kFloat32, 4, 777, c, beta, has_ref);
+      test_policy<bf16>(DType::kBFloat16, 2, 300, c, beta, has_ref);
     }
   }
   test_policy_empty_mask();

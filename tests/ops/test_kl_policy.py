@@ -1,12 +1,12 @@
-"""kl_penalty, kl_penalty_masked_mean and policy_loss: kernels vs the pure-torch references
-(forward, gradients, statistics), references vs hand-worked numbers, fp64 gradcheck, opcheck,
-edge shapes and bad input."""
+"""kl_penalty, kl_penalty_masked_mean and policy_loss: kernels and the pure-torch references each
+against a float64 oracle (forward, gradients, statistics), references vs hand-worked numbers, fp64
+gradcheck, opcheck, edge shapes and bad input."""
 import importlib
 import math
 
 import pytest
 import torch
-from conftest import TOL, requires_cuda
+from conftest import TOL, assert_close_to_oracle, requires_cuda
 
 from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean
 from megalign.ops.policy_loss import PolicyLossStats, policy_loss
@@ -32,6 +32,15 @@ def policy_inputs(shape, dtype, seed=0, device="cpu"):
     ref = logp.double().add(make(shape, torch.float64, 0.3, seed + 3, device)).to(dtype)
     mask = make(shape, torch.float64, 1.0, seed + 4, device) > -0.8
     return logp, old, adv, ref, mask
+
+
+def check_vs_oracle(name, got, oracle, eager, dtype, scale=None):
+    """got against the float64 oracle: TOL for fp64 inputs, else the oracle rule (conftest) with
+    eager = the reference math run in fp32 (compute_dtype), plain torch's own error."""
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, oracle, **TOL[torch.float64], msg=lambda m: f"{name}: {m}")
+    else:
+        assert_close_to_oracle(got, oracle, eager, scale=scale, name=name)
 
 
 def compare_stats(got: PolicyLossStats, want: PolicyLossStats, tol):
@@ -116,24 +125,54 @@ def test_kernel_k3_nonnegative(kernels):
 
 # ---- kl_penalty kernel vs reference -----------------------------------------------------------------
 
+def kl_run(fn, logp, ref, kind, upstream, dtype=None, **kw):
+    """(kl, d/d logp, d/d ref) of fn on fresh leaves cast to dtype (default: their own)."""
+    a, b = (t.detach().to(dtype or t.dtype).requires_grad_() for t in (logp, ref))
+    out = fn(a, b, kind, **kw)
+    return (out.detach(), *torch.autograd.grad(out, (a, b), upstream.to(out.dtype)))
+
+
+def check_kl(logp, ref, kind, upstream, dtype):
+    """kl_penalty's kernel and reference, values and both gradients, against the float64 oracle."""
+    got = kl_run(kl_penalty, logp, ref, kind, upstream)
+    assert got[0].dtype == ref_kl.acc_dtype(dtype) and got[0].shape == logp.shape
+    assert got[1].dtype == got[2].dtype == dtype
+    oracle = kl_run(ref_kl.kl_penalty, logp, ref, kind, upstream, torch.float64)
+    eager = kl_run(ref_kl.kl_penalty, logp, ref, kind, upstream, compute_dtype=torch.float32)
+    for name, result in (("kernel", got), ("reference", kl_run(ref_kl.kl_penalty, logp, ref, kind, upstream))):
+        for what, a, o, t in zip(("kl", "d/d logp", "d/d ref_logp"), result, oracle, eager):
+            check_vs_oracle(f"{name} {kind} {what}", a, o, t, dtype)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kl_penalty_matches_reference(kernels, kind, dtype, shape):
-    logp = make(shape, dtype, 2.0, 0).requires_grad_()
-    ref = make(shape, dtype, 2.0, 1).requires_grad_()
-    out = kl_penalty(logp, ref, kind)
-    assert out.dtype == ref_kl.acc_dtype(dtype) and out.shape == logp.shape
-    lp32, ref32 = (t.detach().to(ref_kl.acc_dtype(dtype)).requires_grad_() for t in (logp, ref))
-    want = ref_kl.kl_penalty(lp32, ref32, kind)
-    tol = TOL[torch.float64] if dtype == torch.float64 else TOL[torch.float32]
-    torch.testing.assert_close(out, want, **tol)
-    g = make(shape, out.dtype, 1.0, 5)
-    ga, gb = torch.autograd.grad(out, (logp, ref), g)
-    wa, wb = torch.autograd.grad(want, (lp32, ref32), g)
-    assert ga.dtype == dtype and gb.dtype == dtype
-    torch.testing.assert_close(ga, wa.to(dtype), **TOL[dtype])
-    torch.testing.assert_close(gb, wb.to(dtype), **TOL[dtype])
+    check_kl(make(shape, dtype, 2.0, 0), make(shape, dtype, 2.0, 1), kind,
+             make(shape, ref_kl.acc_dtype(dtype), 1.0, 5), dtype)
+
+
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl"])
+def test_kl_small_log_ratios(kernels, kind):
+    # A policy close to its reference: |d| = |ref - logp| from 1e-7 to 1e-2, where k3 ~ d^2 / 2 and
+    # expm1(d) - d in fp32 cancels; checked per decade of |d| so that small values count too.
+    logp = make((8, 1000), torch.float32, 0.5, 0) - 1.0
+    sign = torch.sign(make((8, 1000), torch.float64, 1.0, 1))
+    d = torch.logspace(-7, -2, 8000, dtype=torch.float64).reshape(8, 1000) * sign
+    ref = (logp.double() + d).float()
+    upstream = torch.ones(logp.shape)
+    got = kl_run(kl_penalty, logp, ref, kind, upstream)
+    reference = kl_run(ref_kl.kl_penalty, logp, ref, kind, upstream)
+    oracle = kl_run(ref_kl.kl_penalty, logp, ref, kind, upstream, torch.float64)
+    eager = kl_run(ref_kl.kl_penalty, logp, ref, kind, upstream, compute_dtype=torch.float32)
+    exact_d = (ref.double() - logp.double()).abs()
+    for lo in (1e-7, 1e-6, 1e-5, 1e-4, 1e-3):
+        sel = (exact_d >= lo) & (exact_d < 10 * lo)
+        for name, result in (("kernel", got), ("reference", reference)):
+            for what, a, o, t in zip(("kl", "d/d logp"), result, oracle, eager):
+                where = f"|d| in [{lo:g}, {10 * lo:g})"
+                assert_close_to_oracle(a[sel], o[sel], t[sel], name=f"{name} {kind} {what}, {where}")
+    assert (got[0][exact_d > 0] > 0).all() and (got[0][exact_d == 0] == 0).all()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -162,21 +201,28 @@ def test_kl_penalty_noncontiguous_and_aliases(kernels):
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64, torch.bfloat16])
 def test_kl_masked_mean_matches_reference(kernels, kind, dtype, mask_dtype):
     shape = (5, 33)
-    logp = make(shape, dtype, 1.0, 0).requires_grad_()
-    ref = make(shape, dtype, 1.0, 1).requires_grad_()
+    logp, ref = make(shape, dtype, 1.0, 0), make(shape, dtype, 1.0, 1)
     mask = (make(shape, torch.float64, 1.0, 2) > 0).to(mask_dtype)
     mask[2] = 0  # an all-masked row
-    out = kl_penalty_masked_mean(logp, ref, mask, kind)
-    acc = ref_kl.acc_dtype(dtype)
-    lp32, ref32 = (t.detach().to(acc).requires_grad_() for t in (logp, ref))
-    want = ref_kl.kl_penalty_masked_mean(lp32, ref32, mask, kind)
-    tol = TOL[torch.float64] if dtype == torch.float64 else TOL[torch.float32]
-    torch.testing.assert_close(out, want, **tol)
-    ga, gb = torch.autograd.grad(out, (logp, ref))
-    wa, wb = torch.autograd.grad(want, (lp32, ref32))
-    torch.testing.assert_close(ga, wa.to(dtype), **TOL[dtype])
-    torch.testing.assert_close(gb, wb.to(dtype), **TOL[dtype])
-    assert (ga[2] == 0).all()
+
+    def kernel_mean(a, b, kind):
+        return kl_penalty_masked_mean(a, b, mask, kind)
+
+    def reference_mean(a, b, kind, **kw):
+        return ref_kl.kl_penalty_masked_mean(a, b, mask, kind, **kw)
+
+    one = torch.ones(())
+    got = kl_run(kernel_mean, logp, ref, kind, one)
+    assert got[0].dtype == ref_kl.acc_dtype(dtype) and got[0].shape == ()
+    assert (got[1][2] == 0).all() and (got[2][2] == 0).all()
+    oracle = kl_run(reference_mean, logp, ref, kind, one, torch.float64)
+    eager = kl_run(reference_mean, logp, ref, kind, one, compute_dtype=torch.float32)
+    # The mean's terms may cancel (k1): its floor is relative to the mean of |kl| over valid tokens.
+    terms = ref_kl.kl_penalty(logp.double(), ref.double(), kind).abs()[mask != 0]
+    for name, result in (("kernel", got), ("reference", kl_run(reference_mean, logp, ref, kind, one))):
+        for what, a, o, t in zip(("mean", "d/d logp", "d/d ref_logp"), result, oracle, eager):
+            scale = terms.mean().item() if what == "mean" else None
+            check_vs_oracle(f"{name} {kind} {what}", a, o, t, dtype, scale=scale)
 
 
 @pytest.mark.parametrize("shape", [(0,), (3, 4)])
@@ -199,26 +245,28 @@ POLICY_CONFIGS = [  # (eps_low, eps_high, dual_clip, beta, with_ref)
 
 
 def check_policy(logp, old, adv, mask, ref, cfg, dtype):
+    """policy_loss's kernel and reference (loss, d/d logp, statistics) against the float64 oracle."""
     lo, hi, c, beta, with_ref = cfg
     ref = ref if with_ref else None
-    logp = logp.detach().requires_grad_()
-    loss, st = policy_loss(logp, old, adv, mask, lo, hi, c, beta, ref)
-    assert loss.dtype == ref_kl.acc_dtype(dtype) and loss.shape == logp.shape
-    acc = ref_kl.acc_dtype(dtype)
-    lp32 = logp.detach().to(acc).requires_grad_()
-    want, want_st = ref_pl.policy_loss(lp32, old.to(acc), adv.to(acc), mask, lo, hi, c, beta,
-                                       None if ref is None else ref.to(acc))
-    tol = TOL[torch.float64] if dtype == torch.float64 else TOL[torch.float32]
-    torch.testing.assert_close(loss, want, **tol)
-    compare_stats(st, want_st, dict(atol=1e-5, rtol=1e-5))
+    upstream = make(logp.shape, ref_kl.acc_dtype(dtype), 1.0, 9, logp.device)
+
+    def run(fn, cast=None, **kw):
+        lp = logp.detach().to(cast or dtype).requires_grad_()
+        old_, adv_, ref_ = (None if t is None else t.to(cast or dtype) for t in (old, adv, ref))
+        loss, st = fn(lp, old_, adv_, mask, lo, hi, c, beta, ref_, **kw)
+        (grad,) = torch.autograd.grad(loss, lp, upstream.to(loss.dtype))
+        return loss.detach(), grad, st
+
+    got = run(policy_loss)
+    assert got[0].dtype == ref_kl.acc_dtype(dtype) and got[0].shape == logp.shape and got[1].dtype == dtype
     valid = mask != 0
-    assert (loss[~valid] == 0).all()
-    g = make(logp.shape, acc, 1.0, 9)
-    (ga,) = torch.autograd.grad(loss, logp, g)
-    (wa,) = torch.autograd.grad(want, lp32, g)
-    assert ga.dtype == dtype
-    torch.testing.assert_close(ga, wa.to(dtype), **TOL[dtype])
-    assert (ga[~valid] == 0).all()
+    assert (got[0][~valid] == 0).all() and (got[1][~valid] == 0).all()
+    oracle = run(ref_pl.policy_loss, torch.float64)
+    eager = run(ref_pl.policy_loss, compute_dtype=torch.float32)
+    for name, (loss, grad, st) in (("kernel", got), ("reference", run(ref_pl.policy_loss))):
+        check_vs_oracle(f"{name} loss", loss, oracle[0], eager[0], dtype)
+        check_vs_oracle(f"{name} d/d logp", grad, oracle[1], eager[1], dtype)
+        compare_stats(st, oracle[2], dict(atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.parametrize("cfg", POLICY_CONFIGS)
@@ -397,12 +445,13 @@ def test_cuda_matches_cpu(kernels, dtype, shape):
     for cfg in POLICY_CONFIGS:
         check_policy(logp.cuda(), old.cuda(), adv.cuda(), mask.cuda(), ref.cuda(), cfg, dtype)
     for kind in KINDS:
-        a = logp.cuda().requires_grad_()
-        out = kl_penalty_masked_mean(a, ref.cuda(), mask.cuda(), kind)
-        want = ref_kl.kl_penalty_masked_mean(logp.float(), ref.float(), mask, kind)
-        torch.testing.assert_close(out.cpu().float(), want.float(), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(kl_penalty(a, ref.cuda(), kind).cpu().float(),
-                                   ref_kl.kl_penalty(logp, ref, kind).float(), **TOL[torch.float32])
+        check_kl(logp.cuda(), ref.cuda(), kind, make(shape, ref_kl.acc_dtype(dtype), 1.0, 5, "cuda"), dtype)
+        lp, rf, m = logp.cuda(), ref.cuda(), mask.cuda()
+        terms = ref_kl.kl_penalty(lp.double(), rf.double(), kind).abs()[m]
+        check_vs_oracle(f"cuda masked mean {kind}", kl_penalty_masked_mean(lp, rf, m, kind),
+                        ref_kl.kl_penalty_masked_mean(lp.double(), rf.double(), m, kind),
+                        ref_kl.kl_penalty_masked_mean(lp, rf, m, kind, compute_dtype=torch.float32), dtype,
+                        scale=terms.mean().item() if terms.numel() else None)
 
 
 @requires_cuda

@@ -1,6 +1,11 @@
 """Pure-torch GAE with skipped positions: the reversed loop over t of TRL / DeepSpeed-Chat / verl,
 with verl's multi-turn rule that masked tokens (tool outputs, padding) are removed from the
 recursion. `megalign.ops.gae` documents the semantics; this is the readable definition.
+
+The recursion runs in float64 (`compute_dtype`) whatever the inputs' dtype and is rounded once to
+the output dtype (fp32, or fp64 for fp64 inputs): an fp32 recursion over T steps accumulates up to
+~T roundings (with gamma = lam = 1, A_t is a suffix sum of T terms). Tests pass
+compute_dtype=torch.float32 to measure what plain fp32 torch gets.
 """
 from __future__ import annotations
 
@@ -38,11 +43,15 @@ def check_gae_args(rewards, values, mask, gamma, lam) -> torch.Tensor:
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of `megalign.ops.gae` (same arguments and results), O(T) Python steps."""
+        lam: float = 1.0, *, compute_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `megalign.ops.gae` (same arguments and results), O(T) Python steps.
+
+    rewards, values, mask [B, T] -> (advantages, returns) [B, T] in fp32 (fp64 for fp64 inputs),
+    computed in compute_dtype.
+    """
     valid = check_gae_args(rewards, values, mask, gamma, lam)
-    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    r, v = rewards.to(acc), values.to(acc)
+    out = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    r, v = rewards.to(compute_dtype), values.to(compute_dtype)
     batch, steps = r.shape
     next_value = r.new_zeros(batch)
     next_adv = r.new_zeros(batch)
@@ -54,4 +63,4 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         columns.append(torch.where(valid[:, t], adv_t, 0.0))
     advantages = torch.stack(columns[::-1], dim=1) if columns else r.new_zeros(batch, 0)
     returns = torch.where(valid, advantages + v, 0.0)
-    return advantages, returns
+    return advantages.to(out), returns.to(out)

@@ -1,6 +1,11 @@
 """Pure-torch reference of megalign.ops.policy_loss, written like verl's `compute_policy_loss`
 (vanilla PPO/GRPO clipped surrogate with dual clip) plus GRPO's beta * k3 KL term, per token.
 
+The math runs in float64 (`compute_dtype`) whatever the inputs' dtype (the loss is returned in
+acc_dtype, the statistics in fp32), so the reference is the exact value rounded once; in
+particular its k3 term does not cancel for small log-ratios as fp32 does (see
+reference/kl_penalty.py). Tests pass compute_dtype=torch.float32 to measure plain fp32 torch.
+
 Also defines PolicyLossStats, the statistics both paths return.
 """
 from __future__ import annotations
@@ -9,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from megalign.ops.reference.kl_penalty import acc_dtype, kl_penalty
+from megalign.ops.reference.kl_penalty import acc_dtype, k3
 
 LOG_RATIO_BOUND = 20.0
 
@@ -47,15 +52,16 @@ class PolicyLossStats(NamedTuple):
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
-                beta: float = 0.0, ref_logp: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """Per-token loss [*] in acc_dtype (0 where mask == 0) and its statistics.
+                beta: float = 0.0, ref_logp: torch.Tensor | None = None, *,
+                compute_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Per-token loss [*] in acc_dtype(logp.dtype) (0 where mask == 0) and its statistics,
+    computed in compute_dtype.
 
     Only `logp` carries gradient: old_logp, advantages and ref_logp are detached (constants of
     the RL step), as in the kernel.
     """
     eps_high = eps_low if eps_high is None else eps_high
-    acc = acc_dtype(logp.dtype)
+    acc = compute_dtype
     lp = logp.to(acc)
     old, adv = old_logp.detach().to(acc), advantages.detach().to(acc)
     valid = mask != 0
@@ -72,7 +78,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss = torch.where(adv < 0, torch.minimum(loss, surr3), loss)
     else:
         dual = torch.zeros_like(clipped)
-    kl = kl_penalty(lp, ref_logp.detach(), "k3") if ref_logp is not None else torch.zeros_like(lp)
+    kl = k3(ref_logp.detach().to(acc) - lp) if ref_logp is not None else torch.zeros_like(lp)
     if beta > 0:
         loss = loss + beta * kl
     loss = torch.where(valid, loss, 0.0)
@@ -96,4 +102,4 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         torch.where(any_valid, ratio_max, 1.0),
         masked_mean(kl),
     ]).detach().float()
-    return loss, PolicyLossStats.from_tensor(stats)
+    return loss.to(acc_dtype(logp.dtype)), PolicyLossStats.from_tensor(stats)
