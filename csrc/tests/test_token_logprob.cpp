@@ -100,6 +100,21 @@ void test_exp_acc() {
   EXPECT_CLOSE(megalign::exp_acc(88.7f), std::exp(static_cast<double>(88.7f)), 0, 3e-7);  // k = 128
 }
 
+// The softmax kernels' exp (x <= ln2/2 only) is exp_acc's arithmetic with 2^k in one factor:
+// the same bits wherever it is used, 0 below ln FLT_MIN and for -inf, NaN for NaN.
+void test_exp_nonpos() {
+  int64_t differ = 0;
+  for (double x = -100.0; x <= 0.3465; x += 1e-4) {
+    const float xf = static_cast<float>(x);
+    differ += megalign::exp_nonpos_f32(xf) != megalign::exp_acc(xf);
+  }
+  EXPECT_TRUE(differ == 0);
+  EXPECT_TRUE(megalign::exp_nonpos_f32(0.0f) == 1.0f);
+  EXPECT_TRUE(megalign::exp_nonpos_f32(-INFINITY) == 0.0f);
+  EXPECT_TRUE(megalign::exp_nonpos_f32(-FLT_MAX) == 0.0f);
+  EXPECT_TRUE(std::isnan(megalign::exp_nonpos_f32(NAN)));
+}
+
 void test_merge() {
   using S = megalign::math::SoftmaxStats<double>;
   // Merging {1, 2} with {3, -inf} equals the direct statistics of {1, 2, 3, -inf}.
@@ -171,6 +186,7 @@ void test_launchers(int64_t n, int64_t v, double temp) {
 
 int main() {
   test_exp_acc();
+  test_exp_nonpos();
   test_merge();
   test_launchers(1, 1, 1.0);
   test_launchers(6, 2, 1.0);
