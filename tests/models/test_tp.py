@@ -218,17 +218,21 @@ def _check_bf16(path, ids, hf_logits, hf_grads):
 
     ours_err, hf_err = errors(logits, hf_logits)
     assert ours_err <= 2 * hf_err, ("logits", ours_err, hf_err)
+    # The whole gradient is held to 2x transformers' bf16 error; single tensors to 4x: the tp = 2
+    # shards accumulate their bf16 matmuls in another order than the dense model, and on small
+    # tensors (a k_proj gradient) that rounding noise moves with the CPU's matmul kernels (up to
+    # 3.1x on an AVX2-only Zen 3, under 2x on AVX-512). A wrong gradient is off by far more.
     sharded = tp_sharded_parameters(model)
+    total_ours = total_hf = 0.0
     for name, p in model.named_parameters():
         assert p.grad.dtype == torch.float32, name  # fp32 master gradients
         grad = p.grad if p not in sharded else _all_gather(p.grad, sharded[p], layout.tp_group)
         hf_name = hf_rule(name)[0]
         ours_err, hf_err = errors(grad[:VOCAB] if grad.shape[0] == 98 else grad,
                                   {dtype: grads[hf_name] for dtype, grads in hf_grads.items()})
-        # k = 3 for the gradients: the tp = 2 shards accumulate their bf16 matmuls in another order
-        # than the dense model, and how far that moves the error depends on the CPU's matmul kernels
-        # (2.05x transformers' error for one q_proj on an AVX2-only Zen 3, under 2x on AVX-512).
-        assert ours_err <= 3 * hf_err, (name, ours_err, hf_err)
+        assert ours_err <= 4 * hf_err, (name, ours_err, hf_err)
+        total_ours, total_hf = total_ours + ours_err**2, total_hf + hf_err**2
+    assert total_ours**0.5 <= 2 * total_hf**0.5, ("all gradients", total_ours**0.5, total_hf**0.5)
 
 
 def test_bf16_autocast_tp2_no_worse_than_transformers(tmp_path):
