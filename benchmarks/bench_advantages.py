@@ -5,20 +5,26 @@
   masked tokens), and megalign's own torch.where reference loop.
 - group_advantages (grpo) at N=16384 with uneven groups given by uid vs verl's per-group dictionary
   loop (defaultdict of scores per uid, mean/std per uid, then a loop over samples) and a vectorised
-  torch version (megalign's index_add / scatter_reduce reference).
+  torch version (megalign's index_add / scatter_reduce reference, torch.unique for the ids). Two
+  uid layouts: scattered (each sample an independent uid draw) and in runs (a prompt's samples
+  next to each other, as verl's repeat(interleave=True) lays them out), and contiguous groups of
+  16 (group_size). megalign and the torch version run in turn within each repeat, so a change in
+  the machine's load hits both alike.
 
-Target (issue 2): gae >= 30x and group_advantages >= 20x faster than the Python loops.
+Targets: gae >= 30x and group_advantages >= 20x faster than the Python loops (issue 2);
+group_advantages >= 10x faster than the vectorised torch version (issue 8).
 """
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Row, format_table, median_time  # noqa: E402
+from harness import Row, format_table, median_time, median_times_interleaved  # noqa: E402
 
 from megalign.ops import _backend  # noqa: E402
 from megalign.ops.gae import gae  # noqa: E402
@@ -89,12 +95,21 @@ def bench_group(N, repeats):
     shared = count[dense] > 1  # verl maps a lone sample to score / (1 + eps), megalign to 0
     torch.testing.assert_close(group_advantages(scores, group_index=uid)[shared],
                                grpo_dict_loop(scores, index)[shared], atol=1e-5, rtol=1e-5)
-    return [Row("group_advantages", case, "megalign",
-                median_time(lambda: group_advantages(scores, group_index=uid), repeats=repeats)),
-            Row("group_advantages", case, "verl uid dictionary loop",
-                median_time(lambda: grpo_dict_loop(scores, index), repeats=max(1, repeats // 3))),
-            Row("group_advantages", case, "torch vectorised (index_add)",
-                median_time(lambda: reference_group_advantages(scores, group_index=uid), repeats=repeats))]
+    runs = uid.sort().values  # the same groups, each prompt's samples next to each other
+    cases = {case: dict(group_index=uid), f"N={N} uneven, uid in runs, grpo": dict(group_index=runs),
+             f"N={N} contiguous groups of 16, grpo": dict(group_size=16)}
+    rows = []
+    for name, grouping in cases.items():
+        torch.testing.assert_close(group_advantages(scores, **grouping), reference_group_advantages(scores, **grouping))
+        t = median_times_interleaved({"megalign": lambda: group_advantages(scores, **grouping),
+                                      "torch": lambda: reference_group_advantages(scores, **grouping)},
+                                     repeats=repeats)
+        rows += [Row("group_advantages", name, "megalign", t["megalign"]),
+                 Row("group_advantages", name, "torch vectorised (index_add)", t["torch"])]
+        if name == case:
+            rows.append(Row("group_advantages", case, "verl uid dictionary loop",
+                            median_time(lambda: grpo_dict_loop(scores, index), repeats=max(1, repeats // 3))))
+    return rows
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -102,8 +117,16 @@ def run(quick: bool = False) -> list[Row]:
         raise RuntimeError("bench_advantages measures the megalign kernels: build megalign._C first")
     if quick:
         return bench_gae(4, 256, 3) + bench_group(1024, 3)
-    return bench_gae(32, 4096, 9) + bench_group(16384, 9)
+    return bench_gae(32, 4096, 9) + bench_group(16384, 101)
+
+
+def machine() -> str:
+    """CPU model, the vector ISA torch's kernels use, and the thread count, for the table's header."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    return f"{model}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
 
 
 if __name__ == "__main__":
+    print(machine())
     print(format_table(run(quick="--quick" in sys.argv)))
