@@ -114,6 +114,16 @@ def test_id_layouts_vs_reference(kernels, mode, unbiased):
                                    **TOL[torch.float64], msg=name)
 
 
+def test_large_contiguous_groups(kernels):
+    # Above 2^17 scores the CPU kernel splits the groups across OpenMP threads.
+    g = torch.Generator().manual_seed(9)
+    s = torch.randn(2**17 + 96, generator=g, dtype=torch.float64)  # 32 * 4099 scores
+    for size in (32, 4099):
+        for mode in MODES:
+            torch.testing.assert_close(group_advantages(s, group_size=size, mode=mode),
+                                       reference(s, group_size=size, mode=mode), **TOL[torch.float64])
+
+
 def test_cpu_kernel_maps_ids_itself(kernels, monkeypatch):
     # The CPU path numbers the ids in the kernel: no torch.unique (a sort) runs first.
     s, ids = torch.randn(64), _ids(64, 7)
