@@ -9,9 +9,11 @@
 // Contiguous groups are walked as runs of group_size, with OpenMP across groups for large inputs.
 // Groups given by ids: a first serial pass numbers the distinct ids with a hash map (in order of
 // first appearance; no sort, no bucketing of members), then the passes walk the scores in runs of
-// equal ids, or member by member where runs are short (scattered ids). Results are deterministic
-// and independent of the id values: a group's sums always add its members in index order, runs of
-// 16 or more in kLanes interleaved partial sums.
+// equal ids, or member by member where runs are short (scattered ids). That path is serial: at
+// RL batch sizes (N = 16384 takes ~0.1 ms) a second thread's wake-up and the merge of two
+// numberings would cost about what they save. Results are deterministic and independent of the id values: a
+// group's sums always add its members in index order, runs of 16 or more in kLanes interleaved
+// partial sums.
 #include "megalign/group_advantages.h"
 
 #include <algorithm>
@@ -162,45 +164,50 @@ void contiguous(const T* scores, int64_t stride, int64_t n, int64_t size, math::
 }
 
 // Numbers distinct int64 ids 0, 1, 2, ... in order of first appearance: open addressing with
-// linear probing in a power-of-two table kept at most a quarter full (doubled and refilled as ids
-// arrive, so its size follows the number of groups, not of scores). Fibonacci hashing spreads
-// structured ids (consecutive, multiples of a stride, huge or negative values). The tables only
-// grow: a numbering is kept per thread and reused from call to call.
+// linear probing in a power-of-two table of numbers kept at most half full (doubled and refilled
+// as ids arrive, so its size follows the number of groups, not of scores). A slot holds only the
+// number; the id is compared through the list of numbered ids, so a slot is 4 bytes (16 KiB for
+// 2048 groups) and few cache lines are missed when the call starts with cold caches, as it does
+// between the other ops of a training step. Fibonacci hashing spreads structured ids
+// (consecutive, multiples of a stride, huge or negative values). The tables only grow: a
+// numbering is kept per thread and reused from call to call.
 template <typename Index>
 class IdNumbering {
  public:
-  // Sets number[i] to the number of ids[i * id_stride], i < n, and calls on_group(g, i) when
-  // member i starts group g. Returns the number of groups.
+  // Sets number[i] to the number of ids[i * id_stride], i < n, calls on_group(g, i) when member i
+  // starts group g, and counts the runs of equal ids. Returns the number of groups.
   template <typename OnGroup>
-  int64_t run(const int64_t* ids, int64_t id_stride, int64_t n, Index* number, OnGroup on_group) {
+  int64_t run(const int64_t* ids, int64_t id_stride, int64_t n, Index* number, OnGroup on_group, int64_t& runs) {
     if (group_id_.size() < static_cast<size_t>(n)) group_id_.resize(static_cast<size_t>(n));
     int64_t groups = 0;
     resize(kMinBits, 0);
     // The table in locals: stores to number[] could alias the members.
     int shift = 64 - bits_;
     size_t mask = mask_;
-    int64_t* slot_id = slot_id_.data();
     Index* slot_number = slot_number_.data();
+    const int64_t* group_id = group_id_.data();
+    Index previous = -1;
+    runs = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t id = ids[i * id_stride];
       size_t h = hash(id) >> shift;
       Index g;
-      while ((g = slot_number[h]) >= 0 && slot_id[h] != id) h = (h + 1) & mask;
+      while ((g = slot_number[h]) >= 0 && group_id[g] != id) h = (h + 1) & mask;
       if (g < 0) {
         g = static_cast<Index>(groups);
         group_id_[groups++] = id;
-        if (4 * groups > static_cast<int64_t>(mask + 1)) {
+        if (2 * groups > static_cast<int64_t>(mask + 1)) {
           resize(bits_ + 1, groups);
           shift = 64 - bits_;
           mask = mask_;
-          slot_id = slot_id_.data();
           slot_number = slot_number_.data();
         } else {
-          slot_id[h] = id;
           slot_number[h] = g;
         }
         on_group(g, i);
       }
+      runs += g != previous;
+      previous = g;
       number[i] = g;
     }
     return groups;
@@ -215,22 +222,17 @@ class IdNumbering {
   void resize(int bits, int64_t groups) {
     bits_ = bits;
     mask_ = (size_t(1) << bits) - 1;
-    if (slot_id_.size() <= mask_) {
-      slot_id_.resize(mask_ + 1);
-      slot_number_.resize(mask_ + 1);
-    }
+    if (slot_number_.size() <= mask_) slot_number_.resize(mask_ + 1);
     std::fill_n(slot_number_.begin(), mask_ + 1, Index(-1));
     for (int64_t g = 0; g < groups; ++g) {
       size_t h = hash(group_id_[g]) >> (64 - bits);
       while (slot_number_[h] >= 0) h = (h + 1) & mask_;
-      slot_id_[h] = group_id_[g];
       slot_number_[h] = static_cast<Index>(g);
     }
   }
 
   int bits_ = 0;
   size_t mask_ = 0;
-  std::vector<int64_t> slot_id_;
   std::vector<Index> slot_number_;  // -1: empty
   std::vector<int64_t> group_id_;   // group_id_[g]: the id numbered g
 };
@@ -259,10 +261,9 @@ void by_id(const T* scores, int64_t stride, const int64_t* ids, int64_t id_strid
   Index* group = scratch_of(s.member_group, size).data();
   GroupSums<acc>* sums = scratch_of(s.sums, size).data();
   load_scores(scores, stride, n, out);
-  const int64_t groups =
-      s.numbering.run(ids, id_stride, n, group, [&](Index g, int64_t i) { sums[g] = GroupSums<acc>{out[i], 0, 0}; });
-  int64_t runs = n > 0;
-  for (int64_t i = 1; i < n; ++i) runs += group[i] != group[i - 1];
+  int64_t runs;
+  const int64_t groups = s.numbering.run(
+      ids, id_stride, n, group, [&](Index g, int64_t i) { sums[g] = GroupSums<acc>{out[i], 0, 0}; }, runs);
   if (2 * runs > n) {
     normalize(out, Members<Index>{group}, 0, n, sums, 0, groups, mode, static_cast<acc>(eps), unbiased);
     return;
