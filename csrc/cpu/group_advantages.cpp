@@ -7,13 +7,13 @@
 // other's latency.
 //
 // Contiguous groups are walked as runs of group_size, with OpenMP across groups for large inputs.
-// Groups given by ids: a first serial pass numbers the distinct ids with a hash map (in order of
-// first appearance; no sort, no bucketing of members), then the passes walk the scores in runs of
-// equal ids, or member by member where runs are short (scattered ids). That path is serial: at
-// RL batch sizes (N = 16384 takes ~0.1 ms) a second thread's wake-up and the merge of two
-// numberings would cost about what they save. Results are deterministic and independent of the id values: a
-// group's sums always add its members in index order, runs of 16 or more in kLanes interleaved
-// partial sums.
+// Groups given by ids: the distinct ids are numbered with a hash map (in order of first
+// appearance; no sort, no bucketing of members), looked up once per run of equal ids where the
+// ids come in runs (a prompt's samples side by side), once per member where they are scattered,
+// and the passes walk the scores the same way. That path is serial: at RL batch sizes (N = 16384
+// takes ~0.1 ms) a second thread's wake-up and the merge of two numberings would cost about what
+// they save. Results are deterministic and independent of the id values: a group's sums add its
+// members in index order, a run's members summed first (in kLanes partial sums from 16 on).
 #include "megalign/group_advantages.h"
 
 #include <algorithm>
@@ -95,12 +95,10 @@ struct Members {  // member i of group member_group[i]
   int64_t end(int64_t i) const { return i + 1; }
 };
 
-// Replaces the scores x (the accumulation type) in runs [r0, r1) of `walk` by their advantages.
-// Those runs hold every member of the groups [g0, g1), whose sums hold the first member's score
-// and zeros.
+// The first pass over runs [r0, r1) of `walk`: adds each run's sum of (r - first member) and its
+// length to its group's sums.
 template <typename acc, typename Walk>
-void normalize(acc* x, const Walk& walk, int64_t r0, int64_t r1, GroupSums<acc>* sums, int64_t g0, int64_t g1,
-               math::GroupMode mode, acc eps, bool unbiased) {
+void add_shifted_sums(const acc* x, const Walk& walk, int64_t r0, int64_t r1, GroupSums<acc>* sums) {
   for (int64_t r = r0; r < r1; ++r) {
     GroupSums<acc>& s = sums[walk.group(r)];
     const acc first = s.center;
@@ -108,6 +106,14 @@ void normalize(acc* x, const Walk& walk, int64_t r0, int64_t r1, GroupSums<acc>*
     s.sum += lane_sum(x + b, e - b, [first](acc v) { return v - first; });
     s.count += e - b;
   }
+}
+
+// The rest, once the groups [g0, g1) hold their first member's score, the sum of (r - first) and
+// their size: replaces the scores x (the accumulation type) in runs [r0, r1) of `walk`, which hold
+// every member of those groups, by their advantages.
+template <typename acc, typename Walk>
+void finish(acc* x, const Walk& walk, int64_t r0, int64_t r1, GroupSums<acc>* sums, int64_t g0, int64_t g1,
+            math::GroupMode mode, acc eps, bool unbiased) {
   for (GroupSums<acc>* s = sums + g0; s < sums + g1; ++s) {
     s->center = math::group_mean(s->center, s->sum, s->count);
     s->sum = 0;
@@ -129,8 +135,7 @@ void normalize(acc* x, const Walk& walk, int64_t r0, int64_t r1, GroupSums<acc>*
 
 // Working memory is kept per thread from call to call (vectors that only grow): freshly allocated,
 // it comes from mmap at these sizes and its page faults cost more than the whole computation. It
-// holds 16-24 bytes a score of the largest call so far for contiguous groups, 40-100 for ids
-// (the most when every id is distinct).
+// holds 16-24 bytes a score of the largest call so far for contiguous groups, 40-50 for ids.
 template <typename T>
 std::vector<T>& scratch_of(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -159,7 +164,8 @@ void contiguous(const T* scores, int64_t stride, int64_t n, int64_t size, math::
     const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
     load_scores(scores + g0 * size * stride, stride, (g1 - g0) * size, out + g0 * size);
     for (int64_t g = g0; g < g1; ++g) sums[g] = GroupSums<acc>{out[g * size], 0, 0};
-    normalize(out, walk, g0, g1, sums, g0, g1, mode, static_cast<acc>(eps), unbiased);
+    add_shifted_sums(out, walk, g0, g1, sums);
+    finish(out, walk, g0, g1, sums, g0, g1, mode, static_cast<acc>(eps), unbiased);
   }
 }
 
@@ -174,43 +180,38 @@ void contiguous(const T* scores, int64_t stride, int64_t n, int64_t size, math::
 template <typename Index>
 class IdNumbering {
  public:
-  // Sets number[i] to the number of ids[i * id_stride], i < n, calls on_group(g, i) when member i
-  // starts group g, and counts the runs of equal ids. Returns the number of groups.
-  template <typename OnGroup>
-  int64_t run(const int64_t* ids, int64_t id_stride, int64_t n, Index* number, OnGroup on_group, int64_t& runs) {
+  // The table's hot state. The loops keep it in a local, where the stores through their own
+  // pointers cannot alias it (as members they would force a reload after every store).
+  struct Table {
+    size_t shift, mask;
+    Index* slot;     // -1: empty
+    int64_t* ids;    // ids[g]: the id numbered g
+    int64_t groups;  // ids numbered so far
+  };
+
+  // An empty table with room for n ids.
+  Table clear(int64_t n) {
     if (group_id_.size() < static_cast<size_t>(n)) group_id_.resize(static_cast<size_t>(n));
-    int64_t groups = 0;
-    resize(kMinBits, 0);
-    // The table in locals: stores to number[] could alias the members.
-    int shift = 64 - bits_;
-    size_t mask = mask_;
-    Index* slot_number = slot_number_.data();
-    const int64_t* group_id = group_id_.data();
-    Index previous = -1;
-    runs = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t id = ids[i * id_stride];
-      size_t h = hash(id) >> shift;
-      Index g;
-      while ((g = slot_number[h]) >= 0 && group_id[g] != id) h = (h + 1) & mask;
-      if (g < 0) {
-        g = static_cast<Index>(groups);
-        group_id_[groups++] = id;
-        if (2 * groups > static_cast<int64_t>(mask + 1)) {
-          resize(bits_ + 1, groups);
-          shift = 64 - bits_;
-          mask = mask_;
-          slot_number = slot_number_.data();
-        } else {
-          slot_number[h] = g;
-        }
-        on_group(g, i);
-      }
-      runs += g != previous;
-      previous = g;
-      number[i] = g;
-    }
-    return groups;
+    Table t{0, 0, nullptr, group_id_.data(), 0};
+    resize(t, kMinBits);
+    return t;
+  }
+
+  // The number of `id`; an id not seen before gets the next one, and on_group(g) is called.
+  template <typename OnGroup>
+  Index find_or_add(Table& t, int64_t id, OnGroup on_group) {
+    size_t h = hash(id) >> t.shift;
+    Index g;
+    while ((g = t.slot[h]) >= 0 && t.ids[g] != id) h = (h + 1) & t.mask;
+    if (g >= 0) return g;
+    g = static_cast<Index>(t.groups);
+    t.ids[t.groups++] = id;
+    if (2 * static_cast<size_t>(t.groups) > t.mask + 1)
+      resize(t, 64 - static_cast<int>(t.shift) + 1);
+    else
+      t.slot[h] = g;
+    on_group(g);
+    return g;
   }
 
  private:
@@ -218,23 +219,22 @@ class IdNumbering {
 
   static uint64_t hash(int64_t id) { return static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull; }
 
-  // A table of 2^bits slots holding the first `groups` ids numbered.
-  void resize(int bits, int64_t groups) {
-    bits_ = bits;
-    mask_ = (size_t(1) << bits) - 1;
-    if (slot_number_.size() <= mask_) slot_number_.resize(mask_ + 1);
-    std::fill_n(slot_number_.begin(), mask_ + 1, Index(-1));
-    for (int64_t g = 0; g < groups; ++g) {
-      size_t h = hash(group_id_[g]) >> (64 - bits);
-      while (slot_number_[h] >= 0) h = (h + 1) & mask_;
-      slot_number_[h] = static_cast<Index>(g);
+  // A table of 2^bits slots holding every id numbered so far.
+  void resize(Table& t, int bits) {
+    t.shift = static_cast<size_t>(64 - bits);
+    t.mask = (size_t(1) << bits) - 1;
+    if (slot_number_.size() <= t.mask) slot_number_.resize(t.mask + 1);
+    t.slot = slot_number_.data();
+    std::fill_n(t.slot, t.mask + 1, Index(-1));
+    for (int64_t g = 0; g < t.groups; ++g) {
+      size_t h = hash(t.ids[g]) >> t.shift;
+      while (t.slot[h] >= 0) h = (h + 1) & t.mask;
+      t.slot[h] = static_cast<Index>(g);
     }
   }
 
-  int bits_ = 0;
-  size_t mask_ = 0;
-  std::vector<Index> slot_number_;  // -1: empty
-  std::vector<int64_t> group_id_;   // group_id_[g]: the id numbered g
+  std::vector<Index> slot_number_;
+  std::vector<int64_t> group_id_;
 };
 
 template <typename Index, typename acc>
@@ -249,34 +249,57 @@ struct Scratch {
   }
 };
 
-// Any int64 ids; Index (int32 or int64) holds numbers <= n. The numbering pass touches no
-// per-group sums but a new group's, so the lookups of successive members overlap instead of
-// queueing behind the sums' stores.
+// The walk is picked from this many leading ids: counting the runs of all 16384 costs ~10% of the
+// call. Either walk gives deterministic results; a layout that changes past the leading ids is
+// only walked more slowly.
+constexpr int64_t kLayoutProbe = 1024;
+
+// True when the ids ids[i * id_stride], i < n, change at more than every other position.
+inline bool scattered(const int64_t* ids, int64_t id_stride, int64_t n) {
+  int64_t runs = n > 0;
+  for (int64_t i = 1; i < n; ++i) runs += ids[i * id_stride] != ids[(i - 1) * id_stride];
+  return 2 * runs > n;
+}
+
+// Any int64 ids; Index (int32 or int64) holds numbers <= n. The leading ids pick the walk. In runs
+// (mean length 2 or more) an id is looked up once per run and the run's first pass follows at
+// once. Scattered: one lookup per member, in a loop that touches no per-group sums but a new
+// group's, so successive lookups overlap instead of queueing behind the sums' stores; then the
+// passes.
 template <typename Index, typename T>
 void by_id(const T* scores, int64_t stride, const int64_t* ids, int64_t id_stride, int64_t n, math::GroupMode mode,
            double eps, bool unbiased, acc_t<T>* out) {
   using acc = acc_t<T>;
   auto& s = Scratch<Index, acc>::get();
   const auto size = static_cast<size_t>(n);
-  Index* group = scratch_of(s.member_group, size).data();
   GroupSums<acc>* sums = scratch_of(s.sums, size).data();
   load_scores(scores, stride, n, out);
-  int64_t runs;
-  const int64_t groups = s.numbering.run(
-      ids, id_stride, n, group, [&](Index g, int64_t i) { sums[g] = GroupSums<acc>{out[i], 0, 0}; }, runs);
-  if (2 * runs > n) {
-    normalize(out, Members<Index>{group}, 0, n, sums, 0, groups, mode, static_cast<acc>(eps), unbiased);
+  auto table = s.numbering.clear(n);
+  if (scattered(ids, id_stride, std::min(n, kLayoutProbe))) {
+    Index* group = scratch_of(s.member_group, size).data();
+    for (int64_t i = 0; i < n; ++i)
+      group[i] = s.numbering.find_or_add(table, ids[i * id_stride],
+                                         [&](Index g) { sums[g] = GroupSums<acc>{out[i], 0, 0}; });
+    const Members<Index> walk{group};
+    add_shifted_sums(out, walk, 0, n, sums);
+    finish(out, walk, 0, n, sums, 0, table.groups, mode, static_cast<acc>(eps), unbiased);
     return;
   }
   Index* start = scratch_of(s.start, size + 1).data();
   Index* run_group = scratch_of(s.run_group, size).data();
-  for (int64_t i = 0, r = 0; i < n; ++i)
-    if (i == 0 || group[i] != group[i - 1]) {
-      start[r] = static_cast<Index>(i);
-      run_group[r++] = group[i];
-    }
+  int64_t runs = 0;
+  for (int64_t i = 0, j; i < n; i = j, ++runs) {
+    const int64_t id = ids[i * id_stride];
+    const Index g = s.numbering.find_or_add(table, id, [&](Index g) { sums[g] = GroupSums<acc>{out[i], 0, 0}; });
+    for (j = i + 1; j < n && ids[j * id_stride] == id; ++j) {}
+    const acc first = sums[g].center;
+    sums[g].sum += lane_sum(out + i, j - i, [first](acc v) { return v - first; });
+    sums[g].count += j - i;
+    start[runs] = static_cast<Index>(i);
+    run_group[runs] = g;
+  }
   start[runs] = static_cast<Index>(n);
-  normalize(out, Runs<Index>{start, run_group}, 0, runs, sums, 0, groups, mode, static_cast<acc>(eps), unbiased);
+  finish(out, Runs<Index>{start, run_group}, 0, runs, sums, 0, table.groups, mode, static_cast<acc>(eps), unbiased);
 }
 
 }  // namespace

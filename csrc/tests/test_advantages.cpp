@@ -318,6 +318,29 @@ void test_group_by_id_layouts() {
   for (int64_t i = 0; i < N; ++i) EXPECT_CLOSE(out32[i], want32[i], 1e-5, 1e-5);
 }
 
+// The walk is picked from the leading ids (the first 1024): layouts that change after them, runs
+// then scattered ids and the reverse, give the definition's numbers too.
+void test_group_mixed_layouts() {
+  std::mt19937 rng(7);
+  std::normal_distribution<double> normal;
+  const int64_t N = 2500, half = 1300;
+  std::vector<double> s(N);
+  for (auto& x : s) x = normal(rng);
+  std::vector<int64_t> runs_first(N), scattered_first(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t run = i / 7 * 31, scattered = static_cast<int64_t>(rng() % 300) * 31;  // shared ids
+    runs_first[i] = i < half ? run : scattered;
+    scattered_first[i] = i < half ? scattered : run;
+  }
+  for (const auto* ids : {&runs_first, &scattered_first}) {
+    std::vector<double> out(N);
+    megalign::cpu::group_advantages_by_id(DType::kFloat64, s.data(), 1, ids->data(), 1, N, GroupMode::kGrpo, 1e-6,
+                                          true, out.data());
+    const std::vector<double> want = naive_by_id(s, *ids, GroupMode::kGrpo, 1e-6, true);
+    for (int64_t i = 0; i < N; ++i) EXPECT_CLOSE(out[i], want[i], 1e-9, 1e-9);
+  }
+}
+
 // Strided scores and ids read the same elements as contiguous ones: the same bits come out.
 void test_group_strided() {
   std::mt19937 rng(6);
@@ -381,6 +404,7 @@ int main() {
   test_group_hand_worked();
   test_group_random();
   test_group_by_id_layouts();
+  test_group_mixed_layouts();
   test_group_strided();
   test_group_degenerate();
   TEST_MAIN_RETURN();
