@@ -18,7 +18,6 @@ group_advantages >= 10x faster than the vectorised torch version (issue 8).
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Row, format_table, median_time  # noqa: E402
+from harness import Row, format_table, machine_line, median_time  # noqa: E402
 
 from megalign.ops import _backend  # noqa: E402
 from megalign.ops.gae import gae  # noqa: E402
@@ -143,13 +142,6 @@ def run(quick: bool = False) -> list[Row]:
     return bench_gae(32, 4096, 9) + bench_group(16384, 10)
 
 
-def machine() -> str:
-    """CPU model, the vector ISA torch's kernels use, and the thread count, for the table's header."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    return f"{model}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
-
-
 if __name__ == "__main__":
-    print(machine())
+    print(machine_line())
     print(format_table(run(quick="--quick" in sys.argv)))
