@@ -17,7 +17,7 @@
 #include "megalign/group_advantages.h"
 
 #include <algorithm>
-#include <climits>
+#include <cstdint>
 #include <vector>
 
 #ifdef _OPENMP
