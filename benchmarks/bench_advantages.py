@@ -5,20 +5,28 @@
   masked tokens), and megalign's own torch.where reference loop.
 - group_advantages (grpo) at N=16384 with uneven groups given by uid vs verl's per-group dictionary
   loop (defaultdict of scores per uid, mean/std per uid, then a loop over samples) and a vectorised
-  torch version (megalign's index_add / scatter_reduce reference).
+  torch version (megalign's index_add / scatter_reduce reference, torch.unique for the ids). Two
+  uid layouts: scattered (each sample an independent uid draw) and in runs (a prompt's samples
+  next to each other, as verl's repeat(interleave=True) lays them out), and contiguous groups of
+  16 (group_size). megalign and the torch version run in alternating blocks of calls (see
+  median_times_blocked), warm, and for the scattered case also with the caches flushed before
+  every call, as between the other ops of a training step.
 
-Target (issue 2): gae >= 30x and group_advantages >= 20x faster than the Python loops.
+Targets: gae >= 30x and group_advantages >= 20x faster than the Python loops (issue 2);
+group_advantages >= 10x faster than the vectorised torch version (issue 8).
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Row, format_table, median_time  # noqa: E402
+from harness import Row, format_table, machine_line, median_time  # noqa: E402
 
 from megalign.ops import _backend  # noqa: E402
 from megalign.ops.gae import gae  # noqa: E402
@@ -79,6 +87,24 @@ def bench_gae(B, T, repeats):
             Row("gae", case, "megalign reference (where loop)", run(reference_gae))]
 
 
+def median_times_blocked(fns, blocks, calls, before=lambda: None):
+    """Median seconds of each fn over `blocks` rounds in which every fn runs `calls` times in a row
+    (a a a b b b a a a ...), the first call of each block untimed; `before()` runs, untimed, ahead of
+    every call. A change in the machine's load hits each fn alike, and one fn's memory traffic does
+    not leave the next fn's caches cold (call by call interleaving measured megalign's ~0.1 ms op
+    at up to twice its time right after the torch version's ~1.5 ms)."""
+    times = {name: [] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            for k in range(calls + 1):
+                before()
+                t0 = time.perf_counter()
+                fn()
+                if k:
+                    times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def bench_group(N, repeats):
     g = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 2, (N,), generator=g).float() + 0.1 * torch.randn(N, generator=g)
@@ -89,21 +115,33 @@ def bench_group(N, repeats):
     shared = count[dense] > 1  # verl maps a lone sample to score / (1 + eps), megalign to 0
     torch.testing.assert_close(group_advantages(scores, group_index=uid)[shared],
                                grpo_dict_loop(scores, index)[shared], atol=1e-5, rtol=1e-5)
-    return [Row("group_advantages", case, "megalign",
-                median_time(lambda: group_advantages(scores, group_index=uid), repeats=repeats)),
-            Row("group_advantages", case, "verl uid dictionary loop",
-                median_time(lambda: grpo_dict_loop(scores, index), repeats=max(1, repeats // 3))),
-            Row("group_advantages", case, "torch vectorised (index_add)",
-                median_time(lambda: reference_group_advantages(scores, group_index=uid), repeats=repeats))]
+    runs = uid.sort().values  # the same groups, each prompt's samples next to each other
+    cases = {case: dict(group_index=uid), f"N={N} uneven, uid in runs, grpo": dict(group_index=runs),
+             f"N={N} contiguous groups of 16, grpo": dict(group_size=16)}
+    rows = []
+    for name, grouping in cases.items():
+        torch.testing.assert_close(group_advantages(scores, **grouping), reference_group_advantages(scores, **grouping))
+        fns = {"megalign": lambda: group_advantages(scores, **grouping),
+               "torch vectorised (index_add)": lambda: reference_group_advantages(scores, **grouping)}
+        t = median_times_blocked(fns, blocks=repeats, calls=10)
+        rows += [Row("group_advantages", name, impl, seconds) for impl, seconds in t.items()]
+        if name == case:
+            rows.append(Row("group_advantages", case, "verl uid dictionary loop",
+                            median_time(lambda: grpo_dict_loop(scores, index), repeats=max(1, repeats // 3))))
+            junk = torch.empty(16 << 20)  # 64 MiB, twice the last-level cache here
+            t = median_times_blocked(fns, blocks=repeats, calls=10, before=lambda: junk.fill_(1.0))
+            rows += [Row("group_advantages", f"{case}, cold caches", impl, seconds) for impl, seconds in t.items()]
+    return rows
 
 
 def run(quick: bool = False) -> list[Row]:
     if not _backend.use_kernels(torch.empty(0)):
         raise RuntimeError("bench_advantages measures the megalign kernels: build megalign._C first")
     if quick:
-        return bench_gae(4, 256, 3) + bench_group(1024, 3)
-    return bench_gae(32, 4096, 9) + bench_group(16384, 9)
+        return bench_gae(4, 256, 3) + bench_group(1024, 2)
+    return bench_gae(32, 4096, 9) + bench_group(16384, 10)
 
 
 if __name__ == "__main__":
+    print(machine_line())
     print(format_table(run(quick="--quick" in sys.argv)))

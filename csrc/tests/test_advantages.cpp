@@ -6,6 +6,7 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <random>
 #include <vector>
@@ -224,8 +225,7 @@ void test_group_random() {
   for (int64_t i = 40; i < 48; ++i) s[i] = 0.1;  // a contiguous group of 8 equal scores (groups of 8)
   std::vector<int64_t> ids(N);
   for (auto& g : ids) g = pick(rng);
-  ids[7] = 10;  // group 10 has one member; group 11 has none
-  const int64_t num_groups = 12;
+  ids[7] = 10;  // group 10 has one member
   for (GroupMode mode : {GroupMode::kGrpo, GroupMode::kDrGrpo, GroupMode::kRloo})
     for (bool unbiased : {true, false}) {
       std::vector<double> out(N), outi(N);
@@ -239,8 +239,8 @@ void test_group_random() {
         if (G == 8)
           for (int64_t i = 40; i < 48; ++i) EXPECT_TRUE(out[i] == 0.0);
       }
-      megalign::cpu::group_advantages_indexed(DType::kFloat64, s.data(), 1, ids.data(), N, num_groups, mode, 1e-6,
-                                              unbiased, outi.data());
+      megalign::cpu::group_advantages_by_id(DType::kFloat64, s.data(), 1, ids.data(), 1, N, mode, 1e-6, unbiased,
+                                            outi.data());
       for (int64_t i = 0; i < N; ++i) {
         std::vector<double> members;
         for (int64_t j = 0; j < N; ++j)
@@ -256,6 +256,144 @@ void test_group_random() {
   for (float x : out) EXPECT_TRUE(x == 0.0f);
 }
 
+
+// The advantages by the definition, for groups given by ids[i] (any values).
+std::vector<double> naive_by_id(const std::vector<double>& s, const std::vector<int64_t>& ids, GroupMode mode,
+                                double eps, bool unbiased) {
+  std::vector<double> want(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    std::vector<double> members;
+    for (size_t j = 0; j < s.size(); ++j)
+      if (ids[j] == ids[i]) members.push_back(s[j]);
+    want[i] = naive_advantage(members, s[i], mode, eps, unbiased);
+  }
+  return want;
+}
+
+// Arbitrary ids in the layouts the kernel walks differently: scattered (member by member), runs of
+// equal ids (short, long, and one id in several runs), all distinct (the hash table grows many
+// times); sparse, negative and huge values, including ids that differ only in high bits.
+void test_group_by_id_layouts() {
+  std::mt19937 rng(5);
+  std::normal_distribution<double> normal;
+  const int64_t pool[] = {-5, 0, 3, 7, 9, 1000, int64_t(1) << 40, (int64_t(1) << 40) + 1, INT64_MIN, INT64_MAX};
+  const int64_t N = 700;
+  std::vector<double> s(N);
+  for (auto& x : s) x = 2.0 + normal(rng);
+  std::vector<std::vector<int64_t>> layouts;
+  std::vector<int64_t> ids(N);
+  for (auto& g : ids) g = pool[rng() % 10];
+  layouts.push_back(ids);  // scattered
+  for (int64_t i = 0, run = 0; i < N; ++run)
+    for (int64_t k = 0, len = 1 + static_cast<int64_t>(rng() % 40); k < len && i < N; ++k) ids[i++] = pool[run % 10];
+  layouts.push_back(ids);  // runs of 1..40, each id in several runs
+  for (int64_t i = 0; i < N; ++i) ids[i] = (i / 20) * 7919 - 100000;
+  layouts.push_back(ids);  // contiguous runs of 20
+  for (int64_t i = 0; i < N; ++i) ids[i] = (i % 3 == 0) ? i * 1000003 : -(i << 33);
+  layouts.push_back(ids);  // all distinct
+  for (const auto& layout : layouts)
+    for (GroupMode mode : {GroupMode::kGrpo, GroupMode::kDrGrpo, GroupMode::kRloo})
+      for (bool unbiased : {true, false}) {
+        std::vector<double> out(N);
+        megalign::cpu::group_advantages_by_id(DType::kFloat64, s.data(), 1, layout.data(), 1, N, mode, 1e-6, unbiased,
+                                              out.data());
+        const std::vector<double> want = naive_by_id(s, layout, mode, 1e-6, unbiased);
+        for (int64_t i = 0; i < N; ++i) EXPECT_CLOSE(out[i], want[i], 1e-9, 1e-9);
+        // The result does not depend on the id values: a one-to-one relabelling gives the same bits.
+        std::vector<int64_t> relabelled(layout);
+        for (auto& g : relabelled)  // an odd multiplier and a complement: a bijection of int64
+          g = static_cast<int64_t>(~(static_cast<uint64_t>(g) * 0x5851F42D4C957F2Dull));
+        std::vector<double> again(N);
+        megalign::cpu::group_advantages_by_id(DType::kFloat64, s.data(), 1, relabelled.data(), 1, N, mode, 1e-6,
+                                              unbiased, again.data());
+        for (int64_t i = 0; i < N; ++i) EXPECT_TRUE(again[i] == out[i]);
+      }
+  // float32 scores with fp32 arithmetic, against the fp64 definition.
+  std::vector<float> s32(s.begin(), s.end());
+  std::vector<double> s32d(s32.begin(), s32.end());
+  std::vector<float> out32(N);
+  megalign::cpu::group_advantages_by_id(DType::kFloat32, s32.data(), 1, layouts[0].data(), 1, N, GroupMode::kGrpo,
+                                        1e-6, true, out32.data());
+  const std::vector<double> want32 = naive_by_id(s32d, layouts[0], GroupMode::kGrpo, 1e-6, true);
+  for (int64_t i = 0; i < N; ++i) EXPECT_CLOSE(out32[i], want32[i], 1e-5, 1e-5);
+}
+
+// The walk is picked from the leading ids (the first 1024): layouts that change after them, runs
+// then scattered ids and the reverse, give the definition's numbers too.
+void test_group_mixed_layouts() {
+  std::mt19937 rng(7);
+  std::normal_distribution<double> normal;
+  const int64_t N = 2500, half = 1300;
+  std::vector<double> s(N);
+  for (auto& x : s) x = normal(rng);
+  std::vector<int64_t> runs_first(N), scattered_first(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t run = i / 7 * 31, scattered = static_cast<int64_t>(rng() % 300) * 31;  // shared ids
+    runs_first[i] = i < half ? run : scattered;
+    scattered_first[i] = i < half ? scattered : run;
+  }
+  for (const auto* ids : {&runs_first, &scattered_first}) {
+    std::vector<double> out(N);
+    megalign::cpu::group_advantages_by_id(DType::kFloat64, s.data(), 1, ids->data(), 1, N, GroupMode::kGrpo, 1e-6,
+                                          true, out.data());
+    const std::vector<double> want = naive_by_id(s, *ids, GroupMode::kGrpo, 1e-6, true);
+    for (int64_t i = 0; i < N; ++i) EXPECT_CLOSE(out[i], want[i], 1e-9, 1e-9);
+  }
+}
+
+// Strided scores and ids read the same elements as contiguous ones: the same bits come out.
+void test_group_strided() {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal;
+  const int64_t N = 300;
+  std::vector<float> s(3 * N), dense(N);
+  std::vector<int64_t> ids(2 * N), dense_ids(N);
+  for (int64_t i = 0; i < N; ++i) {
+    dense[i] = s[3 * i] = normal(rng);
+    dense_ids[i] = ids[2 * i] = static_cast<int64_t>(rng() % 37) * 1001;
+  }
+  for (int64_t i = 0; i < N; ++i) ids[2 * i + 1] = -1;  // never read
+  std::vector<float> strided(N), contiguous(N);
+  megalign::cpu::group_advantages_by_id(DType::kFloat32, s.data(), 3, ids.data(), 2, N, GroupMode::kGrpo, 1e-6, true,
+                                        strided.data());
+  megalign::cpu::group_advantages_by_id(DType::kFloat32, dense.data(), 1, dense_ids.data(), 1, N, GroupMode::kGrpo,
+                                        1e-6, true, contiguous.data());
+  for (int64_t i = 0; i < N; ++i) EXPECT_TRUE(strided[i] == contiguous[i]);
+  megalign::cpu::group_advantages(DType::kFloat32, s.data(), 3, N, 20, GroupMode::kRloo, 0, false, strided.data());
+  megalign::cpu::group_advantages(DType::kFloat32, dense.data(), 1, N, 20, GroupMode::kRloo, 0, false,
+                                  contiguous.data());
+  for (int64_t i = 0; i < N; ++i) EXPECT_TRUE(strided[i] == contiguous[i]);
+}
+
+// Degenerate groups never give NaN: equal scores and lone members give exactly 0 with eps = 0, in
+// both walks of ids and in long contiguous groups (the interleaved sums); deviations whose squares
+// underflow (std = 0) give 0 with eps = 0 and stay finite with a denormal eps.
+void test_group_degenerate() {
+  const int64_t N = 64;
+  std::vector<float> eq(N, 0.7f), out(N);
+  std::vector<int64_t> runs(N), scattered(N);
+  for (int64_t i = 0; i < N; ++i) {
+    runs[i] = i / 32;
+    scattered[i] = i % 5 == 4 ? 100 + i : i % 3;  // every fifth member alone
+  }
+  for (GroupMode mode : {GroupMode::kGrpo, GroupMode::kDrGrpo, GroupMode::kRloo}) {
+    for (const auto* ids : {&runs, &scattered}) {
+      megalign::cpu::group_advantages_by_id(DType::kFloat32, eq.data(), 1, ids->data(), 1, N, mode, 0.0, true,
+                                            out.data());
+      for (float x : out) EXPECT_TRUE(x == 0.0f);
+    }
+    megalign::cpu::group_advantages(DType::kFloat32, eq.data(), 1, N, 32, mode, 0.0, false, out.data());
+    for (float x : out) EXPECT_TRUE(x == 0.0f);
+  }
+  const float tiny[4] = {0.0f, 1e-30f, 0.0f, 1e-30f};  // (1e-30 / 2)^2 underflows to 0 in float32
+  float adv[4];
+  megalign::cpu::group_advantages(DType::kFloat32, tiny, 1, 4, 4, GroupMode::kGrpo, 0.0, true, adv);
+  for (float x : adv) EXPECT_TRUE(x == 0.0f);
+  megalign::cpu::group_advantages(DType::kFloat32, tiny, 1, 4, 4, GroupMode::kGrpo, 1e-45, true, adv);
+  for (float x : adv) EXPECT_TRUE(std::isfinite(x));
+  EXPECT_TRUE(adv[1] > 0.0f && adv[0] < 0.0f);
+}
+
 }  // namespace
 
 int main() {
@@ -265,5 +403,9 @@ int main() {
   test_compose_associative();
   test_group_hand_worked();
   test_group_random();
+  test_group_by_id_layouts();
+  test_group_mixed_layouts();
+  test_group_strided();
+  test_group_degenerate();
   TEST_MAIN_RETURN();
 }

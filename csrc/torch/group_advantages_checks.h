@@ -39,6 +39,18 @@ inline void check_group_size(const at::Tensor& scores, int64_t group_size) {
               " does not divide the number of scores ", scores.size(0));
 }
 
+// Any integer ids [N] on the scores' device (bool and floating types are refused, naming the
+// argument). Returns them as int64, converting other integer types.
+inline at::Tensor check_group_index(const at::Tensor& scores, const at::Tensor& group_index, const char* op) {
+  check_dim(group_index, 1, op, "group_index");
+  const at::ScalarType t = group_index.scalar_type();
+  TORCH_CHECK(at::isIntegralType(t, /*includeBool=*/false), "megalign::", op,
+              ": group_index must be an integer tensor, got ", t);
+  check_same_shape(scores, group_index, op, "scores", "group_index");
+  check_same_device(scores, group_index, op, "scores", "group_index");
+  return t == at::kLong ? group_index : group_index.to(at::kLong);
+}
+
 // Dense ids: int64 [N] on the scores' device, every id in [0, num_groups) (a kernel never indexes
 // per-group memory out of bounds). The range check reads two numbers back from the device.
 inline void check_group_ids(const at::Tensor& scores, const at::Tensor& group_ids, int64_t num_groups) {

@@ -54,6 +54,10 @@ def test_hand_worked_uneven_ids(path):
     want = torch.tensor([-2 / math.sqrt(7), -1 / math.sqrt(7), -1 / math.sqrt(2), 0.0, 1 / math.sqrt(2),
                          3 / math.sqrt(7)])
     torch.testing.assert_close(group_advantages(s, group_index=ids, eps=0.0), want)
+    # grpo, population std: group 7 std = sqrt(14 / 3); group 3 std = sqrt(2 / 2) = 1.
+    pop = math.sqrt(14 / 3)
+    want = torch.tensor([-2 / pop, -1 / pop, -1.0, 0.0, 1.0, 3 / pop])
+    torch.testing.assert_close(group_advantages(s, group_index=ids, eps=0.0, unbiased=False), want)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -89,6 +93,49 @@ def test_kernel_vs_reference(kernels, dtype, mode, unbiased):
     torch.testing.assert_close(out, reference(s, group_index=ids, mode=mode, unbiased=unbiased), **tol)
 
 
+def _layouts(n, seed):
+    """Id layouts the CPU kernel walks differently: scattered, runs of equal ids (one id in several
+    runs, runs past 16 members), contiguous runs, all distinct."""
+    g = torch.Generator().manual_seed(seed)
+    runs = torch.repeat_interleave(_ids(n, seed)[:n // 4 + 1], torch.randint(1, 40, (n // 4 + 1,), generator=g))[:n]
+    return {"scattered": _ids(n, seed), "runs": runs, "contiguous": torch.arange(n) // 24 * 7919 - 10**9,
+            "distinct": torch.randperm(n, generator=g) * -(2**40)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_id_layouts_vs_reference(kernels, mode, unbiased):
+    g = torch.Generator().manual_seed(4)
+    s = 1.0 + torch.randn(2001, generator=g, dtype=torch.float64)  # odd length
+    for name, ids in _layouts(2001, 5).items():
+        assert ids.shape == s.shape, name
+        out = group_advantages(s, group_index=ids, mode=mode, unbiased=unbiased)
+        torch.testing.assert_close(out, reference(s, group_index=ids, mode=mode, unbiased=unbiased),
+                                   **TOL[torch.float64], msg=name)
+
+
+def test_large_contiguous_groups(kernels):
+    # Above 2^17 scores the CPU kernel splits the groups across OpenMP threads.
+    g = torch.Generator().manual_seed(9)
+    s = torch.randn(2**17 + 96, generator=g, dtype=torch.float64)  # 32 * 4099 scores
+    for size in (32, 4099):
+        for mode in MODES:
+            torch.testing.assert_close(group_advantages(s, group_size=size, mode=mode),
+                                       reference(s, group_size=size, mode=mode), **TOL[torch.float64])
+
+
+def test_cpu_kernel_maps_ids_itself(kernels, monkeypatch):
+    # The CPU path numbers the ids in the kernel: no torch.unique (a sort) runs first.
+    s, ids = torch.randn(64), _ids(64, 7)
+    want = reference(s, group_index=ids)
+
+    def no_unique(*args, **kwargs):
+        raise AssertionError("torch.unique called on the CPU kernel path")
+
+    monkeypatch.setattr(torch, "unique", no_unique)
+    torch.testing.assert_close(group_advantages(s, group_index=ids), want)
+
+
 @pytest.mark.parametrize("n", [0, 1])
 def test_tiny(kernels, n):
     s = torch.randn(n)
@@ -105,6 +152,13 @@ def test_int32_ids_and_non_contiguous(kernels):
                                reference(s.contiguous(), group_index=ids % 1000))
     torch.testing.assert_close(group_advantages(s, group_index=ids), want)
     torch.testing.assert_close(group_advantages(s, group_size=8), reference(s.contiguous(), group_size=8))
+    strided_ids = torch.stack([ids, -ids], dim=1)[:, 0]
+    assert not strided_ids.is_contiguous()
+    torch.testing.assert_close(group_advantages(s, group_index=strided_ids), want)
+    for dtype in (torch.uint8, torch.int8, torch.int16):
+        small = (ids % 100).to(dtype)
+        torch.testing.assert_close(group_advantages(s, group_index=small),
+                                   reference(s.contiguous(), group_index=ids % 100), msg=str(dtype))
 
 
 def test_no_gradients(path):
@@ -127,6 +181,12 @@ def test_bad_inputs():
         group_advantages(s, group_index=torch.zeros(5, dtype=torch.int64))
     with pytest.raises(TypeError, match="group_index"):
         group_advantages(s, group_index=torch.zeros(6))
+    with pytest.raises(TypeError, match="group_index must be an integer tensor"):
+        group_advantages(s, group_index=torch.zeros(6, dtype=torch.bool))
+    with pytest.raises(TypeError, match="group_index must be a tensor"):
+        group_advantages(s, group_index=[0, 0, 1, 1, 2, 2])
+    with pytest.raises(ValueError, match="group_index must have the shape"):
+        group_advantages(s, group_index=torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="scores"):
         group_advantages(s.view(2, 3), group_size=3)
     with pytest.raises(TypeError, match="scores"):
@@ -147,6 +207,29 @@ def test_op_checks(kernels):
         torch.ops.megalign.group_advantages(s, 3, "ppo", 1e-6, True)
     with pytest.raises(RuntimeError, match="group_size 4 does not divide"):
         torch.ops.megalign.group_advantages(s, 4, "grpo", 1e-6, True)
+    by_id = torch.ops.megalign.group_advantages_by_id
+    with pytest.raises(RuntimeError, match="group_advantages_by_id: group_index must be an integer tensor, got Float"):
+        by_id(s, torch.zeros(6), "grpo", 1e-6, True)
+    with pytest.raises(RuntimeError, match="group_index must be an integer tensor, got Bool"):
+        by_id(s, torch.zeros(6, dtype=torch.bool), "grpo", 1e-6, True)
+    with pytest.raises(RuntimeError, match="group_index must have the shape of scores"):
+        by_id(s, torch.zeros(5, dtype=torch.int64), "grpo", 1e-6, True)
+    with pytest.raises(RuntimeError, match="group_index must have 1 dimensions"):
+        by_id(s, torch.zeros(2, 3, dtype=torch.int64), "grpo", 1e-6, True)
+    with pytest.raises(RuntimeError, match="scores must be float32"):
+        by_id(torch.arange(6), torch.zeros(6, dtype=torch.int64), "grpo", 1e-6, True)
+    with pytest.raises(RuntimeError, match="mode must be one of"):
+        by_id(s, torch.zeros(6, dtype=torch.int64), "ppo", 1e-6, True)
+
+
+def test_dense_ids_op(kernels):
+    # The dense-id op (what the CUDA path calls after torch.unique) gives the same numbers on the CPU.
+    g = torch.Generator().manual_seed(8)
+    s = torch.randn(300, generator=g)
+    ids = torch.randint(0, 40, (300,), generator=g)
+    for mode in MODES:
+        out = torch.ops.megalign.group_advantages_indexed(s, ids, 41, mode, 1e-6, False)  # group 40 empty
+        torch.testing.assert_close(out, reference(s, group_index=ids, mode=mode, unbiased=False))
 
 
 def test_opcheck(kernels):
@@ -154,6 +237,8 @@ def test_opcheck(kernels):
     torch.library.opcheck(torch.ops.megalign.group_advantages.default, (s, 4, "grpo", 1e-6, True))
     torch.library.opcheck(torch.ops.megalign.group_advantages_indexed.default,
                           (s, torch.arange(12) % 5, 5, "rloo", 1e-6, False))
+    torch.library.opcheck(torch.ops.megalign.group_advantages_by_id.default,
+                          (s, (torch.arange(12) % 5) * -(10**12), "dr_grpo", 1e-6, True))
 
 
 @requires_cuda

@@ -1,5 +1,6 @@
 """Pure-torch group-normalised advantages (GRPO, Dr. GRPO, RLOO), vectorised with index_add /
-scatter_reduce over dense group ids. `megalign.ops.group_advantages` documents the semantics.
+scatter_reduce over dense group ids (torch.unique maps arbitrary ids to them).
+`megalign.ops.group_advantages` documents the semantics.
 
 The statistics are computed in float64 whatever the scores' dtype and the advantages rounded once
 to fp32 (fp64 for fp64 scores): in fp32, rounding the group mean costs up to ~17 eps * max|A| for
@@ -16,11 +17,8 @@ from megalign.ops._backend import FLOAT_DTYPES
 MODES = ("grpo", "dr_grpo", "rloo")
 
 
-def check_group_args(scores, group_size, group_index, mode, eps) -> tuple[torch.Tensor | None, int]:
-    """Validate the arguments of group_advantages (errors name the argument).
-
-    Returns (dense int64 ids, num_groups) for group_index, or (None, group_size) for group_size.
-    """
+def check_group_args(scores, group_size, group_index, mode, eps) -> None:
+    """Validate the arguments of group_advantages (errors name the argument)."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"group_advantages: scores must be a tensor, got {type(scores).__name__}")
     if scores.dim() != 1:
@@ -40,7 +38,7 @@ def check_group_args(scores, group_size, group_index, mode, eps) -> tuple[torch.
             raise ValueError(f"group_advantages: group_size must be an int >= 1, got {group_size!r}")
         if n % group_size:
             raise ValueError(f"group_advantages: group_size {group_size} does not divide the number of scores {n}")
-        return None, group_size
+        return
     if not isinstance(group_index, torch.Tensor):
         raise TypeError(f"group_advantages: group_index must be a tensor, got {type(group_index).__name__}")
     if group_index.dtype.is_floating_point or group_index.dtype.is_complex or group_index.dtype == torch.bool:
@@ -50,6 +48,10 @@ def check_group_args(scores, group_size, group_index, mode, eps) -> tuple[torch.
                          f"got {tuple(group_index.shape)}")
     if group_index.device != scores.device:
         raise ValueError(f"group_advantages: group_index is on {group_index.device} but scores is on {scores.device}")
+
+
+def dense_group_ids(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[N] integer ids -> ([N] int64 ids in [0, groups), groups), numbered in sorted id order."""
     uniq, dense = torch.unique(group_index, return_inverse=True)
     return dense.to(torch.int64), uniq.numel()
 
@@ -57,9 +59,12 @@ def check_group_args(scores, group_size, group_index, mode, eps) -> tuple[torch.
 def group_advantages(scores: torch.Tensor, group_size: int | None = None, group_index: torch.Tensor | None = None,
                      mode: str = "grpo", eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
     """Reference of `megalign.ops.group_advantages` (same arguments and result)."""
-    ids, groups = check_group_args(scores, group_size, group_index, mode, eps)
-    if ids is None:
-        ids, groups = torch.arange(scores.shape[0], device=scores.device) // groups, scores.shape[0] // groups
+    check_group_args(scores, group_size, group_index, mode, eps)
+    if group_index is None:
+        n = scores.shape[0]
+        ids, groups = torch.arange(n, device=scores.device) // group_size, n // group_size
+    else:
+        ids, groups = dense_group_ids(group_index)
     return grouped_advantages(scores, ids, groups, mode, eps, unbiased)
 
 

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 
 #include "megalign/common.h"
 
@@ -104,24 +105,41 @@ MEGALIGN_HD acc group_std(acc sq_dev_sum, int64_t n, bool unbiased) {
   return dof > 0 ? std::sqrt(sq_dev_sum / acc(dof)) : acc(0);
 }
 
-// The advantage of one member with score r in a group of n with the given mean and std.
-//   grpo:    (r - mean) / (std + eps)
-//   dr_grpo: r - mean
-//   rloo:    r - mean of the other n-1 members = n / (n - 1) * (r - mean)
-// A group of one gives 0; a zero deviation gives 0 (no 0/0 when eps = 0).
+// The factor that turns a member's deviation r - mean into its advantage, for a group of n:
+//   grpo:    1 / (std + eps)            advantage (r - mean) / (std + eps)
+//   dr_grpo: 1                          advantage r - mean
+//   rloo:    n / (n - 1)                advantage r - mean of the other n-1 members
+// A group of one gets 0. In grpo a zero denominator gives 0 (every deviation is then 0, or so small
+// that its square underflowed) and the reciprocal is capped at the largest finite value (it
+// overflows only for a denormal eps), so for finite scores the advantage is never NaN and a zero
+// deviation gives exactly 0, with eps = 0 too. Multiplying by the reciprocal is within an ulp of
+// the division and spares the kernels a division per member.
 template <typename acc>
-MEGALIGN_HD acc group_advantage(acc r, acc mean, acc stdev, int64_t n, GroupMode mode, acc eps) {
+MEGALIGN_HD acc group_scale(acc stdev, int64_t n, GroupMode mode, acc eps) {
   if (n <= 1) return acc(0);
-  const acc d = r - mean;
   switch (mode) {
     case GroupMode::kGrpo: {
       const acc den = stdev + eps;
-      return (d != acc(0) && den > acc(0)) ? d / den : acc(0);
+      if (!(den > acc(0))) return acc(0);
+      const acc inv = acc(1) / den, cap = std::numeric_limits<acc>::max();
+      return inv < cap ? inv : cap;
     }
-    case GroupMode::kDrGrpo: return d;
-    case GroupMode::kRloo: return d * (acc(n) / acc(n - 1));
+    case GroupMode::kDrGrpo: return acc(1);
+    case GroupMode::kRloo: return acc(n) / acc(n - 1);
   }
   return acc(0);
+}
+
+// The advantage of a member with score r, given its group's mean and group_scale.
+template <typename acc>
+MEGALIGN_HD acc group_advantage(acc r, acc mean, acc scale) {
+  return (r - mean) * scale;
+}
+
+// The same from the group's std and size (one member at a time, as the CUDA kernels run it).
+template <typename acc>
+MEGALIGN_HD acc group_advantage(acc r, acc mean, acc stdev, int64_t n, GroupMode mode, acc eps) {
+  return group_advantage(r, mean, group_scale(stdev, n, mode, eps));
 }
 
 }  // namespace megalign::math
