@@ -67,57 +67,55 @@ template <typename A> using mask_of = decltype(A() < A());
 MEGALIGN_HD_INLINE int32_t to_int_bits(float x) { return static_cast<int32_t>(x); }
 MEGALIGN_HD_INLINE float float_from_int_bits(int32_t u) { return float_from_bits(static_cast<uint32_t>(u)); }
 
+constexpr float kExpLo = -87.33654475f;  // ln FLT_MIN: smallest x with a normal e^x
+constexpr float kExpHi = 88.72283905f;   // ln FLT_MAX
+
+// The core of Cephes expf on an already clamped xc: x = k ln2 + r with |r| <= ln2/2 (Cody-Waite
+// split of ln2) and e^r by a degree-6 polynomial. Returns e^r and sets kf = k (an integral float).
+template <typename A>
+MEGALIGN_HD_INLINE A exp_reduced(A xc, A& kf) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  kf = (xc * A(1.44269504088896341f) + A(kRound)) - A(kRound);
+  const A r = (xc - kf * A(0.693359375f)) - kf * A(-2.12194440e-4f);
+  A p = A(1.9875691500e-4f);
+  p = p * r + A(1.3981999507e-3f);
+  p = p * r + A(8.3334519073e-3f);
+  p = p * r + A(4.1665795894e-2f);
+  p = p * r + A(1.6666665459e-1f);
+  p = p * r + A(5.0000001201e-1f);
+  return p * r * r + r + A(1.0f);
+}
+
 // e^x in fp32 without a libm call, branch-free so the CPU runs it on whole vectors; the GPU runs
-// the same arithmetic. Cephes expf: x = k ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2),
-// a degree-6 polynomial for e^r, and 2^k built from exponent bits in two halves so k = 128 (x just
-// below ln FLT_MAX) does not overflow early. Within 2 ulp for x in [-87.33, 88.72]; exactly 0
+// the same arithmetic. exp_reduced, then 2^k built from exponent bits in two halves so k = 128 (x
+// just below ln FLT_MAX) does not overflow early. Within 2 ulp for x in [-87.33, 88.72]; exactly 0
 // below -87.33 (results there are < 1.2e-38, skipped to avoid denormal arithmetic), +inf above
 // ln FLT_MAX, NaN for NaN. The input is clamped first so the intermediates stay finite; the
 // clamps and the final range checks are compare-selects. A is float or an fp32 vector.
 template <typename A>
 MEGALIGN_HD_INLINE A exp_f32(A x) {
-  constexpr float kLo = -87.33654475f;  // ln FLT_MIN: smallest x with a normal result
-  constexpr float kHi = 88.72283905f;   // ln FLT_MAX
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  A xc = select_acc(x < A(kLo), A(kLo), x);  // NaN compares false and stays NaN
-  xc = select_acc(xc > A(kHi), A(kHi), xc);
-  const A kf = (xc * A(1.44269504088896341f) + A(kRound)) - A(kRound);
-  const A r = (xc - kf * A(0.693359375f)) - kf * A(-2.12194440e-4f);
-  A p = A(1.9875691500e-4f);
-  p = p * r + A(1.3981999507e-3f);
-  p = p * r + A(8.3334519073e-3f);
-  p = p * r + A(4.1665795894e-2f);
-  p = p * r + A(1.6666665459e-1f);
-  p = p * r + A(5.0000001201e-1f);
-  p = p * r * r + r + A(1.0f);
+  A xc = select_acc(x < A(kExpLo), A(kExpLo), x);  // NaN compares false and stays NaN
+  xc = select_acc(xc > A(kExpHi), A(kExpHi), xc);
+  A kf;
+  const A p = exp_reduced(xc, kf);
   const auto k = to_int_bits(kf);
   const auto k1 = k >> 1;  // k in [-126, 128]: both halves are normal exponents
   const A y = p * float_from_int_bits((k1 + 127) << 23) * float_from_int_bits((k - k1 + 127) << 23);
-  const A lo = select_acc(x < A(kLo), A(0.0f), y);
-  return select_acc(x > A(kHi), A(std::numeric_limits<float>::infinity()), lo);
+  const A lo = select_acc(x < A(kExpLo), A(0.0f), y);
+  return select_acc(x > A(kExpHi), A(std::numeric_limits<float>::infinity()), lo);
 }
 MEGALIGN_HD_INLINE float exp_acc(float x) { return exp_f32(x); }
 
 // e^x for the arguments of the softmax kernels, x = z - max or z - lse: at most a few ulp above 0.
-// The same polynomial as exp_f32 with 2^k in one factor (k = round(x log2 e) <= 0 here) and
-// without the upper clamp; the results equal exp_f32's for every x <= ln2/2 (k <= 0), exactly 0
-// below ln FLT_MIN, NaN for NaN. Five fewer operations a lane than exp_f32 in the hottest loop.
+// exp_f32 with 2^k in one factor (k = round(x log2 e) <= 0 here) and without the upper clamp; the
+// results equal exp_f32's for every x <= ln2/2 (k <= 0), exactly 0 below ln FLT_MIN, NaN for NaN.
+// Five fewer operations a lane than exp_f32 in the hottest loop.
 template <typename A>
 MEGALIGN_HD_INLINE A exp_nonpos_f32(A x) {
-  constexpr float kLo = -87.33654475f;
-  constexpr float kRound = 12582912.0f;
-  const A xc = select_acc(x < A(kLo), A(kLo), x);
-  const A kf = (xc * A(1.44269504088896341f) + A(kRound)) - A(kRound);
-  const A r = (xc - kf * A(0.693359375f)) - kf * A(-2.12194440e-4f);
-  A p = A(1.9875691500e-4f);
-  p = p * r + A(1.3981999507e-3f);
-  p = p * r + A(8.3334519073e-3f);
-  p = p * r + A(4.1665795894e-2f);
-  p = p * r + A(1.6666665459e-1f);
-  p = p * r + A(5.0000001201e-1f);
-  p = p * r * r + r + A(1.0f);
+  A kf;
+  const A p = exp_reduced(select_acc(x < A(kExpLo), A(kExpLo), x), kf);
   const A y = p * float_from_int_bits((to_int_bits(kf) + 127) << 23);
-  return select_acc(x < A(kLo), A(0.0f), y);
+  return select_acc(x < A(kExpLo), A(0.0f), y);
 }
 MEGALIGN_HD_INLINE double exp_acc(double x) { return exp(x); }
 
