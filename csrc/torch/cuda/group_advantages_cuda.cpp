@@ -1,5 +1,8 @@
-// megalign::group_advantages{,_indexed} on CUDA: the checks of the CPU glue
+// megalign::group_advantages{,_by_id,_indexed} on CUDA: the checks of the CPU glue
 // (group_advantages_checks.h) plus the device, then the launchers on the current stream.
+// group_advantages_by_id numbers the ids with torch's unique on the device (one host sync for the
+// number of groups), then runs the dense-id kernel; the CPU kernel numbers them itself.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -42,10 +45,22 @@ at::Tensor group_advantages_indexed_cuda(const at::Tensor& scores, const at::Ten
   return c.out;
 }
 
+at::Tensor group_advantages_by_id_cuda(const at::Tensor& scores, const at::Tensor& group_index,
+                                       c10::string_view mode, double eps, bool unbiased) {
+  const char* op = "group_advantages_by_id";
+  check_cuda(scores, op, "scores");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const at::Tensor ids = check_group_index(scores, group_index, op);
+  const auto unique = at::_unique2(ids, /*sorted=*/true, /*return_inverse=*/true, /*return_counts=*/false);
+  const at::Tensor dense = std::get<1>(unique).reshape({-1});
+  return group_advantages_indexed_cuda(scores, dense, std::get<0>(unique).size(0), mode, eps, unbiased);
+}
+
 }  // namespace
 }  // namespace megalign::torch_glue
 
 TORCH_LIBRARY_IMPL(megalign, CUDA, m) {
   m.impl("group_advantages", &megalign::torch_glue::group_advantages_cuda);
+  m.impl("group_advantages_by_id", &megalign::torch_glue::group_advantages_by_id_cuda);
   m.impl("group_advantages_indexed", &megalign::torch_glue::group_advantages_indexed_cuda);
 }
