@@ -125,8 +125,9 @@ class MegalignSide:
     def __init__(self, model_dir: str, run_dir: str, s: Setup, beta: float):
         from megalign.roles import RewardConfig
         from megalign.trainers.cli import init_distributed
-        from megalign.trainers.grpo import (ActorConfig, AlgoConfig, GRPOConfig, GRPODataConfig, GRPOEvalConfig,
-                                            GRPOTrainer, RolloutConfig)
+        from megalign.trainers.evaluation import EvalConfig
+        from megalign.trainers.grpo import AlgoConfig, GRPOConfig, GRPOTrainer
+        from megalign.trainers.online import ActorConfig, PromptDataConfig, RolloutConfig
         from megalign.trainers.optim import OptimConfig
 
         init_distributed("cpu")
@@ -134,21 +135,21 @@ class MegalignSide:
         cfg = GRPOConfig(
             run_dir=run_dir, steps=10**6, seed=s.seed, device="cpu", actor=ActorConfig(path=model_dir),
             reward=RewardConfig(),  # math_accuracy, weight 1
-            data=GRPODataConfig(tokenizer=TokenizerConfig(kind="hf", path=model_dir), shuffle=False),
+            data=PromptDataConfig(tokenizer=TokenizerConfig(kind="hf", path=model_dir), shuffle=False),
             rollout=RolloutConfig(group_size=s.group, prompts_per_step=s.prompts, temperature=1.0, top_p=1.0,
                                   max_response_length=s.max_new, old_logprobs="rollout"),
             algo=AlgoConfig(eps_low=0.2, eps_high=None, beta=beta, loss_agg="token-mean", advantage="grpo",
                             dynamic_sampling=False, overlong="none", mini_batches=1, ppo_epochs=1, micro_batch_size=n),
             optim=OptimConfig(lr=s.lr, warmup_steps=0, schedule="constant", weight_decay=0.0, betas=(0.9, 0.95),
                               grad_clip=1.0),
-            eval=GRPOEvalConfig(max_samples=0), save_every=0, resume="none", export_hf=False, tensorboard=False)
+            eval=EvalConfig(max_samples=0), save_every=0, resume="none", export_hf=False, tensorboard=False)
         self.trainer = GRPOTrainer(cfg)
         self.n = n
 
     def round(self, steps: int) -> list[dict[str, float]]:
         out = []
         for _ in range(steps):
-            m = self.trainer.step()
+            m = self.trainer.train_step()
             self.trainer.progress["step"] += 1
             phases = {"generate": m.get("time/generate", 0.0), "score": m.get("time/reward", 0.0),
                       "reference": m.get("time/reference", 0.0) + m.get("time/old_logprobs", 0.0),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from megalign.parallel.data_parallel import pp_tied_parameters
 from megalign.parallel.layout import ParallelLayout
+from megalign.parallel.pipeline import stage_layer_range
 
 from .config import ModelConfig
 from .heads import CausalLM, RewardModel, ValueModel
@@ -347,3 +348,17 @@ def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", fact
         model.to(dtype)
     load_hf_weights(model, path)
     return model
+
+
+def stage_from_pretrained(path: Union[str, os.PathLike], layout: ParallelLayout, kind: str = "causal_lm",
+                          split: Optional[Sequence[int]] = None, **kwargs) -> _Model:
+    """This rank's pipeline stage of an HF checkpoint: only its layers are built and read from the files.
+
+    The stage is built with `layout` (`from_pretrained(layout=...)`): tensor-parallel
+    over `layout.tp_group` when tp > 1, on `layout.device`, so `layout` must come from
+    `ParallelLayout.build`. kind and kwargs (vocab_pad_multiple, dtype, activation_checkpointing) as in
+    `from_pretrained`; split as in `megalign.parallel.stage_layer_range`.
+    """
+    num_layers = ModelConfig.from_hf(path).num_hidden_layers
+    return from_pretrained(path, kind, layer_range=stage_layer_range(num_layers, layout, split), layout=layout,
+                           **kwargs)

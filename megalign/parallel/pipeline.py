@@ -7,7 +7,7 @@ Design choices:
   default (L not divisible by pp is an error naming both), or an explicit `split` of layers per stage,
   e.g. `(3, 3, 2)`, to give the last stage, which also runs the LM head and the loss, fewer layers. The
   models build only those layers (`layer_range`): the embedding only on the first stage, the final norm
-  and head only on the last; `stage_from_pretrained` reads only the stage's tensors from the checkpoint,
+  and head only on the last; `megalign.models.stage_from_pretrained` reads only the stage's tensors from the checkpoint,
   and only this rank's tensor-parallel slices of them (tp x pp: the stage is built over `layout.tp_group`).
   Tied embeddings (small Qwen2) follow Megatron: the last stage holds a copy of the embedding matrix as
   its LM head, and the gradients of the two copies are summed over `layout.embedding_group` when the
@@ -44,7 +44,6 @@ Design choices:
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -90,24 +89,6 @@ def _example_split(num_layers: int, pp: int) -> list[int]:
     """An uneven split for an error message: the first `num_layers % pp` stages get one layer more."""
     base, extra = divmod(num_layers, pp)
     return [base + (s < extra) for s in range(pp)]
-
-
-def stage_from_pretrained(path: Union[str, os.PathLike], layout: ParallelLayout, kind: str = "causal_lm",
-                          split: Optional[Sequence[int]] = None, **kwargs) -> nn.Module:
-    """This rank's pipeline stage of an HF checkpoint: only its layers are built and read from the files.
-
-    The stage is built with `layout` (`megalign.models.from_pretrained(layout=...)`): tensor-parallel
-    over `layout.tp_group` when tp > 1, on `layout.device`, so `layout` must come from
-    `ParallelLayout.build`. kind and kwargs (vocab_pad_multiple, dtype, activation_checkpointing) as in
-    `from_pretrained`; split as in `stage_layer_range`.
-    """
-    # imported here: megalign.models sits above megalign.parallel (models -> parallel), so a module-level
-    # import would be a cycle once the models import their tensor-parallel factory from here
-    from megalign.models import ModelConfig, from_pretrained
-
-    num_layers = ModelConfig.from_hf(path).num_hidden_layers
-    return from_pretrained(path, kind, layer_range=stage_layer_range(num_layers, layout, split), layout=layout,
-                           **kwargs)
 
 
 def _select_rows(batch: Batch, rows: torch.Tensor) -> Batch:

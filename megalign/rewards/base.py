@@ -62,6 +62,8 @@ class SafeReward:
         self.name = name
         self.errors = 0
         self.samples = 0
+        self.last_error: Optional[BaseException] = None
+        """The latest exception a sample raised (the trainer re-raises it when too many samples fail)."""
 
     def _score(self, prompt: str, response: str, answer: Any, meta: Mapping[str, Any]) -> float:
         try:
@@ -72,8 +74,9 @@ class SafeReward:
             if not math.isfinite(value):
                 raise ValueError(f"returned a non-finite reward {value}")
             return value
-        except Exception:
+        except Exception as exc:
             self.errors += 1
+            self.last_error = exc
             if self.errors == 1:
                 logger.warning(
                     "reward %r failed on a sample; it scores 0 and is counted in reward/%s/errors "
@@ -125,7 +128,8 @@ class CombinedReward:
         for i, (fn, weight) in enumerate(terms):
             name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or f"term{i}"
             if any(name == other for other, _, _ in self.terms):
-                raise ValueError(f"CombinedReward: two terms are named {name!r}; names key the metrics")
+                raise ValueError(f"CombinedReward: two terms are named {name!r}; names key the metrics "
+                                 f"(give one a distinct `label` in the reward config)")
             if not math.isfinite(float(weight)):
                 raise ValueError(f"CombinedReward: weight of {name!r} must be finite, got {weight}")
             self.terms.append((name, fn, float(weight)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megalign.config import option
 from megalign.rewards.base import CombinedReward, SafeReward, SampleReward
@@ -47,13 +47,21 @@ register_reward("math_accuracy", _math_accuracy)
 register_reward("format", _format)
 
 
-def get_reward(name: str) -> SafeReward:
-    """The registered reward `name`, or the user function spec `name`, wrapped in `SafeReward`."""
+def reward_label(name: str) -> str:
+    """A term's name in metrics: a registered name as is, a user spec's function name (`a/b.py:fn` -> `fn`),
+    so metric names never embed file paths or module paths."""
+    return name.rpartition(":")[2] if ":" in name else name
+
+
+def get_reward(name: str, label: Optional[str] = None) -> SafeReward:
+    """The registered reward `name`, or the user function spec `name`, wrapped in `SafeReward` named `label`
+    (default `reward_label(name)`)."""
+    label = label or reward_label(name)
     if ":" in name:
-        return SafeReward(load_function(name), name)
+        return SafeReward(load_function(name), label)
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, or a 'module:function' spec")
-    return SafeReward(REWARDS[name], name)
+    return SafeReward(REWARDS[name], label)
 
 
 @dataclasses.dataclass
@@ -62,14 +70,17 @@ class RewardTerm:
 
     name: str = option(doc="a registered reward (math_accuracy, format) or a user function 'module:function' / 'file.py:function'")
     weight: float = option(1.0, doc="multiplies this term in the total reward")
+    label: Optional[str] = option(None, doc="name of the term in metrics (reward/<label>/...); null: the registered name, or a user function's name without its module or file")
 
     def __post_init__(self):
         if not self.name:
             raise ValueError("reward name must not be empty")
+        if self.label is not None and (not self.label or "/" in self.label or ":" in self.label):
+            raise ValueError(f"reward label {self.label!r} must be non-empty without '/' or ':' (it names metrics)")
         if not math.isfinite(self.weight):
             raise ValueError(f"weight of reward {self.name!r} must be finite, got {self.weight}")
 
 
 def build_reward(terms: Sequence[RewardTerm]) -> CombinedReward:
     """The weighted sum of `terms`, each resolved with `get_reward` (errors name the bad term)."""
-    return CombinedReward([(get_reward(t.name), t.weight) for t in terms])
+    return CombinedReward([(get_reward(t.name, t.label), t.weight) for t in terms])

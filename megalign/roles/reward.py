@@ -17,6 +17,7 @@ import torch
 from megalign.config import option
 from megalign.models import RewardModel
 from megalign.parallel import ParallelLayout
+from megalign.parallel.collectives import all_reduce
 from megalign.rewards import RewardTerm, build_reward
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 
@@ -29,6 +30,8 @@ class RewardConfig:
                                      doc="verifier or user-function terms ('module:function' or 'file.py:function')")
     model: Optional[ModelRoleConfig] = option(None, doc="a reward-model role (HF sequence-classification checkpoint)")
     model_weight: float = option(1.0, doc="weight of the reward model's score in the total")
+    max_failure_fraction: float = option(
+        0.5, doc="stop the run when a term fails (raises, non-number) on more than this fraction of a step's samples")
 
     def __post_init__(self):
         if not self.terms and self.model is None:
@@ -37,6 +40,8 @@ class RewardConfig:
             raise ValueError("reward.model.path is required for a reward-model role")
         if not math.isfinite(self.model_weight):
             raise ValueError(f"model_weight must be finite, got {self.model_weight}")
+        if not 0 <= self.max_failure_fraction <= 1:
+            raise ValueError(f"max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
 
 
 class Reward(Role):
@@ -48,6 +53,7 @@ class Reward(Role):
         self.functions = build_reward(cfg.terms) if cfg.terms else None
         self.model = model
         self.model_weight = cfg.model_weight
+        self.max_failure_fraction = cfg.max_failure_fraction
         if model is not None:
             model.requires_grad_(False).eval()
 
@@ -80,9 +86,33 @@ class Reward(Role):
         """Cumulative per-term error and sample counters (`SafeReward.metrics`)."""
         return self.functions.metrics() if self.functions is not None else {}
 
+    def counters(self) -> dict[str, list[int]]:
+        """{term name: [failed samples, scored samples]}, cumulative."""
+        return {name: [fn.errors, fn.samples] for name, fn, _ in self.functions.terms} if self.functions else {}
+
+    def check_failures(self, since: Mapping[str, Sequence[int]], group, device: torch.device) -> None:
+        """Raise when a term failed on more than `max_failure_fraction` of the samples scored after `counters()`
+        returned `since` (summed over `group`, so every rank raises together), chaining the term's last error.
+
+        A verifier that fails on most samples is a bug in the verifier or the data, not noise: training
+        on its zeros would finish "successfully" and learn nothing.
+        """
+        names = list(since)
+        if not names:
+            return
+        now = self.counters()
+        local = torch.tensor([[now[n][0] - since[n][0], now[n][1] - since[n][1]] for n in names], dtype=torch.float64)
+        total = all_reduce(local.to(device), group).cpu()
+        for name, (errors, samples) in zip(names, total.tolist()):
+            if samples and errors / samples > self.max_failure_fraction:
+                last = dict((n, fn) for n, fn, _ in self.functions.terms)[name].last_error
+                raise RuntimeError(
+                    f"reward term {name!r} failed on {int(errors)} of {int(samples)} samples this step, more than "
+                    f"reward.max_failure_fraction={self.max_failure_fraction}; its last error: {last!r}") from last
+
     def state_dict(self) -> dict[str, list[int]]:
         """The cumulative error/sample counters of each term, so a resumed run keeps counting."""
-        return {name: [fn.errors, fn.samples] for name, fn, _ in self.functions.terms} if self.functions else {}
+        return self.counters()
 
     def load_state_dict(self, state: Mapping[str, Sequence[int]]) -> None:
         for name, fn, _ in self.functions.terms if self.functions else []:

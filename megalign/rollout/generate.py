@@ -172,7 +172,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
 def pipeline_generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       params: SamplingParams, layout: ParallelLayout,
                       generator: Optional[torch.Generator] = None) -> GenerationOutput:
-    """`generate` with `model` this rank's pipeline stage (`stage_from_pretrained`) over `layout.pp_group`.
+    """`generate` with `model` this rank's pipeline stage (`megalign.models.stage_from_pretrained`) over `layout.pp_group`.
 
     Every rank of the pp group (and of each stage's tp group) calls it with the same prompts and gets the
     same output; only the last stage's `generator` is used. At pp == 1 it is `generate`.

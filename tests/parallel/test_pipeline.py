@@ -11,9 +11,9 @@ from models.hf_fixtures import VOCAB, make_causal_lm, make_seq_cls, random_ids
 from parallel.dist_utils import run_distributed
 
 from conftest import TOL
-from megalign.models import from_pretrained, save_hf_checkpoint
+from megalign.models import from_pretrained, save_hf_checkpoint, stage_from_pretrained
 from megalign.models.hf_adapter import hf_rule
-from megalign.parallel import (ParallelLayout, Pipeline, clip_grad_norm_, pp_tied_parameters, stage_from_pretrained,
+from megalign.parallel import (ParallelLayout, Pipeline, clip_grad_norm_, pp_tied_parameters,
                                stage_layer_range)
 
 FP32 = TOL[torch.float32]

@@ -7,7 +7,8 @@ from parallel.dist_utils import run_distributed
 from transformers import GenerationConfig
 
 from megalign.models import from_pretrained
-from megalign.parallel import ParallelLayout, stage_from_pretrained
+from megalign.models import stage_from_pretrained
+from megalign.parallel import ParallelLayout
 from megalign.rollout import SamplingParams, generate, pipeline_generate
 
 PAD = 0

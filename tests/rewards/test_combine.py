@@ -62,8 +62,12 @@ def test_user_function_by_module_and_by_file_path(tmp_path, monkeypatch):
     meta = [{"scale": 2.0}, {}, {}]
     assert by_module(PROMPTS, ["ab", "abc", ""], ANSWERS, meta) == [4.0, 3.0, 0.0]
     assert by_file(PROMPTS, ["ab", "abc", ""], ANSWERS, meta) == [4.0, 3.0, 0.0]
-    combined = build_reward([RewardTerm("my_user_rewards:length", 0.5), RewardTerm(file_spec, -1.0)])
+    # both terms are named by the function, never by a path: the second needs its own label
+    with pytest.raises(ValueError, match="two terms are named 'length'.*label"):
+        build_reward([RewardTerm("my_user_rewards:length", 0.5), RewardTerm(file_spec, -1.0)])
+    combined = build_reward([RewardTerm("my_user_rewards:length", 0.5), RewardTerm(file_spec, -1.0, "length_file")])
     assert combined(PROMPTS, ["ab", "abc", ""], ANSWERS, meta) == [-2.0, -1.5, 0.0]
+    assert set(combined.metrics()) == {f"reward/{n}/{c}" for n in ("length", "length_file") for c in ("errors", "samples")}
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def test_resume_continues_exactly_dp2(tmp_path):
 
 
 def _nan_step_is_skipped(tmp: str) -> None:
-    warnings = capture_warnings("megalign.trainers.sft")
+    warnings = capture_warnings("megalign.trainers")
     sft_mod.sft_loss = NaNOnCalls(sft_mod.sft_loss, nan_calls={2})
     train_sft(tiny_config(tmp, "save_every=1", "steps=3"))
     assert any("step 2: non-finite loss" in w and "skipping the update" in w for w in warnings), warnings

@@ -1,0 +1,312 @@
+"""The one trainer lifecycle every trainer runs on: torchtitan's shape, one `Trainer`, the algorithm in what it is given.
+
+A trainer is a subclass that builds its tokenizer, data and roles in `__init__` (after the base has
+set the run up), registers what a checkpoint must hold, and implements `train_step`; the base owns
+the rest, so a new objective or role never copies the plumbing:
+
+    start-up (`Trainer.__init__`): device -> resume point resolved, and the checkpoint's config
+    compared with this one before any model is built -> run_dir/config.yaml (earlier ones kept)
+    -> every RNG seeded -> [subclass: tokenizer, data, roles, `register_state`]
+    `train()`: load the checkpoint -> evaluation before training (`eval_before`, once per run)
+    -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
+    `eval_every()` steps -> checkpoint every `save_every` steps and after the last } -> HF export
+    -> final evaluation -> before/after table.
+
+Design choices:
+
+- `RunConfig` holds what every run has (run dir, steps, seed, device, save / keep / resume, export,
+  logging); a trainer's config subclasses it, so the keys stay top-level (`steps=...`) and are
+  declared once. A trainer changes a default by redeclaring that one field.
+- Checkpoint state is a registry (`register_state(key, stateful)`): the base registers the RNG
+  states and the progress counters, a trainer adds its models, optimizers, sampler and generators.
+  Resume is exact because everything that a step reads is in there.
+- Skipped updates have one path: a role's `optimizer_step` decides (non-finite loss or gradient norm
+  on any rank, `megalign.roles.actor.TrainableRole`), the trainer reports through `skip_update`,
+  which warns with the step number and counts per reason in `progress` (`nan_skips`,
+  `empty_updates`), so every trainer logs the same counters.
+- Metrics are reduced over ranks through `MetricSums`: named sums, one all-reduce, then named
+  means; no positional `total[8]`.
+- The progress bar shows `loss`, `reward/mean` and `accuracy` (`MetricsLogger.PROGRESS_KEYS`)
+  whichever trainer runs, and is updated on every logged step including the last.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from megalign.checkpoint import CheckpointManager, RNGState
+from megalign.config import option, save_config
+from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer
+from megalign.parallel import ParallelLayout
+from megalign.parallel.collectives import all_reduce
+from megalign.trainers.logging import MetricsLogger, PhaseTimer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """What every run has, whatever it trains: where it writes, how long, seeds, checkpoints, logging."""
+
+    run_dir: str = option("runs/run", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
+    steps: int = option(100, doc="training steps (optimizer steps; for RL, one rollout and its updates each)")
+    seed: int = option(0, doc="seed of model init, data order, sampling and every RNG")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
+    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
+    keep_last: int = option(2, doc="completed checkpoints to keep")
+    resume: str = option("auto", doc="'auto' (latest checkpoint in run_dir, if any), 'none', a step number or a checkpoint folder")
+    resume_changes: Literal["error", "allow"] = option(
+        "error", doc="resuming with a config whose meaning changed (model, data, objective, lr...): 'error' or 'allow' (warned)")
+    export_hf: bool = option(True, doc="write the final model in HF format (with tokenizer files) to run_dir/hf")
+    log_every: int = option(1, doc="write metrics every N steps (and always the last)")
+    tensorboard: bool = option(True, doc="also write TensorBoard scalars")
+
+    def __post_init__(self):
+        for name in ("steps", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0 or self.seed < 0:
+            raise ValueError(f"save_every and seed must be >= 0, got {self.save_every}, {self.seed}")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Training data and held-out prompts: the embedded arithmetic task, or files. Trainers add their length limit."""
+
+    path: Optional[str] = option(None, doc="training data file; null: the train split of the arithmetic task")
+    eval_path: Optional[str] = option(None, doc="held-out prompt file (rows: prompt or messages, answer); null: the arithmetic held-out split when path is null, else no evaluation")
+    arith: ArithTaskConfig = option(ArithTaskConfig(), doc="the embedded arithmetic task (used when path is null)")
+    tokenizer: TokenizerConfig = option(TokenizerConfig(), doc="tokenizer (the built-in character one by default)")
+    skip_invalid: bool = option(False, doc="skip and count malformed rows instead of failing on the first")
+    template_prompts: bool = option(False, doc="wrap prompt strings as a user message through the chat template")
+    shuffle: bool = option(True, doc="reshuffle the training data every epoch (seeded by seed and epoch)")
+
+
+RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "keep_last", "resume", "resume_changes", "export_hf",
+                 "log_every", "tensorboard", "eval")
+"""Config keys (dotted prefixes) a resumed run may change without changing what it trains: where and
+how often it writes, how long it runs (a cosine schedule is recomputed for the new length) and how it
+evaluates. Anything else differing from the checkpoint's config is a `resume_changes` error."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run reports back."""
+
+    step: int
+    """Steps completed (cfg.steps at the end)."""
+    metrics: list[dict[str, float]]
+    """This invocation's logged metrics per step (a resumed run holds only the steps it ran)."""
+    hf_path: Optional[str]
+    """Folder of the HF export, or None."""
+    accuracy_before: Optional[float] = None
+    """Held-out accuracy before training (trainers with `eval_before`; kept across resumes), or None."""
+    accuracy: Optional[float] = None
+    """Held-out accuracy at the end, in [0, 1], or None when no evaluation ran."""
+
+    @property
+    def accuracy_after(self) -> Optional[float]:
+        return self.accuracy
+
+
+def resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for a `RunConfig.device` value."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (model init, shuffles, dropout)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class MetricSums:
+    """Named float64 sums reduced over a group in one all-reduce: `add` locally, `reduce` to totals.
+
+        sums = MetricSums(); sums.add("reward", rewards.sum()); sums.add("count", rewards.numel())
+        totals = sums.reduce(layout.dp_group, device)   # {"reward": ..., "count": ...} over dp
+    """
+
+    def __init__(self):
+        self._values: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value) -> None:
+        value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(())
+        self._values[name] = self._values[name] + value if name in self._values else value
+
+    def reduce(self, group: Optional[dist.ProcessGroup], device: torch.device) -> dict[str, float]:
+        """{name: sum over the group's ranks}; every rank of the group must add the same names in the same order."""
+        if not self._values:
+            return {}
+        total = all_reduce(torch.stack(list(self._values.values())).to(device), group).cpu()
+        return dict(zip(self._values, total.tolist()))
+
+
+def accuracy_table(before: Optional[float], after: float, steps: int, prompts: int, trained: str) -> str:
+    """The before/after held-out accuracy table printed at the end of a run."""
+    rows = [("initial policy", "-" if before is None else f"{before:6.1%}"), (f"{trained}, {steps} steps", f"{after:6.1%}")]
+    if before is not None:
+        rows.append(("change", f"{(after - before) * 100:+.1f} points"))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"held-out accuracy ({prompts} prompts, greedy)"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def check_model_path(path: str, key: str) -> None:
+    """FileNotFoundError naming the config `key` when `path` is not an HF checkpoint folder (no config.json)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "does not exist" if not os.path.exists(path) else "has no config.json"
+        raise FileNotFoundError(
+            f"{key}={path!r} {what}: it must be an HF checkpoint folder (e.g. the run_dir/hf export of an SFT run). "
+            f"For the embedded example, `launch/run_embedded.sh` creates it (or: python launch/train_sft.py "
+            f"--config examples/sft_arith.yaml, which writes runs/sft_arith/hf)")
+
+
+class Trainer:
+    """The lifecycle of one run (module doc); subclasses implement `train_step` and the hooks below."""
+
+    name = "trainer"
+    """Shown in logs and the closing table ("SFT", "GRPO")."""
+    eval_before = False
+    """Whether held-out evaluation also runs before the first step (RL trainers compare with the initial policy)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.device_type = resolve_device(cfg.device)
+        if self.device_type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' but CUDA is not available")
+        self.rank = dist.get_rank()
+        self._layouts: dict[int, ParallelLayout] = {}
+        self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
+        self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
+        if self.rank == 0:
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        seed_everything(cfg.seed)
+        self.progress: dict[str, Any] = {"step": 0, "nan_skips": 0, "empty_updates": 0, "accuracy_before": -1.0}
+        self.state: dict[str, Any] = {"rng": RNGState(), "progress": self.progress}
+        self.timer = PhaseTimer()
+
+    # ----- set-up helpers for subclasses
+
+    def layout_for(self, tp: int) -> ParallelLayout:
+        """The layout with tensor-parallel size `tp` (dp = world / tp), built once and shared by the roles that use it."""
+        if tp not in self._layouts:
+            self._layouts[tp] = ParallelLayout.build(tp=tp, device_type=self.device_type)
+        return self._layouts[tp]
+
+    def build_tokenizer(self, cfg: TokenizerConfig, model_path: Optional[str]) -> Tokenizer:
+        """The run's tokenizer (`megalign.data.build_tokenizer`)."""
+        return build_tokenizer(cfg)
+
+    def check_model(self, model, key: str, max_length: int, length_what: str) -> None:
+        """Start-up checks of a loaded or built model against the run: tokenizer ids fit its vocabulary, and
+        the longest sequence the run feeds it (`max_length` tokens, named by `length_what`) fits its positions."""
+        config = model.config
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but {key} has vocab_size "
+                             f"{config.vocab_size}: they must match (set data.tokenizer to the model's tokenizer)")
+        if max_length > config.max_position_embeddings:
+            raise ValueError(f"{length_what} is {max_length} tokens but {key} has max_position_embeddings="
+                             f"{config.max_position_embeddings}; lower the length limits")
+
+    def register_state(self, key: str, value: Stateful) -> None:
+        """Add `value` (a `Stateful` or a plain dict) to what every checkpoint holds, under `key`."""
+        if key in self.state:
+            raise ValueError(f"checkpoint state {key!r} is registered twice")
+        self.state[key] = value
+
+    def skip_update(self, reason: Literal["nan_skips", "empty_updates"], detail: str) -> None:
+        """Count and warn about an update that did not happen in the current step (module doc)."""
+        self.progress[reason] += 1
+        # progress["step"] counts finished steps: this is step + 1, as in metrics.jsonl and the checkpoints
+        logger.warning("step %d: %s; skipping the update", self.progress["step"] + 1, detail)
+
+    # ----- hooks
+
+    def train_step(self) -> dict[str, float]:
+        """One training step; returns its metrics, already reduced over ranks (same on every rank)."""
+        raise NotImplementedError
+
+    def evaluate(self) -> Optional[float]:
+        """Held-out accuracy in [0, 1] (the same on every rank), or None when the run has no evaluation."""
+        return None
+
+    def eval_every(self) -> int:
+        """Evaluate every N steps during training (0: only at the end, and before when `eval_before`)."""
+        return 0
+
+    def eval_prompts(self) -> int:
+        """How many held-out prompts `evaluate` scores (for the closing table)."""
+        return 0
+
+    def export(self) -> Optional[str]:
+        """Write the trained model in HF format to run_dir/hf; returns the folder."""
+        return None
+
+    def prepare_checkpoint_io(self) -> None:
+        """Bring everything a checkpoint reads or writes onto the device (roles with offloaded parts)."""
+
+    def describe(self) -> str:
+        """One log line about the run (data sizes, layout, roles) at the start of `train`."""
+        return self.name
+
+    # ----- the loop
+
+    def _save(self, step: int) -> None:
+        self.prepare_checkpoint_io()
+        with self.timer("checkpoint"):
+            self.checkpoints.save(step, self.state)
+
+    def train(self) -> TrainResult:
+        """Run (or resume) the whole training; every rank calls it."""
+        cfg = self.cfg
+        if self.resume_from is not None:
+            self.prepare_checkpoint_io()
+            self.checkpoints.load(self.resume_from, self.state)
+            logger.info("resumed from %s at step %d", self.resume_from, self.progress["step"])
+        logger.info("%s", self.describe())
+        if self.eval_before and self.progress["step"] == 0:
+            before = self.evaluate()
+            self.progress["accuracy_before"] = -1.0 if before is None else before
+        history: list[dict[str, float]] = []
+        log = MetricsLogger(cfg.run_dir, rank=self.rank, tensorboard=cfg.tensorboard, progress_total=cfg.steps,
+                            initial_step=self.progress["step"])
+        try:
+            while self.progress["step"] < cfg.steps:
+                metrics = self.train_step()
+                self.progress["step"] += 1
+                step = self.progress["step"]
+                metrics["nan_skips"] = float(self.progress["nan_skips"])
+                metrics["empty_updates"] = float(self.progress["empty_updates"])
+                every = self.eval_every()
+                if every and step % every == 0 and step < cfg.steps:
+                    accuracy = self.evaluate()
+                    if accuracy is not None:
+                        metrics["eval/accuracy"] = accuracy
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    log.log(step, metrics)
+                    history.append({"step": step, **metrics})
+                if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    self._save(step)
+            hf_path = self.export() if cfg.export_hf else None
+            after = self.evaluate()
+            if after is not None:
+                log.log(self.progress["step"], {"eval/accuracy": after})
+        finally:
+            log.close()
+        before = self.progress["accuracy_before"] if self.progress["accuracy_before"] >= 0 else None
+        if self.rank == 0 and after is not None:
+            print(accuracy_table(before, after, self.progress["step"], self.eval_prompts(), self.name), flush=True)
+        return TrainResult(self.progress["step"], history, hf_path, before, after)

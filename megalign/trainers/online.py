@@ -1,0 +1,384 @@
+"""The online (RL) family on the trainer skeleton: colocated roles, rollouts and scoring; GRPO plugs in here, PPO next.
+
+`OnlineTrainer` builds the actor (trained, and generating with its own tp weights), the frozen
+reference (only when the algorithm needs one) and the reward role, the prompt data and the rollout
+generator, and gives subclasses the pieces of an RL step:
+
+    `collect()`: prompts from the sampler -> actor generates G responses each -> reward role scores
+    them (verifiers behind SafeReward; a term failing on more than `reward.max_failure_fraction` of
+    a step's samples stops the run) -> [`shape_rewards`] -> [`keep_groups`: e.g. dynamic sampling,
+    more rounds] -> a `RolloutBatch` of whole groups
+    `score_logprobs(role, batch)`: no-grad log-probs of the responses under a role, in micro-batches
+
+The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`.
+
+Design choices:
+
+- Shapes are fixed per run: prompts are left-padded to the longest prompt of the dataset and
+  responses right-padded to `max_response_length`, so rounds of sampling concatenate without
+  re-padding and every forward sees one shape. At start-up the longest prompt plus the response
+  length is checked against every model's `max_position_embeddings`.
+- Data parallelism: each dp rank samples its own prompts (`PromptSampler` with the dp rank) and keeps
+  its own groups. Sampling rounds are agreed over all ranks (one all-reduce per round) so sampler
+  positions stay aligned: a rank that already has its groups still advances its sampler but
+  generates nothing. Ranks may then hold different numbers of samples.
+- Randomness of rollouts comes from one `torch.Generator` per rank seeded with (seed, dp rank) and
+  checkpointed with the step, the sampler position and the reward error counters.
+- Placement: every role lives on every rank; before each phase every role is told which of its parts
+  the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
+  and phase is logged as `memory/<phase>/<role>_mib`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalign.checkpoint import ModelState, OptimizerState, export_hf
+from megalign.config import option
+from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts, make_splits, write_jsonl
+from megalign.models import from_pretrained
+from megalign.parallel import MixedPrecision
+from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role
+from megalign.rollout import SamplingParams
+from megalign.trainers.base import DataConfig, RunConfig, Trainer, check_model_path
+from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
+from megalign.trainers.optim import OptimConfig, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ActorConfig(ModelRoleConfig):
+    """The policy: an HF checkpoint (e.g. the SFT export `run_dir/hf`), its layout, dtype and offload."""
+
+    path: Optional[str] = option("runs/sft_arith/hf", doc="HF checkpoint folder of the initial policy")
+    offload_optimizer: bool = option(False, doc="move the optimizer state to host memory outside the update phase")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.path:
+            raise ValueError("actor.path (an HF checkpoint folder) is required")
+
+
+@dataclasses.dataclass
+class PromptDataConfig(DataConfig):
+    """Prompts with verifiable answers: the embedded arithmetic task, or JSONL / Parquet files."""
+
+    path: Optional[str] = option(None, doc="prompt file (.jsonl / .parquet; rows: prompt or messages, answer); null: the arithmetic task's train split")
+    max_prompt_length: int = option(64, doc="prompts with more tokens are dropped and counted")
+
+    def __post_init__(self):
+        if self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {self.max_prompt_length}")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """How responses are sampled."""
+
+    group_size: int = option(8, doc="G: responses sampled per prompt")
+    prompts_per_step: int = option(32, doc="prompts per step over all dp ranks (a multiple of dp)")
+    temperature: float = option(1.0, doc="sampling temperature (> 0); log-probs use the same temperature")
+    top_p: float = option(1.0, doc="nucleus sampling threshold (1 = off)")
+    max_response_length: int = option(24, doc="generated tokens per response at most")
+    old_logprobs: Literal["rollout", "recompute"] = option(
+        "rollout", doc="old log-probs of the ratio: those recorded while sampling, or a fresh forward after it")
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages compare responses within a group), got {self.group_size}")
+        if self.prompts_per_step < 1 or self.max_response_length < 1:
+            raise ValueError("prompts_per_step and max_response_length must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class OnlineConfig(RunConfig):
+    """What every online run has besides its algorithm: roles, prompts, sampling, optimizer, evaluation."""
+
+    actor: ActorConfig = option(ActorConfig(), doc="the policy")
+    reference: ModelRoleConfig = option(ModelRoleConfig(), doc="the frozen reference (built only when the algorithm needs it)")
+    reward: RewardConfig = option(RewardConfig(), doc="the reward")
+    data: PromptDataConfig = option(PromptDataConfig(), doc="prompts")
+    rollout: RolloutConfig = option(RolloutConfig(), doc="sampling")
+    optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=5), doc="optimizer and LR schedule (per step)")
+    eval: EvalConfig = option(EvalConfig(), doc="held-out greedy evaluation before training, every N steps and at the end")
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """N scored responses (N = groups x G, whole groups, group members adjacent) and what the update adds.
+
+    Shapes: `sequences` / `attention_mask` [N, P + R] (left-padded prompt, right-padded response);
+    [N, R]: `response_mask` (fp32 1 for response tokens that train), `rollout_logp` (sampling
+    log-probs), and later `old_logp`, `ref_logp`, `advantages`; [N]: `lengths` (fp32 response
+    tokens), `finished` (ended with EOS), `rewards` (fp32 total), `terms` {term: [N] values}.
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logp: torch.Tensor
+    lengths: torch.Tensor
+    finished: torch.Tensor
+    rewards: torch.Tensor
+    terms: dict[str, torch.Tensor]
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.rewards.numel()
+
+    def select(self, rows) -> "RolloutBatch":
+        """The rows `rows` (indices, a slice or a bool mask) of every per-response tensor."""
+        pick = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return RolloutBatch(**{k: ({t: v[rows] for t, v in value.items()} if k == "terms" else
+                                   None if value is None else value[rows]) for k, value in pick.items()})
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Batches (of one run: fixed shapes) concatenated along the response dim 0."""
+        out = {}
+        for f in dataclasses.fields(RolloutBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if f.name == "terms":
+                out[f.name] = {t: torch.cat([v[t] for v in values]) for t in values[0]}
+            else:
+                out[f.name] = None if values[0] is None else torch.cat(values)
+        return RolloutBatch(**out)
+
+
+def prompt_datasets(cfg: PromptDataConfig, tokenizer: Tokenizer, run_dir: str) -> tuple[PromptDataset, Optional[PromptDataset]]:
+    """(training prompts, held-out prompts or None); the arithmetic splits are written to run_dir/data first."""
+    load = dict(tokenizer=tokenizer, max_prompt_length=cfg.max_prompt_length, skip_invalid=cfg.skip_invalid,
+                template_prompts=cfg.template_prompts)
+    path, eval_path = cfg.path, cfg.eval_path
+    if path is None:
+        train, held_out = make_splits(cfg.arith)
+        path = os.path.join(run_dir, "data", "arith_train.jsonl")
+        write_jsonl(train, path)  # atomic: ranks racing to write the same file are safe
+        if eval_path is None:
+            eval_path = os.path.join(run_dir, "data", "arith_held_out.jsonl")
+            write_jsonl(held_out, eval_path)
+    return load_prompts(path, **load), (load_prompts(eval_path, **load) if eval_path is not None else None)
+
+
+def _check_role_tp(name: str, tp: int, actor_tp: int) -> None:
+    """A role sees the actor's batches; its tp group must lie inside one actor tp group (same data)."""
+    if actor_tp % tp:
+        raise ValueError(f"{name}.tp={tp} must divide actor.tp={actor_tp}: a role's tp ranks must hold the same "
+                         f"batch, which they do inside one actor tp group")
+
+
+class _RankState:
+    """Per-rank trainer state for the checkpoint: the rollout generator and the reward error counters."""
+
+    def __init__(self, rank: int, generator: torch.Generator, reward: Reward):
+        self.key, self.generator, self.reward = f"rank{rank}", generator, reward
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: {"generator": self.generator.get_state(), "reward": self.reward.state_dict()}}
+
+    def load_state_dict(self, state) -> None:
+        self.generator.set_state(state[self.key]["generator"])
+        self.reward.load_state_dict(state[self.key]["reward"])
+
+
+class OnlineTrainer(Trainer):
+    """Roles, prompts and rollouts of an RL run (module doc); subclasses implement `train_step`."""
+
+    eval_before = True
+
+    def needs_reference(self) -> bool:
+        """Whether the algorithm uses the frozen reference (it is built only then)."""
+        return False
+
+    def __init__(self, cfg: OnlineConfig):
+        super().__init__(cfg)
+        self.layout = self.layout_for(cfg.actor.tp)
+        if cfg.rollout.prompts_per_step % self.layout.dp:
+            raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
+        check_model_path(cfg.actor.path, "actor.path")
+        if self.needs_reference() and cfg.reference.path is not None:
+            check_model_path(cfg.reference.path, "reference.path")
+        if cfg.reward.model is not None:
+            check_model_path(cfg.reward.model.path, "reward.model.path")
+        self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.actor.path)
+        self.train_set, self.held_out = prompt_datasets(cfg.data, self.tokenizer, cfg.run_dir)
+        self.prompt_width = max(len(e.prompt_ids) for e in self.train_set.examples)
+        longest = self.prompt_width + cfg.rollout.max_response_length
+        what = f"the longest prompt plus rollout.max_response_length ({cfg.rollout.max_response_length})"
+        if self.held_out is not None and len(self.held_out):
+            eval_longest = (max(len(e.prompt_ids) for e in self.held_out.examples)
+                            + (cfg.eval.max_new_tokens or cfg.rollout.max_response_length))
+            if eval_longest > longest:
+                longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
+
+        model = from_pretrained(cfg.actor.path, layout=self.layout)
+        self.check_model(model, "actor.path", longest, what)
+        precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
+        self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,
+                           build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip)
+        self.reference = None
+        if self.needs_reference():
+            _check_role_tp("reference", cfg.reference.tp, cfg.actor.tp)
+            ref_layout = self.layout_for(cfg.reference.tp)
+            ref_model = from_pretrained(cfg.reference.path or cfg.actor.path, layout=ref_layout,
+                                        dtype=DTYPES[cfg.reference.dtype])
+            self.check_model(ref_model, "reference.path", longest, what)
+            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
+        reward_model, reward_layout = None, None
+        if cfg.reward.model is not None:
+            _check_role_tp("reward.model", cfg.reward.model.tp, cfg.actor.tp)
+            reward_layout = self.layout_for(cfg.reward.model.tp)
+            reward_model = from_pretrained(cfg.reward.model.path, kind="reward", layout=reward_layout,
+                                           dtype=DTYPES[cfg.reward.model.dtype])
+            self.check_model(reward_model, "reward.model.path", longest, what)
+        self.reward = Reward(cfg.reward, reward_model, reward_layout)
+        self.roles: list[Role] = [r for r in (self.actor, self.reference, self.reward) if r is not None]
+
+        self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
+                                     rank=self.layout.dp_rank, world_size=self.layout.dp)
+        self.generator = torch.Generator(device=self.layout.device).manual_seed(cfg.seed * 1000003 + self.layout.dp_rank)
+        self.register_state("actor", ModelState(model, self.layout))
+        self.register_state("optim", OptimizerState(model, self.actor.optimizer, self.layout))
+        self.register_state("sampler", self.sampler)
+        self.register_state("trainer", _RankState(self.rank, self.generator, self.reward))
+        self.memory: dict[str, float] = {}
+        self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
+                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                     eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+
+    # ----- phases
+
+    def place(self, name: str, **needs: tuple[str, ...]) -> None:
+        """Before phase `name`: each role gets the parts listed for it (none otherwise); record memory."""
+        for role in self.roles:
+            role.need(*needs.get(role.name, ()))
+        for role in self.roles:
+            self.memory[f"memory/{name}/{role.name}_mib"] = role.resident_bytes() / 2**20
+
+    def phase(self, name: str, **needs: tuple[str, ...]):
+        """`place` the roles for phase `name`, then time it: `with self.phase("update", actor=(...)):`."""
+        self.place(name, **needs)
+        return self.timer(name)
+
+    def prepare_checkpoint_io(self) -> None:
+        self.place("checkpoint", actor=("weights", "optimizer"))
+
+    def shape_rewards(self, batch: RolloutBatch) -> None:
+        """Adjust `batch.rewards` in place after scoring (e.g. DAPO's overlong penalty); default: nothing."""
+
+    def keep_groups(self, batch: RolloutBatch) -> torch.Tensor:
+        """bool [groups]: which groups of a sampling round train (e.g. DAPO's dynamic sampling); default: all."""
+        return torch.ones(len(batch) // self.cfg.rollout.group_size, dtype=torch.bool, device=batch.rewards.device)
+
+    def sampling_rounds(self) -> int:
+        """Sampling rounds a step may take to fill its groups (more than one only when `keep_groups` drops some)."""
+        return 1
+
+    def rollout(self, indices: list[int]) -> RolloutBatch:
+        """G responses for each prompt of `indices`, scored (N = len(indices) * G rows)."""
+        cfg, tok, device = self.cfg, self.tokenizer, self.layout.device
+        examples = [self.train_set[i] for i in indices for _ in range(cfg.rollout.group_size)]
+        ids = torch.full((len(examples), self.prompt_width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, e in enumerate(examples):
+            ids[row, self.prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+            mask[row, self.prompt_width - len(e.prompt_ids):] = 1
+        with self.phase("generate", actor=("weights",)):
+            out = self.actor.generate(ids.to(device), mask.to(device), self.params, self.generator)
+        pad = cfg.rollout.max_response_length - out.logprobs.shape[1]
+        response = torch.nn.functional.pad(out.sequences[:, self.prompt_width:], (0, pad), value=tok.pad_id)
+        response_mask = torch.nn.functional.pad(out.attention_mask[:, self.prompt_width:], (0, pad))
+        lengths = response_mask.sum(-1)
+        last = response.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+        finished = (lengths > 0) & (last == tok.eos_id)
+        texts = [tok.decode(row[:n]) for row, n in zip(response.tolist(), lengths.tolist())]
+        sequences = torch.cat([ids.to(device), response], 1)
+        attention = torch.cat([mask.to(device), response_mask], 1)
+        with self.phase("reward", reward=("weights",)):
+            rewards, terms = self.reward.score([e.prompt_text for e in examples], texts, [e.answer for e in examples],
+                                               [e.metadata for e in examples], sequences, attention)
+        batch = RolloutBatch(sequences=sequences, attention_mask=attention, response_mask=response_mask.float(),
+                             rollout_logp=torch.nn.functional.pad(out.logprobs, (0, pad)), lengths=lengths.float(),
+                             finished=finished, rewards=rewards.to(device),
+                             terms={name: values.to(device) for name, values in terms.items()})
+        self.shape_rewards(batch)
+        return batch
+
+    def collect(self) -> tuple[RolloutBatch, RolloutBatch, dict[str, float]]:
+        """(training batch of whole kept groups, every generated response, sampling counts) for this rank.
+
+        Raises when a reward term failed on too many of this step's samples (module doc).
+        """
+        cfg = self.cfg
+        per_rank, group = cfg.rollout.prompts_per_step // self.layout.dp, cfg.rollout.group_size
+        counters = self.reward.counters()
+        kept: list[RolloutBatch] = []
+        generated: list[RolloutBatch] = []
+        have, rounds, dropped, rounds_allowed = 0, 0, 0, self.sampling_rounds()
+        while True:
+            indices = self.sampler.next_indices(per_rank)
+            rounds += 1
+            if have < per_rank:
+                batch = self.rollout(indices)
+                generated.append(batch)
+                keep = self.keep_groups(batch)
+                dropped += int((~keep).sum())
+                kept.append(batch.select(keep.repeat_interleave(group)))
+                have += int(keep.sum())
+            done = torch.tensor(float(have >= per_rank or rounds >= rounds_allowed))
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every rank takes the same number of rounds
+            if done.item():
+                break
+        self.reward.check_failures(counters, self.layout.dp_group, self.layout.device)
+        train = RolloutBatch.concat(kept).select(slice(0, per_rank * group))
+        return train, RolloutBatch.concat(generated), {"rounds": rounds, "dropped_groups": dropped,
+                                                       "kept_groups": len(train) // group}
+
+    def logprob_inputs(self, batch: RolloutBatch, rows):
+        """(sequences, attention mask, response length) of `rows`: the arguments of a role's log-prob forward."""
+        return batch.sequences[rows], batch.attention_mask[rows], self.cfg.rollout.max_response_length
+
+    def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+        """[N, R] no-grad log-probs of the batch's responses under `role`, in micro-batches."""
+        n = len(batch)
+        parts = [role.logprobs(*self.logprob_inputs(batch, slice(s, s + micro_batch_size)), self.cfg.rollout.temperature)
+                 for s in range(0, n, micro_batch_size)]
+        return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(0, self.cfg.rollout.max_response_length)
+
+    # ----- evaluation and export
+
+    def evaluate(self) -> Optional[float]:
+        if not eval_count(self.cfg.eval, self.held_out.examples if self.held_out is not None else None):
+            return None
+        with self.phase("eval", actor=("weights",)):
+            accuracy, _ = evaluate_generation(self.actor.model, self.held_out.examples, self.tokenizer, self.cfg.eval,
+                                              self.cfg.rollout.max_response_length, self.layout)
+        return accuracy
+
+    def eval_every(self) -> int:
+        return self.cfg.eval.every
+
+    def eval_prompts(self) -> int:
+        return eval_count(self.cfg.eval, self.held_out.examples if self.held_out is not None else None)
+
+    def export(self) -> Optional[str]:
+        self.actor.need("weights")
+        return export_hf(self.actor.model, os.path.join(self.cfg.run_dir, "hf"), self.layout)
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        return (f"{self.name}: {len(self.train_set)} training prompts, {len(self.held_out) if self.held_out else 0} "
+                f"held-out, G={cfg.rollout.group_size}, {cfg.rollout.prompts_per_step} prompts/step, layout "
+                f"tp={self.layout.tp} dp={self.layout.dp}, roles {[r.name for r in self.roles]}")

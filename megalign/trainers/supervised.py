@@ -1,0 +1,246 @@
+"""The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT now; RM, DPO, KTO... next).
+
+`SupervisedTrainer(cfg, objective_cls)` builds the tokenizer, the trained model as a `TrainableRole`
+(ZeRO-1 AdamW, bf16 autocast when `model.dtype` is bf16) over the `model.tp` x dp layout, asks the
+objective for its data, and runs the `Trainer` lifecycle with this step:
+
+    lr -> batch_size / dp examples from the sampler -> objective.collate -> the objective's
+    normaliser count all-reduced over dp -> objective.loss (this rank's share) -> backward
+    -> role.optimizer_step (gradients summed over dp, global-norm clip, skipped when non-finite)
+    -> loss and the objective's statistics reduced over dp (`MetricSums`).
+
+Design choices:
+
+- An objective is a small class (`Objective`): its data (training examples, held-out prompts),
+  `collate` into a typed batch, the local `count` its loss is normalised by (response tokens for
+  SFT, pairs for preference losses) and `loss`. The trainer all-reduces the count before the
+  forward and sums gradients over dp, so every example weighs the same whatever the padding or the
+  split over ranks, and results do not depend on dp (Megatron's global-batch normalisation).
+- From-scratch models (`model.path: null`) are initialised dense, from `seed`, on every rank, and
+  each tp rank keeps its slice, so a tiny model starts from the same weights at tp = 1 and tp = 2.
+- Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position and the
+  progress counters are checkpoint state; the learning rate is a function of the step
+  (`megalign.trainers.optim.lr_at`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
+
+import torch
+
+from megalign.checkpoint import ModelState, OptimizerState, export_hf
+from megalign.config import option
+from megalign.data import PromptExample, PromptSampler, Tokenizer
+from megalign.models import CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, tensor_parallel_config
+from megalign.parallel import MixedPrecision, ParallelLayout, tp_sharded_parameters
+from megalign.parallel.collectives import all_reduce
+from megalign.roles import DTYPES, ModelRoleConfig
+from megalign.roles.actor import TrainableRole
+from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path
+from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
+from megalign.trainers.logging import memory_report
+from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PolicyModelConfig(ModelRoleConfig):
+    """The trained model: an HF checkpoint folder, or a small decoder built from scratch; its layout and dtype."""
+
+    path: Optional[str] = option(None, doc="HF checkpoint folder to start from; null: build from scratch with the fields below")
+    model_type: Literal["llama", "qwen2", "mistral"] = option("llama", doc="from scratch: architecture family (written to the HF export)")
+    hidden_size: int = option(128, doc="from scratch: model width H")
+    intermediate_size: int = option(384, doc="from scratch: SwiGLU inner width")
+    num_layers: int = option(3, doc="from scratch: decoder layers")
+    num_heads: int = option(4, doc="from scratch: query heads (head_dim = hidden_size / num_heads)")
+    num_kv_heads: int = option(4, doc="from scratch: key/value heads (GQA when fewer than num_heads)")
+    max_position_embeddings: int = option(256, doc="from scratch: longest sequence (RoPE tables)")
+    tie_word_embeddings: bool = option(False, doc="from scratch: LM head shares the embedding matrix")
+    init_std: float = option(0.02, doc="from scratch: std of the normal init of every matrix (norm gains start at 1)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+
+
+@dataclasses.dataclass
+class SupervisedConfig(RunConfig):
+    """What every supervised run has besides its data: batch, model, optimizer, evaluation."""
+
+    batch_size: int = option(64, doc="examples per step over all dp ranks (a multiple of dp)")
+    model: PolicyModelConfig = option(PolicyModelConfig(), doc="the trained model and its layout (tp)")
+    optim: OptimConfig = option(OptimConfig(), doc="optimizer and LR schedule")
+    eval: EvalConfig = option(EvalConfig(), doc="held-out evaluation by greedy generation")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+E = TypeVar("E")
+
+
+class Objective(Generic[E]):
+    """What a supervised trainer is given (module doc); one subclass per objective.
+
+    Built as `objective_cls(cfg, tokenizer)` once the tokenizer exists; `cfg` is the whole run config.
+    """
+
+    def __init__(self, cfg: Any, tokenizer: Tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def examples(self) -> tuple[Sequence[E], Optional[Sequence[PromptExample]]]:
+        """(training examples, held-out prompts with answers or None)."""
+        raise NotImplementedError
+
+    def max_length(self) -> int:
+        """The longest sequence (tokens) a training example may have; checked against the model at start-up."""
+        raise NotImplementedError
+
+    def collate(self, examples: Sequence[E], device: torch.device):
+        """A typed batch of `examples` on `device`."""
+        raise NotImplementedError
+
+    def count(self, batch) -> torch.Tensor:
+        """This rank's share (0-dim) of the count the loss is normalised by; the trainer sums it over dp."""
+        raise NotImplementedError
+
+    def loss(self, model: CausalLM, batch, layout: ParallelLayout, global_count: torch.Tensor,
+             stats: MetricSums) -> torch.Tensor:
+        """This rank's share (0-dim fp32) of the global loss; summed over dp ranks it is the batch loss.
+
+        Adds this rank's statistic sums (named) to `stats`; the trainer reduces them over dp.
+        """
+        raise NotImplementedError
+
+    def metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Logged metrics from the dp-reduced `stats` totals of a step."""
+        return {}
+
+
+def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
+    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp (module doc)."""
+    config = ModelConfig(
+        model_type=cfg.model_type, vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads, tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings, pad_token_id=tokenizer.pad_id,
+        extra_hf={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
+    )
+    config = tensor_parallel_config(config, layout.tp)
+    generator = torch.Generator().manual_seed(seed)
+    dense = CausalLM(config)
+    with torch.no_grad():
+        for p in dense.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, cfg.init_std, generator=generator)
+    if layout.tp == 1:
+        return dense.to(layout.device)
+    model = CausalLM(config, TensorParallelFactory(layout))
+    shard_dims = {id(p): dim for p, dim in tp_sharded_parameters(model).items()}
+    full = dict(dense.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = full[name]
+            if id(p) in shard_dims:
+                src = src.chunk(layout.tp, dim=shard_dims[id(p)])[layout.tp_rank]
+            p.copy_(src)
+    return model.to(layout.device)
+
+
+class SupervisedTrainer(Trainer):
+    """A supervised run of one objective (module doc)."""
+
+    def __init__(self, cfg: SupervisedConfig, objective_cls: type[Objective], name: str):
+        super().__init__(cfg)
+        self.name = name
+        self.layout = layout = self.layout_for(cfg.model.tp)
+        if cfg.batch_size % layout.dp:
+            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of dp={layout.dp}")
+        if cfg.model.path is not None:
+            check_model_path(cfg.model.path, "model.path")
+        self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.model.path)
+        self.objective = objective_cls(cfg, self.tokenizer)
+        self.train_set, self.held_out = self.objective.examples()
+        if not self.train_set:
+            raise ValueError(f"{name}: no training examples left after loading (see the data/ counts in the log)")
+        if cfg.model.path is None:
+            model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
+        else:
+            model = from_pretrained(cfg.model.path, layout=layout, dtype=None)
+        self.check_model(model, "model.path" if cfg.model.path else "model", self.objective.max_length(),
+                         "the objective's longest example")
+        model.train()
+        precision = MixedPrecision(DTYPES[cfg.model.dtype] if cfg.model.dtype != "fp32" else None)
+        self.policy = TrainableRole("policy", model, layout, precision, cfg.model.offload_weights, False,
+                                    build_optimizer(model, cfg.optim, layout), cfg.optim.grad_clip)
+        self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
+                                     rank=layout.dp_rank, world_size=layout.dp)
+        self.register_state("model", ModelState(model, layout))
+        self.register_state("optim", OptimizerState(model, self.policy.optimizer, layout))
+        self.register_state("sampler", self.sampler)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.train_set)} training examples, {len(self.held_out or [])} held-out prompts, "
+                f"{sum(p.numel() for p in self.policy.parameters())} parameters per rank, "
+                f"layout tp={self.layout.tp} dp={self.layout.dp}")
+
+    def train_step(self) -> dict[str, float]:
+        cfg, layout, timer = self.cfg, self.layout, self.timer
+        timer.reset()
+        start = time.perf_counter()
+        lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
+        set_lr(self.policy.optimizer, lr)
+        with timer("data"):
+            examples = [self.train_set[i] for i in self.sampler.next_indices(cfg.batch_size // layout.dp)]
+            batch = self.objective.collate(examples, layout.device)
+            count = all_reduce(self.objective.count(batch), layout.dp_group)
+        stats = MetricSums()
+        with timer("forward_backward"):
+            with self.policy.precision.autocast(layout.device):
+                loss = self.objective.loss(self.policy.model, batch, layout, count, stats)
+            loss.backward()
+        with timer("update"):
+            stepped, grad_norm = self.policy.optimizer_step(loss)
+            global_loss = all_reduce(loss.detach(), layout.dp_group)
+            if not stepped:
+                self.skip_update("nan_skips", f"non-finite loss ({float(global_loss)}) or gradient norm "
+                                              f"({float(grad_norm)})")
+        totals = stats.reduce(layout.dp_group, layout.device)
+        elapsed = time.perf_counter() - start
+        return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), "tokens": float(count),
+                "tokens_per_s": float(count) / elapsed, **self.objective.metrics(totals),
+                "epoch": float(self.sampler.epoch), **timer.metrics(), **memory_report()}
+
+    def evaluate(self) -> Optional[float]:
+        if not eval_count(self.cfg.eval, self.held_out):
+            return None
+        accuracy, samples = evaluate_generation(self.policy.model, self.held_out, self.tokenizer, self.cfg.eval,
+                                                self.objective.max_length(), self.layout)
+        if self.rank == 0:
+            for prompt, response, answer in samples:
+                logger.info("held-out sample: %r -> %r (answer %s)", prompt, response, answer)
+        return accuracy
+
+    def eval_every(self) -> int:
+        return self.cfg.eval.every
+
+    def eval_prompts(self) -> int:
+        return eval_count(self.cfg.eval, self.held_out)
+
+    def export(self) -> Optional[str]:
+        return export_hf(self.policy.model, os.path.join(self.cfg.run_dir, "hf"), self.layout)
