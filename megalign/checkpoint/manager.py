@@ -15,7 +15,7 @@ Design choices:
   of that step (or pruning) removes.
 - Nothing non-finite is saved: `save` checks every floating-point tensor of the state first and
   raises naming the keys (on every rank together, so no rank is left waiting in a collective).
-  Trainers skip such steps before they happen (`all_finite`); this check is the last line.
+  Trainers skip such steps before they happen (`megalign.parallel.all_finite`); this check is the last line.
 - One code path with and without `torch.distributed`: DCP runs without a process group in a single
   process (its `no_dist` mode, chosen automatically), and the barriers are skipped there.
 - `keep_last` completed checkpoints are kept; older ones are deleted by rank 0 after a new one is

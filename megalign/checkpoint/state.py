@@ -1,4 +1,4 @@
-"""What goes into a training checkpoint: model and optimizer shards, per-rank RNG state, a NaN guard.
+"""What goes into a training checkpoint: model and optimizer shards, per-rank RNG state, a NaN scan.
 
 Each class here is a `torch.distributed.checkpoint` `Stateful` (`state_dict()` / `load_state_dict()`),
 so `CheckpointManager.save(step, {"model": ModelState(...), "optim": OptimizerState(...), ...})`
@@ -23,7 +23,7 @@ Changing the layout goes through the HF export (`export_hf`), which gathers whol
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from megalign.parallel.layout import ParallelLayout
-
 
 
 def _coords(layout: Optional[ParallelLayout]) -> dict[str, int]:
@@ -129,39 +128,6 @@ class RNGState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         restore_rng_state(state[self.key])
-
-
-TensorTree = Union[torch.Tensor, float, Mapping[str, Any], Iterable[Any], None]
-
-
-def _flat_floats(values: TensorTree) -> list[torch.Tensor]:
-    """Every floating-point tensor (Python floats as 0-dim tensors) in a nest of mappings and sequences."""
-    if isinstance(values, torch.Tensor):
-        return [values.detach()] if values.is_floating_point() else []
-    if isinstance(values, float):
-        return [torch.tensor(values)]
-    if isinstance(values, Mapping):
-        return [t for v in values.values() for t in _flat_floats(v)]
-    if isinstance(values, (list, tuple)):
-        return [t for v in values for t in _flat_floats(v)]
-    return []
-
-
-def all_finite(values: TensorTree, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """Whether every float in `values` (a loss, gradients, a nest of tensors) is finite on every rank of `group`.
-
-    Trainers call it on the loss or the global gradient norm before `optimizer.step()` and skip the
-    update when it is False, so NaN / inf never reaches the weights (and so never a checkpoint).
-    One MIN all-reduce over `group` (default: the whole world when a process group exists) makes all
-    ranks agree, so they skip together and stay in step; one host sync per call.
-    """
-    tensors = _flat_floats(values)
-    device = tensors[0].device if tensors else torch.device("cpu")
-    flags = [torch.isfinite(t).all().to(device) for t in tensors]
-    ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)).to(torch.int32)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return bool(ok)
 
 
 def nonfinite_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:
