@@ -302,8 +302,8 @@ def _yaml_key_lines(text: str) -> dict[str, int]:
     return lines
 
 
-def _is_under(key: str, prefix: str) -> bool:
-    """Whether dotted `key` is `prefix` itself or lies inside it ("a.b" and "a[0]" lie inside "a")."""
+def key_is_under(key: str, prefix: str) -> bool:
+    """Whether dotted `key` is `prefix` itself or lies inside it ("a.b" and "a[0]" lie inside "a", "ab" does not)."""
     return key == prefix or key.startswith((prefix + ".", prefix + "["))
 
 
@@ -316,10 +316,10 @@ def _sources(key: Optional[str], origins: dict[str, str], file_label: Optional[s
     """
     if key is None:
         return []
-    around = [p for p in origins if _is_under(key, p)]
+    around = [p for p in origins if key_is_under(key, p)]
     found = [origins[max(around, key=len)]] if around else []
     for path, label in origins.items():
-        if key == "" or (path != key and _is_under(path, key)):
+        if key == "" or (path != key and key_is_under(path, key)):
             if not label.startswith("override "):
                 label = file_label
             if label not in found and not (label == file_label and any(f.startswith(label) for f in found)):
@@ -359,7 +359,7 @@ def load_config(cls: type[T], yaml_path: str | os.PathLike | None = None, overri
             dotted = _apply_override(cls, data, override)
         except ConfigError as exc:
             raise ConfigError(f"override {override!r}: {exc}", key=exc.key) from None
-        origins = {p: label for p, label in origins.items() if not _is_under(p, dotted)}  # replaced
+        origins = {p: label for p, label in origins.items() if not key_is_under(p, dotted)}  # replaced
         origins[dotted] = f"override {override!r}"
     try:
         return from_dict(cls, data)
@@ -390,9 +390,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def config_yaml(cfg: Any) -> str:
+    """`cfg` (a config or its plain dict) as the YAML text `save_config` writes, keys in declaration order."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write `cfg` as YAML to `path` atomically (`atomic_write_text`)."""
-    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False))
+    atomic_write_text(path, config_yaml(cfg))
 
 
 def config_help(cls: type, prefix: str = "", defaults: Any = None) -> str:
