@@ -41,8 +41,8 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.stateful import Stateful
 
+from megalign.checkpoint.state import Reshardable, SavedCheckpoint, nonfinite_keys
 from megalign.config import ConfigError, atomic_write_text, config_yaml
-from megalign.checkpoint.state import nonfinite_keys
 
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -153,15 +153,24 @@ class CheckpointManager:
     def load(self, checkpoint: Union[int, str, os.PathLike], state: State) -> None:
         """Restore `state` in place from a step number or a checkpoint folder.
 
-        DCP fills the existing tensors of each state dict and then calls `load_state_dict` on the
-        `Stateful` values; plain dicts get their non-tensor values replaced. A key of `state`
-        missing from the checkpoint (another layout, another model) raises naming the key.
+        First every `Reshardable` value (model, optimizer, RNG) is shown the checkpoint's keys and
+        says what to read (`load_target`), failing before anything is read when the checkpoint
+        cannot be loaded into it (another tp or pp: the message names both layouts). DCP then fills
+        the existing tensors, calls `load_state_dict` on the other `Stateful` values and replaces the
+        non-tensor values of plain dicts; the `Reshardable`s get their filled targets. A key of
+        `state` missing from the checkpoint (another model) raises naming the key.
         """
         path = self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+        saved = SavedCheckpoint(path, frozenset(dcp.FileSystemReader(path).read_metadata().state_dict_metadata))
+        targets = {name: value.load_target(name, saved) if isinstance(value, Reshardable) else value
+                   for name, value in state.items()}
         with _quiet_single_process():
-            dcp.load(dict(state), checkpoint_id=path)
+            dcp.load(targets, checkpoint_id=path)
+        for name, value in state.items():
+            if isinstance(value, Reshardable):
+                value.load_state_dict(targets[name])
 
     def saved_config(self, checkpoint: Union[int, str, os.PathLike]) -> Optional[dict[str, Any]]:
         """The config a checkpoint (step or folder) was written with, as a plain dict; None when it holds none.
