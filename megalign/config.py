@@ -10,6 +10,10 @@ Design choices:
 - Loading is strict, never dict-like: an unknown key (in the YAML or an override) is an error that
   names the full dotted key and lists the valid keys at that level; a value of the wrong type names
   the key and the expected type. Nothing is silently ignored or given a hidden default.
+- Every `ConfigError` of `load_config` is one line that starts with where the value came from:
+  `config file 'x.yaml' line 3: ...` for a key set in the file, `override 'optim.lr=2': ...` for one
+  set on the command line (`ConfigError.key` holds the dotted key). A check of a whole section names
+  every source that set a key inside it; a missing required key names none (nothing set it).
 - Values are coerced against the annotations, recursively: `bool`, `int`, `float`, `str`, `Any`,
   `Optional[X]`, `Union`, `Literal[...]`, `list[X]`, `tuple[X, ...]`, `Sequence[X]` (loaded as a
   tuple), `dict[str, X]` and nested dataclasses (also inside lists). The coercions are the few that are never surprising:
@@ -32,7 +36,7 @@ import os
 import tempfile
 import types
 import typing
-from typing import Any, Literal, Mapping, Sequence, TypeVar, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, TypeVar, Union
 
 import yaml
 
@@ -42,7 +46,14 @@ _NONE_TYPE = type(None)
 
 
 class ConfigError(ValueError):
-    """A config that cannot be loaded: unknown key, wrong type, missing value or failed check."""
+    """A config that cannot be loaded: unknown key, wrong type, missing value or failed check.
+
+    `key` is the dotted key at fault ("" for a check of the whole config, None when no key is).
+    """
+
+    def __init__(self, message: str, key: Optional[str] = None):
+        super().__init__(message)
+        self.key = key
 
 
 def option(default: Any = dataclasses.MISSING, *, doc: str) -> Any:
@@ -78,7 +89,7 @@ def _unknown_key(key: str, prefix: str, valid: Sequence[str]) -> ConfigError:
     where = f"under '{prefix}'" if prefix else "at the top level"
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean '{_join(prefix, close[0])}'?)" if close else ""
-    return ConfigError(f"unknown config key '{full}'{hint}; valid keys {where}: {', '.join(valid)}")
+    return ConfigError(f"unknown config key '{full}'{hint}; valid keys {where}: {', '.join(valid)}", key=full)
 
 
 def _is_union(tp: Any) -> bool:
@@ -95,7 +106,8 @@ def _coerce(value: Any, tp: Any, key: str, shown: Any = None) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
 
     def bad() -> ConfigError:
-        return ConfigError(f"config key '{key}' expects {_type_name(shown or tp)}, got {value!r} ({type(value).__name__})")
+        return ConfigError(f"config key '{key}' expects {_type_name(shown or tp)}, got {value!r} ({type(value).__name__})",
+                           key=key)
 
     if _is_union(tp):
         if value is None:
@@ -115,7 +127,7 @@ def _coerce(value: Any, tp: Any, key: str, shown: Any = None) -> Any:
         for choice in args:
             if value == choice and type(value) is type(choice):
                 return choice
-        raise ConfigError(f"config key '{key}' must be one of {list(args)}, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be one of {list(args)}, got {value!r}", key=key)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -158,7 +170,7 @@ def _coerce(value: Any, tp: Any, key: str, shown: Any = None) -> Any:
         if isinstance(value, str):
             return value
         raise bad()
-    raise ConfigError(f"config key '{key}' has an unsupported annotation {_type_name(tp)}")
+    raise ConfigError(f"config key '{key}' has an unsupported annotation {_type_name(tp)}", key=key)
 
 
 def _from_dict(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
@@ -172,14 +184,15 @@ def _from_dict(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
         if name in data:
             kwargs[name] = _coerce(data[name], tp, full)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing required config key '{full}' ({_type_name(tp)}): {f.metadata.get('doc', '')}")
+            raise ConfigError(f"missing required config key '{full}' ({_type_name(tp)}): {f.metadata.get('doc', '')}",
+                              key=full)
     try:
         return cls(**kwargs)
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
         where = f"'{prefix}' ({cls.__name__})" if prefix else cls.__name__
-        raise ConfigError(f"invalid config {where}: {exc}") from exc
+        raise ConfigError(f"invalid config {where}: {exc}", key=prefix) from exc
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
@@ -207,12 +220,16 @@ def _accepts_verbatim_text(tp: Any) -> bool:
     return _is_union(tp) and set(typing.get_args(tp)) == {str, _NONE_TYPE}
 
 
-def _apply_override(cls: type, data: dict, override: str) -> None:
-    """Set `a.b.c=value` into the raw nested dict `data`, checking every key against `cls`."""
+def _apply_override(cls: type, data: dict, override: str) -> str:
+    """Set `a.b.c=value` into the raw nested dict `data`, checking every key against `cls`; return "a.b.c".
+
+    Its errors leave out the override itself: `load_config` puts it in front.
+    """
     if not isinstance(override, str) or "=" not in override:
-        raise ConfigError(f"config override {override!r} must look like key.sub=value")
+        raise ConfigError("must look like key.sub=value")
     dotted, _, text = override.partition("=")
-    parts = dotted.strip().split(".")
+    dotted = dotted.strip()
+    parts = dotted.split(".")
     node, node_cls, prefix = data, cls, ""
     for depth, part in enumerate(parts):
         fields = _fields(node_cls)
@@ -224,22 +241,23 @@ def _apply_override(cls: type, data: dict, override: str) -> None:
             break
         sub_cls = _dataclass_of(tp)
         if sub_cls is None:
-            raise ConfigError(f"config override '{dotted}': '{prefix}' is a {_type_name(tp)}, not a section with sub-keys")
+            raise ConfigError(f"'{prefix}' is a {_type_name(tp)}, not a section with sub-keys", key=prefix)
         child = node.get(part)
         if child is None:
             default = _field_default(fields[part][0])
             child = to_dict(default) if default is not None else {}
             node[part] = child
         elif not isinstance(child, dict):
-            raise ConfigError(f"config key '{prefix}' expects a {sub_cls.__name__} section, got {child!r}")
+            raise ConfigError(f"config key '{prefix}' expects a {sub_cls.__name__} section, got {child!r}", key=prefix)
         node, node_cls = child, sub_cls
     if _accepts_verbatim_text(tp) and text.strip() not in ("null", "~"):
         node[parts[-1]] = text
-        return
+        return dotted
     try:
         node[parts[-1]] = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config override '{dotted}': cannot parse value {text!r} as YAML: {exc}") from exc
+        raise ConfigError(f"cannot parse value {text!r} as YAML: {_one_line(exc)}", key=dotted) from exc
+    return dotted
 
 
 def _dataclass_of(tp: Any) -> type | None:
@@ -262,30 +280,92 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
+def _one_line(exc: BaseException) -> str:
+    """The message of `exc` on one line (PyYAML's span several)."""
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+
+
+def _yaml_key_lines(text: str) -> dict[str, int]:
+    """{dotted key: 1-based line} of every mapping key in YAML `text`, sections included (not inside lists)."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = _join(prefix, str(key_node.value))
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def key_is_under(key: str, prefix: str) -> bool:
+    """Whether dotted `key` is `prefix` itself or lies inside it ("a.b" and "a[0]" lie inside "a", "ab" does not)."""
+    return key == prefix or key.startswith((prefix + ".", prefix + "["))
+
+
+def _sources(key: Optional[str], origins: dict[str, str], file_label: Optional[str]) -> list[str]:
+    """Where the value at fault came from (module doc), given {dotted key set: "config file ... line n" | "override ..."}.
+
+    The most specific entry that set `key` or a section around it, then every other source that set a
+    key inside `key` (a failed check of a section may come from any of them; the file is then named
+    without a line).
+    """
+    if key is None:
+        return []
+    around = [p for p in origins if key_is_under(key, p)]
+    found = [origins[max(around, key=len)]] if around else []
+    for path, label in origins.items():
+        if key == "" or (path != key and key_is_under(path, key)):
+            if not label.startswith("override "):
+                label = file_label
+            if label not in found and not (label == file_label and any(f.startswith(label) for f in found)):
+                found.append(label)
+    return found
+
+
 def load_config(cls: type[T], yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
     """Config `cls` from an optional YAML file, then dotted `overrides` (`["a.b=1", ...]`) in order.
 
     An override of a key inside a section that is `None` by default (an `Optional[Section]`)
-    creates that section from its defaults first. Raises ConfigError (a ValueError) naming the
-    file, key or override at fault.
+    creates that section from its defaults first. Raises ConfigError (a ValueError) whose one-line
+    message starts with the file (and line) or the override the bad value came from (module doc).
     """
     data: dict = {}
+    origins: dict[str, str] = {}  # dotted key -> where its value was set, in the order set
+    file_label = None
     if yaml_path is not None:
+        file_label = f"config file {os.fspath(yaml_path)!r}"
         try:
             with open(yaml_path, encoding="utf-8") as fh:
-                loaded = yaml.safe_load(fh)
+                text = fh.read()
+            loaded = yaml.safe_load(text)
+            lines = _yaml_key_lines(text)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {os.fspath(yaml_path)!r}: {exc}") from exc
+            raise ConfigError(f"cannot read {file_label}: {exc}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {os.fspath(yaml_path)!r} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"{file_label} is not valid YAML: {_one_line(exc)}") from exc
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {os.fspath(yaml_path)!r} must hold a mapping, got {type(loaded).__name__}")
+            raise ConfigError(f"{file_label} must hold a mapping, got {type(loaded).__name__}")
         data = loaded or {}
+        origins = {path: f"{file_label} line {line}" for path, line in lines.items()}
     if isinstance(overrides, str):
         raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
     for override in overrides:
-        _apply_override(cls, data, override)
-    return from_dict(cls, data)
+        try:
+            dotted = _apply_override(cls, data, override)
+        except ConfigError as exc:
+            raise ConfigError(f"override {override!r}: {exc}", key=exc.key) from None
+        origins = {p: label for p, label in origins.items() if not key_is_under(p, dotted)}  # replaced
+        origins[dotted] = f"override {override!r}"
+    try:
+        return from_dict(cls, data)
+    except ConfigError as exc:
+        where = _sources(exc.key, origins, file_label)
+        raise ConfigError(f"{', '.join(where)}: {exc}" if where else str(exc), key=exc.key) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -310,25 +390,36 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def config_yaml(cfg: Any) -> str:
+    """`cfg` (a config or its plain dict) as the YAML text `save_config` writes, keys in declaration order."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write `cfg` as YAML to `path` atomically (`atomic_write_text`)."""
-    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False))
+    atomic_write_text(path, config_yaml(cfg))
 
 
-def config_help(cls: type, prefix: str = "") -> str:
-    """One line per leaf key: `dotted.key (type, default ...): doc`, nested sections expanded."""
+def config_help(cls: type, prefix: str = "", defaults: Any = None) -> str:
+    """One line per leaf key: `dotted.key (type, default ...): doc`, nested sections expanded.
+
+    A section's keys show the defaults of the section's own default value, so
+    `optim: OptimConfig = option(OptimConfig(lr=3e-3))` lists `optim.lr` with default 0.003. A section
+    that is None by default is listed as such, with the defaults it is created from when a key in it
+    is set. `defaults`: the instance whose values are the defaults (None: the field defaults of `cls`).
+    """
     lines = []
     for name, (f, tp) in _fields(cls).items():
         full = _join(prefix, name)
         sub = _dataclass_of(tp)
         doc = f.metadata.get("doc", "(undocumented)")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        value = getattr(defaults, name) if defaults is not None else None if required else _field_default(f)
         if sub is not None:
-            lines.append(f"{full}: {doc}")
-            lines.append(config_help(sub, full))
+            off = " (None by default; setting a key in it creates it from the defaults below)" if value is None else ""
+            lines.append(f"{full}: {doc}{off}")
+            lines.append(config_help(sub, full, value))
             continue
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            default = "required"
-        else:
-            default = f"default {to_dict(_field_default(f))!r}"
+        default = "required" if defaults is None and required else f"default {to_dict(value)!r}"
         lines.append(f"{full} ({_type_name(tp)}, {default}): {doc}")
     return "\n".join(lines)

@@ -165,3 +165,44 @@ def test_help_lists_every_leaf_with_type_default_and_doc():
     assert "train.eval_optim.lr (float, default 0.001)" in text
     assert "resume (Optional[str], default None): checkpoint to resume from" in text
     assert "name (str, required): reward name" not in text  # list items are not expanded as sections
+
+
+def test_errors_name_the_file_line_or_override_the_value_came_from(tmp_path):
+    path = write(tmp_path, "name: x\ntrain:\n  steps: 5\n  optim:\n    lrr: 1\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' line 5: unknown config key 'train\.optim\.lrr'") as err:
+        load_config(Top, path)
+    assert err.value.key == "train.optim.lrr" and "\n" not in str(err.value)
+    path = write(tmp_path, "train:\n  steps: five\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' line 2: config key 'train\.steps' expects int"):
+        load_config(Top, path)
+    # an override replaces the file's value, so the error names the override, not the file
+    with pytest.raises(ConfigError, match=r"^override 'train\.steps=2\.5': config key 'train\.steps' expects int"):
+        load_config(Top, path, ["train.steps=2.5"])
+    with pytest.raises(ConfigError, match=r"^override 'train\.optim\.lrr=1': unknown config key 'train\.optim\.lrr'"):
+        load_config(Top, None, ["train.optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"^override 'rewards=\[\{weight: 2\}\]': missing required config key 'rewards\[0\]\.name'"):
+        load_config(Top, None, ["rewards=[{weight: 2}]"])
+    # a failed check of a section names the file's section and every override inside it
+    path = write(tmp_path, "train:\n  optim:\n    schedule: cosine\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' line 2, override 'train\.optim\.lr=-1': invalid config 'train\.optim'"):
+        load_config(Top, path, ["train.optim.lr=-1"])
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' line 2: invalid config 'train\.optim'"):
+        load_config(Top, write(tmp_path, "train:\n  optim:\n    lr: -1\n"))
+    path = write(tmp_path, "train: [\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' is not valid YAML: .*line 2") as err:
+        load_config(Top, path)
+    assert "\n" not in str(err.value)
+
+
+@dataclasses.dataclass
+class WithTunedSection:
+    optim: Optim = option(Optim(lr=0.5, schedule="cosine"), doc="tuned optimizer")
+    spare: Optional[Optim] = option(None, doc="off by default")
+
+
+def test_help_shows_the_defaults_of_a_sections_default_value():
+    text = config_help(WithTunedSection)
+    assert "optim.lr (float, default 0.5): peak learning rate" in text
+    assert "optim.schedule (Literal['constant', 'cosine'], default 'cosine')" in text
+    assert "spare: off by default (None by default; setting a key in it creates it from the defaults below)" in text
+    assert "spare.lr (float, default 0.001)" in text

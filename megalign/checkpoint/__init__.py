@@ -2,22 +2,29 @@
 
 `CheckpointManager(run_dir, keep_last)` saves `{"model": ModelState(model, layout), "optim":
 OptimizerState(model, optimizer, layout), "rng": RNGState(), "sampler": sampler, ...}` at a step and
-loads it back in place; `resolve_resume("auto")` finds the latest complete one. `all_finite` is the
-trainers' skip-the-step check; `export_hf` writes the final model for `transformers` and the next stage.
+loads it back in place; `resolve_resume("auto")` finds the latest complete one. A checkpoint holds
+the config it was written with, and `check_resume_config` refuses (or, allowed, warns about) a resume
+whose config differs; `write_run_config` writes the run's `config.yaml`, keeping earlier ones.
+`export_hf` writes the final model for `transformers` and the next stage.
+
+`all_finite` (the trainers' skip-the-step check) lives in `megalign.parallel`; it is re-exported here
+only while `megalign.trainers.sft` and `megalign.roles.actor` still import it from this package.
 """
 from megalign.checkpoint.hf_export import export_hf
 from megalign.checkpoint.manager import CheckpointManager, checkpoint_step
+from megalign.checkpoint.resume import check_resume_config, config_changes, write_run_config
 from megalign.checkpoint.state import (
     ModelState,
     OptimizerState,
     RNGState,
-    all_finite,
     capture_rng_state,
     nonfinite_keys,
     restore_rng_state,
 )
+from megalign.parallel.collectives import all_finite
 
 __all__ = [
     "CheckpointManager", "checkpoint_step", "ModelState", "OptimizerState", "RNGState", "all_finite",
     "capture_rng_state", "restore_rng_state", "nonfinite_keys", "export_hf",
+    "check_resume_config", "config_changes", "write_run_config",
 ]

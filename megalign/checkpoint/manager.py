@@ -2,7 +2,8 @@
 
 Layout of a run directory:
 
-    run_dir/checkpoints/step_00000040/      a complete checkpoint (DCP files + .metadata)
+    run_dir/config.yaml                     the config of the latest start (earlier ones: config.<N>.yaml, see `resume`)
+    run_dir/checkpoints/step_00000040/      a complete checkpoint (DCP files + .metadata, config.yaml)
     run_dir/checkpoints/step_00000050.tmp/  being written, or left behind by a crash: never read
 
 Design choices:
@@ -15,13 +16,16 @@ Design choices:
   of that step (or pruning) removes.
 - Nothing non-finite is saved: `save` checks every floating-point tensor of the state first and
   raises naming the keys (on every rank together, so no rank is left waiting in a collective).
-  Trainers skip such steps before they happen (`all_finite`); this check is the last line.
+  Trainers skip such steps before they happen (`megalign.parallel.all_finite`); this check is the last line.
 - One code path with and without `torch.distributed`: DCP runs without a process group in a single
   process (its `no_dist` mode, chosen automatically), and the barriers are skipped there.
 - `keep_last` completed checkpoints are kept; older ones are deleted by rank 0 after a new one is
   complete, so a crash during pruning still leaves the newest checkpoint.
 - `resolve_resume("auto" | "none" | step | path)` turns the `resume` config value into a folder,
   so trainers share one meaning of it.
+- A checkpoint holds the resolved config it was written with (`save(..., config=to_dict(cfg))`
+  writes `config.yaml` into the folder before the rename), so a resume can compare it with its own
+  (`saved_config`, `megalign.checkpoint.resume.check_resume_config`).
 """
 from __future__ import annotations
 
@@ -34,11 +38,16 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint.state import nonfinite_keys
+from megalign.checkpoint.state import Reshardable, SavedCheckpoint, nonfinite_keys
+from megalign.config import ConfigError, atomic_write_text, config_yaml
 
 _STEP_DIR = re.compile(r"step_(\d{8})")
+
+CONFIG_FILE = "config.yaml"
+"""The resolved config inside a checkpoint folder."""
 
 State = Mapping[str, Union[Stateful, Mapping[str, Any]]]
 """Top-level name -> a `Stateful` (model, optimizer, RNG, sampler) or a plain nested dict."""
@@ -97,11 +106,13 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: State) -> str:
+    def save(self, step: int, state: State, config: Any = None) -> str:
         """Write `state` as the checkpoint of `step` and return its folder.
 
         `Stateful` values are asked for their `state_dict()` once here. Raises ValueError, on every
-        rank and before anything is written, when any rank's state holds NaN or inf.
+        rank and before anything is written, when any rank's state holds NaN or inf. `config` (the
+        run's resolved config, as `megalign.config.to_dict` gives it, or the config itself) is
+        written by rank 0 as `config.yaml` in the folder, before it is renamed into place.
         """
         final = self.path(step)
         tmp = final + ".tmp"
@@ -120,6 +131,8 @@ class CheckpointManager:
         _barrier()
         with _quiet_single_process():
             dcp.save(materialised, checkpoint_id=tmp)
+        if config is not None and _rank() == 0:
+            atomic_write_text(os.path.join(tmp, CONFIG_FILE), config_yaml(config))
         _barrier()
         if _rank() == 0:
             if os.path.exists(final):
@@ -140,15 +153,41 @@ class CheckpointManager:
     def load(self, checkpoint: Union[int, str, os.PathLike], state: State) -> None:
         """Restore `state` in place from a step number or a checkpoint folder.
 
-        DCP fills the existing tensors of each state dict and then calls `load_state_dict` on the
-        `Stateful` values; plain dicts get their non-tensor values replaced. A key of `state`
-        missing from the checkpoint (another layout, another model) raises naming the key.
+        First every `Reshardable` value (model, optimizer, RNG) is shown the checkpoint's keys and
+        says what to read (`load_target`), failing before anything is read when the checkpoint
+        cannot be loaded into it (another tp or pp: the message names both layouts). DCP then fills
+        the existing tensors, calls `load_state_dict` on the other `Stateful` values and replaces the
+        non-tensor values of plain dicts; the `Reshardable`s get their filled targets. A key of
+        `state` missing from the checkpoint (another model) raises naming the key.
         """
         path = self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+        saved = SavedCheckpoint(path, frozenset(dcp.FileSystemReader(path).read_metadata().state_dict_metadata))
+        targets = {name: value.load_target(name, saved) if isinstance(value, Reshardable) else value
+                   for name, value in state.items()}
         with _quiet_single_process():
-            dcp.load(dict(state), checkpoint_id=path)
+            dcp.load(targets, checkpoint_id=path)
+        for name, value in state.items():
+            if isinstance(value, Reshardable):
+                value.load_state_dict(targets[name])
+
+    def saved_config(self, checkpoint: Union[int, str, os.PathLike]) -> Optional[dict[str, Any]]:
+        """The config a checkpoint (step or folder) was written with, as a plain dict; None when it holds none.
+
+        Raises ConfigError naming the file when it is not a YAML mapping.
+        """
+        path = os.path.join(self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint), CONFIG_FILE)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path, encoding="utf-8") as fh:
+                saved = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"checkpoint config {path!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+        if not isinstance(saved, dict):
+            raise ConfigError(f"checkpoint config {path!r} must hold a mapping, got {type(saved).__name__}")
+        return saved
 
     def resolve_resume(self, resume: Union[str, int]) -> Optional[str]:
         """The checkpoint folder to resume from, or None to start fresh.

@@ -1,8 +1,11 @@
-"""What goes into a training checkpoint: model and optimizer shards, per-rank RNG state, a NaN guard.
+"""What goes into a training checkpoint: model and optimizer shards, per-rank RNG state, a NaN scan.
 
 Each class here is a `torch.distributed.checkpoint` `Stateful` (`state_dict()` / `load_state_dict()`),
 so `CheckpointManager.save(step, {"model": ModelState(...), "optim": OptimizerState(...), ...})`
-and `.load(...)` treat them alike with plain dicts (a data sampler's `state_dict()`).
+and `.load(...)` treat them alike with plain dicts (a data sampler's `state_dict()`). They are also
+`Reshardable`: before reading, `CheckpointManager.load` hands each one the checkpoint's keys
+(`SavedCheckpoint`) and reads what its `load_target` asks for, which is how a checkpoint written at
+one dp size loads at another.
 
 Design choice: tensor-parallel shards are saved under keys prefixed by this rank's coordinates.
 
@@ -11,19 +14,33 @@ DCP treats a plain (non-DTensor) tensor that appears under the same key on sever
 different shards of one logical tensor under one parameter name, so saved under their bare names
 every tp rank but one would be silently dropped. Converting them to DTensors would let DCP reshard,
 but the layers and the HF adapter work on plain shards. So every model tensor is saved under
-`"tp{t}_pp{p}"` + its name (`ModelState`), and the optimizer state under the same prefix, plus
-`"dp{d}_"` when ZeRO-1 shards it across data-parallel ranks (`OptimizerState`). Replicas of the
-same shard (the dp ranks of a model shard) share a key, so DCP writes each shard once. RNG state
-differs on every rank and is keyed by global rank (`RNGState`).
+`"tp{t}_pp{p}"` + its name (`ModelState`). Replicas of the same shard (the dp ranks of a model
+shard) share a key, so DCP writes each shard once.
 
-The price: a checkpoint restores only into the same tp / pp layout (and dp size when ZeRO-1 shards
-the optimizer), checked on load through the key names (a missing key is an error naming it).
-Changing the layout goes through the HF export (`export_hf`), which gathers whole tensors.
+The optimizer state is saved independently of dp: per parameter (by its name in the model), whole,
+under the same `"tp{t}_pp{p}"` prefix (`OptimizerState`). ZeRO-1 shards the state by whole
+parameters, so each parameter's state lives on one dp rank, which saves it under its own name;
+on load every rank asks for the parameters it owns in the *current* partition, wherever they were
+saved. The `param_groups` are not saved: their hyper-parameters come from the config and the lr is
+set before every step (`megalign.trainers.optim`). Checkpoints of the earlier layout (ZeRO shards
+under `"dp{d}_tp{t}_pp{p}"`) load the same way, at any dp.
+
+RNG state differs on every rank and is keyed by global rank (`RNGState`). Rank r restores saved rank
+r's streams when the checkpoint has them; a rank beyond the saved ones (dp grew) restores rank 0's
+and then reseeds every generator from a hash of rank 0's torch state and r: deterministic, and
+distinct per rank. When dp shrinks, the streams of the ranks that are gone are dropped.
+
+What cannot be resharded: tp and pp. They are read from the saved key names before anything is
+loaded, and a change fails up front naming the saved and the current layout. Changing tp or pp goes
+through the HF export (`export_hf`), which gathers whole tensors.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import random
-from typing import Any, Iterable, Mapping, Optional, Union
+import re
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -35,7 +52,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from megalign.parallel.layout import ParallelLayout
 
 
-
 def _coords(layout: Optional[ParallelLayout]) -> dict[str, int]:
     """{"tp", "dp", "pp"} of this rank; all 0 without a layout (one process)."""
     return layout.coords() if layout is not None else {"tp": 0, "dp": 0, "pp": 0}
@@ -45,56 +61,133 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedCheckpoint:
+    """What `CheckpointManager.load` tells a `Reshardable` before reading: the folder and every key it holds.
+
+    Keys are DCP's flattened names: top-level name, then the nested dict keys, joined by ".".
+    """
+
+    path: str
+    keys: frozenset[str]
+
+    def under(self, prefix: str) -> list[str]:
+        """The saved keys that start with `prefix + "."`, with that part cut off."""
+        return [k[len(prefix) + 1:] for k in self.keys if k.startswith(prefix + ".")]
+
+
+@runtime_checkable
+class Reshardable(Protocol):
+    """A `Stateful` whose saved form may be read back under other keys (another dp, an older format).
+
+    `load_target(name, saved)` returns the nested dict to read (keys as saved, tensors to fill in
+    place), raising ValueError up front when the checkpoint cannot be loaded into this object;
+    `load_state_dict` then receives that dict, filled.
+    """
+
+    def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+_SHARD = re.compile(r"(?:dp\d+_)?tp(\d+)_pp(\d+)\.")
+
+
+def check_saved_layout(name: str, saved: SavedCheckpoint, tp: int, pp: int) -> None:
+    """Raise ValueError unless the `name` entry of `saved` holds tp x pp shards (read from its key names)."""
+    coords = {(int(m.group(1)), int(m.group(2))) for m in map(_SHARD.match, saved.under(name)) if m}
+    if not coords:
+        names = sorted({k.split(".")[0] for k in saved.keys})
+        raise ValueError(f"checkpoint {saved.path} holds no '{name}' shards (its entries: {', '.join(names)})")
+    saved_tp, saved_pp = max(t for t, _ in coords) + 1, max(p for _, p in coords) + 1
+    if (saved_tp, saved_pp) != (tp, pp):
+        raise ValueError(f"checkpoint {saved.path}: '{name}' was saved with tp={saved_tp} pp={saved_pp}, but this run "
+                         f"has tp={tp} pp={pp}; a checkpoint loads only into the same tp and pp (dp may differ). "
+                         f"To change them, start a new run from the model's HF export")
+
+
 class ModelState:
     """A model's parameters and persistent buffers, saved as `{"tp{t}_pp{p}": model.state_dict()}`.
 
     The model's own `state_dict` is what a tp shard holds (the layers keep plain tensors); see the
     module doc for why the prefix. Loading copies into the existing tensors (DCP loads in place),
-    so the model must already be built with the saved layout.
+    so the model must already be built with the saved tp and pp (checked first, `load_target`);
+    any dp size loads it.
     """
 
     def __init__(self, model: nn.Module, layout: Optional[ParallelLayout] = None):
         self.model = model
         coords = _coords(layout)
         self.key = f"tp{coords['tp']}_pp{coords['pp']}"
+        self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
 
     def state_dict(self) -> dict[str, Any]:
         return {self.key: self.model.state_dict()}
+
+    def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
+        check_saved_layout(name, saved, self.tp, self.pp)
+        return self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state[self.key])
 
 
 class OptimizerState:
-    """An optimizer's state keyed by parameter name (DCP's `get_optimizer_state_dict`), under a shard prefix.
+    """An optimizer's per-parameter state, by parameter name, under `"tp{t}_pp{p}"`: independent of dp (module doc).
 
-    A `ZeroRedundancyOptimizer` holds the state of ~1/dp of the parameters in its local `.optim`;
-    that local optimizer is what is saved, under `"dp{d}_tp{t}_pp{p}"` (ZeRO-1's partition is a
-    deterministic function of the parameter list and dp size, so the same rank owns the same
-    parameters after a restart). Any other optimizer is saved whole under `"tp{t}_pp{p}"`.
+    Saved as `{"tp{t}_pp{p}": {"state": {param name: {"exp_avg": ..., "step": ...}}}}`, from DCP's
+    `get_optimizer_state_dict`. For a `ZeroRedundancyOptimizer` that is its local `.optim`, which holds
+    the state of the parameters this dp rank owns; any other optimizer is saved whole (its dp
+    replicas share the keys, so it is written once). Loading asks for the parameters this rank owns
+    now, from whichever shard of whichever format holds them, after checking tp and pp.
 
-    Learning rates: the trainers set `lr` from the step before every update (`megalign.trainers.optim`),
-    so the restored `param_groups` lr does not matter for them. Note `get_optimizer_state_dict` gives an
-    optimizer that has never stepped its state by one zero-lr step (the state must exist to be
-    loaded into); a save before the first update therefore sets `step` to 1 in the saved *and* the
-    running optimizer alike, so a resumed run still continues exactly.
+    Learning rates and other hyper-parameters: not restored (module doc); the trainers set `lr` from
+    the step before every update. Note `get_optimizer_state_dict` gives an optimizer that has never
+    stepped its state by one zero-lr step (the state must exist to be loaded into); a save before the
+    first update therefore sets `step` to 1 in the saved *and* the running optimizer alike, so a
+    resumed run still continues exactly.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Optional[ParallelLayout] = None):
         self.model = model
         coords = _coords(layout)
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            self.optimizer = optimizer.optim
-            self.key = f"dp{coords['dp']}_tp{coords['tp']}_pp{coords['pp']}"
-        else:
-            self.optimizer = optimizer
-            self.key = f"tp{coords['tp']}_pp{coords['pp']}"
+        self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        self.key = f"tp{coords['tp']}_pp{coords['pp']}"
+        self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {self.key: get_optimizer_state_dict(self.model, self.optimizer)}
+        return {self.key: {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}}
+
+    def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
+        """{saved shard prefix: {"state": {name: {key: tensor}}}} for the parameters this optimizer holds."""
+        check_saved_layout(name, saved, self.tp, self.pp)
+        shard_of = {}  # "param name.state key" -> the saved prefix holding it: "tp{t}_pp{p}" or "dp{d}_tp{t}_pp{p}"
+        for key in saved.under(name):
+            shard, _, rest = key.partition(".state.")
+            if rest and (shard == self.key or shard.endswith("_" + self.key)):
+                shard_of[rest] = shard
+        target: dict[str, Any] = {}
+        missing = []
+        for param, values in self.state_dict()[self.key]["state"].items():
+            for key, value in values.items():
+                shard = shard_of.get(f"{param}.{key}")
+                if shard is None:
+                    missing.append(f"{param}.{key}")
+                    continue
+                target.setdefault(shard, {"state": {}})["state"].setdefault(param, {})[key] = value
+        if missing:
+            raise ValueError(f"checkpoint {saved.path}: no saved '{name}' state ({self.key}) for {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}: written for another model or optimizer?")
+        return target
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state[self.key])
+        """Load `{any shard prefix: {"state": {param name: {...}}}}` (what `state_dict` or `load_target` gives)."""
+        merged: dict[str, dict[str, Any]] = {}
+        for shard in state.values():
+            for param, values in shard["state"].items():
+                merged.setdefault(param, {}).update(values)
+        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # this run's hyper-parameters
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": merged, "param_groups": groups})
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -114,54 +207,42 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _reseed(state: Mapping[str, Any], rank: int) -> None:
+    """Seed every global generator from a hash of `state`'s torch generator and `rank` (module doc)."""
+    digest = hashlib.sha256(state["torch"].numpy().tobytes() + rank.to_bytes(8, "little")).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also every CUDA device
+
+
 class RNGState:
     """The global random generators of this rank, saved under `"rank{r}"` (every rank has its own streams).
 
-    Seeded `torch.Generator`s owned by a trainer are not global: save them through their own
-    `get_state()` in the trainer's state.
+    Loading at a larger world size: a rank the checkpoint has no streams for takes rank 0's, reseeded
+    from them and its rank (module doc). Seeded `torch.Generator`s owned by a trainer are not
+    global: save them through their own `get_state()` in the trainer's state.
     """
 
     def __init__(self, rank: Optional[int] = None):
-        self.key = f"rank{_global_rank() if rank is None else rank}"
+        self.rank = _global_rank() if rank is None else rank
+        self.key = f"rank{self.rank}"
 
     def state_dict(self) -> dict[str, Any]:
         return {self.key: capture_rng_state()}
 
+    def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
+        ranks = {k.split(".")[0] for k in saved.under(name)}
+        if self.key not in ranks and "rank0" not in ranks:
+            raise ValueError(f"checkpoint {saved.path} holds no '{name}' streams of {self.key} or rank0")
+        return {self.key if self.key in ranks else "rank0": capture_rng_state()}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        restore_rng_state(state[self.key])
-
-
-TensorTree = Union[torch.Tensor, float, Mapping[str, Any], Iterable[Any], None]
-
-
-def _flat_floats(values: TensorTree) -> list[torch.Tensor]:
-    """Every floating-point tensor (Python floats as 0-dim tensors) in a nest of mappings and sequences."""
-    if isinstance(values, torch.Tensor):
-        return [values.detach()] if values.is_floating_point() else []
-    if isinstance(values, float):
-        return [torch.tensor(values)]
-    if isinstance(values, Mapping):
-        return [t for v in values.values() for t in _flat_floats(v)]
-    if isinstance(values, (list, tuple)):
-        return [t for v in values for t in _flat_floats(v)]
-    return []
-
-
-def all_finite(values: TensorTree, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """Whether every float in `values` (a loss, gradients, a nest of tensors) is finite on every rank of `group`.
-
-    Trainers call it on the loss or the global gradient norm before `optimizer.step()` and skip the
-    update when it is False, so NaN / inf never reaches the weights (and so never a checkpoint).
-    One MIN all-reduce over `group` (default: the whole world when a process group exists) makes all
-    ranks agree, so they skip together and stay in step; one host sync per call.
-    """
-    tensors = _flat_floats(values)
-    device = tensors[0].device if tensors else torch.device("cpu")
-    flags = [torch.isfinite(t).all().to(device) for t in tensors]
-    ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)).to(torch.int32)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return bool(ok)
+        """Restore `{"rank{r}": streams}`: this rank's own, or rank 0's to derive new streams from."""
+        (key, streams), = state.items()
+        restore_rng_state(streams)
+        if key != self.key:
+            _reseed(streams, self.rank)
 
 
 def nonfinite_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:

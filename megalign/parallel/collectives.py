@@ -14,10 +14,13 @@ input unchanged (the same tensor object) when the group has one rank, so tp=1 co
 gather pair converts between replicated and last-dim-sharded activations. The plain (non-autograd)
 helpers `all_reduce`, `all_gather_last_dim`, `split_last_dim`, `broadcast_from_first` and
 `gather_to_first` never modify their input.
+
+`all_finite` is the trainers' agreement on skipping a step: every rank learns whether any rank saw a
+NaN or inf. Unlike the helpers above it also runs without a process group (one process).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -172,3 +175,36 @@ def gather_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     return _GatherFromGroup.apply(x, group)
+
+
+TensorTree = Union[torch.Tensor, float, Mapping[str, Any], Iterable[Any], None]
+
+
+def _flat_floats(values: TensorTree) -> list[torch.Tensor]:
+    """Every floating-point tensor (Python floats as 0-dim tensors) in a nest of mappings and sequences."""
+    if isinstance(values, torch.Tensor):
+        return [values.detach()] if values.is_floating_point() else []
+    if isinstance(values, float):
+        return [torch.tensor(values)]
+    if isinstance(values, Mapping):
+        return [t for v in values.values() for t in _flat_floats(v)]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _flat_floats(v)]
+    return []
+
+
+def all_finite(values: TensorTree, group: Group = None) -> bool:
+    """Whether every float in `values` (a loss, gradients, a nest of tensors) is finite on every rank of `group`.
+
+    Trainers call it on the loss or the global gradient norm before `optimizer.step()` and skip the
+    update when it is False, so NaN / inf never reaches the weights (and so never a checkpoint).
+    One MIN all-reduce over `group` (default: the whole world when a process group exists) makes all
+    ranks agree, so they skip together and stay in step; one host sync per call.
+    """
+    tensors = _flat_floats(values)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flags = [torch.isfinite(t).all().to(device) for t in tensors]
+    ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)).to(torch.int32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok)

@@ -104,8 +104,9 @@ def zero1_optimizer(
 
     Each dp rank keeps the optimizer state of about 1/dp of the parameters; `step()` (a collective:
     every dp rank calls it) updates those and broadcasts them to the other dp ranks. Gradients must
-    already be synchronised (`allreduce_gradients`). To checkpoint, call `consolidate_state_dict(to=0)`
-    on every rank, then `state_dict()` on rank 0.
+    already be synchronised (`allreduce_gradients`). To checkpoint, wrap it in
+    `megalign.checkpoint.OptimizerState`: each rank saves the state of the parameters it owns, by
+    parameter name, so the checkpoint loads at any dp size (no consolidation on one rank).
     """
     return ZeroRedundancyOptimizer(parameters, optimizer_class=optimizer_class, process_group=dp_group, **defaults)
 

@@ -3,6 +3,12 @@
 `launch/train_*.py` stay thin: `main(SFTConfig, train_sft, sys.argv[1:])` parses argv, loads the
 typed config, initialises the process group and logging, runs the trainer and tears the group down.
 
+Exit statuses: `--help` prints the usage and every config key of the trainer's config class (type,
+default, doc; `megalign.config.config_help`) on stdout and exits 0. A bad command line, or a
+`ConfigError` (unknown key, bad type, failed check, a refused resume with a changed config) prints one
+line `error: ...` on stderr, naming the file and line or the override and the dotted key, and exits 2
+(argparse's status for usage errors) instead of a traceback; any other failure raises as usual.
+
 Design choice: a process group always exists. Under `torchrun` (WORLD_SIZE set) it is the usual
 env:// group; under plain `python` it is a one-rank group on a file store in a temporary folder. So
 the trainers have one code path (a `ParallelLayout`, ZeRO-1, DCP, collectives that return early on
@@ -12,38 +18,68 @@ Backend: gloo on CPU; on GPUs NCCL for CUDA tensors with gloo beside it for CPU 
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megalign.config import load_config
+from megalign.config import ConfigError, config_help, load_config
 
 C = TypeVar("C")
 
+USAGE = "usage: [-h] [--config CONFIG.yaml] [key.sub=value ...]"
 
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """(`--config` path or None, ["key.sub=value", ...]) from argv; SystemExit with usage on anything else."""
-    usage = "usage: [--config CONFIG.yaml] [key.sub=value ...]"
+
+def help_text(config_cls: type) -> str:
+    """The `--help` text: usage, the config class's summary, the options, then every config key."""
+    summary = (inspect.getdoc(config_cls) or config_cls.__name__).splitlines()[0]
+    keys = "\n".join(f"  {line}" for line in config_help(config_cls).splitlines())
+    return (f"{USAGE}\n\n{summary}\n\n"
+            "  -h, --help            print this text and exit\n"
+            "  --config CONFIG.yaml  YAML file of config keys (nested sections)\n"
+            "  key.sub=value         set one config key (the value is YAML); applied after the file, in order\n\n"
+            f"config keys of {config_cls.__name__}:\n{keys}")
+
+
+def _fail(message: str) -> NoReturn:
+    """Print `error: message` (one line) on stderr and exit with status 2."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[Optional[str], list[str]]:
+    """(`--config` path or None, ["key.sub=value", ...]) from argv.
+
+    `-h` / `--help`: print `help_text(config_cls)` (the usage alone without a class) and exit 0.
+    Anything else that is not `--config PATH`, `--config=PATH` or `key=value`: one error line and
+    the usage on stderr, exit 2.
+    """
     config, overrides, args = None, [], list(argv)
+
+    def bad(message: str) -> NoReturn:
+        print(USAGE, file=sys.stderr)
+        _fail(message)
+
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
-            raise SystemExit(usage)
+            print(help_text(config_cls) if config_cls is not None else USAGE, flush=True)
+            raise SystemExit(0)
         if arg == "--config" or arg.startswith("--config="):
             if config is not None:
-                raise SystemExit(f"--config given twice\n{usage}")
+                bad("--config given twice")
             config = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else None)
             if not config:
-                raise SystemExit(f"--config needs a path\n{usage}")
+                bad("--config needs a path")
         elif "=" in arg and not arg.startswith("-"):
             overrides.append(arg)
         else:
-            raise SystemExit(f"unexpected argument {arg!r}\n{usage}")
+            bad(f"unexpected argument {arg!r}")
     return config, overrides
 
 
@@ -84,13 +120,20 @@ def main(config_cls: type[C], train_fn: Callable[[C], Any], argv: Sequence[str])
     """What every launch script runs: `[--config CONFIG.yaml] [key.sub=value ...]` -> `train_fn(config)`.
 
     The config is loaded (and checked) before the process group exists, so a bad key fails fast;
-    the group is destroyed however `train_fn` ends. Returns what `train_fn` returns.
+    the group is destroyed however `train_fn` ends. Returns what `train_fn` returns. `--help`, usage
+    errors and `ConfigError`s (also those `train_fn` raises, e.g. a refused resume) end in SystemExit
+    with the statuses of the module doc.
     """
-    config_path, overrides = parse_cli(argv)
-    cfg = load_config(config_cls, config_path, overrides)
+    config_path, overrides = parse_cli(argv, config_cls)
+    try:
+        cfg = load_config(config_cls, config_path, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
     init_distributed(cfg.device)
     setup_logging(dist.get_rank())
     try:
         return train_fn(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
     finally:
         dist.destroy_process_group()

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from megalign.parallel.collectives import (
+    all_finite,
     all_gather_last_dim,
     all_reduce,
     broadcast_from_first,
@@ -102,10 +103,28 @@ def _check_size_one_group_is_identity():
     assert gather_to_first(x, 0, layout.tp_group) is x
 
 
+def _check_all_finite_agrees_across_ranks():
+    layout = ParallelLayout.build(tp=1)
+    mine = torch.tensor([1.0, float("nan") if layout.rank == 1 else 2.0])
+    assert all_finite(mine) is False  # rank 0's values are finite, but rank 1 saw a NaN: both skip
+    assert all_finite(mine, group=layout.tp_group) is (layout.rank == 0)  # a one-rank group: no agreement
+    assert all_finite(torch.ones(2)) is True
+
+
 def _check_all():
     _check_collectives_on_tp_group()
     _check_size_one_group_is_identity()
+    _check_all_finite_agrees_across_ranks()
 
 
 def test_collectives_match_dense_math():
     run_distributed(_check_all)
+
+
+def test_all_finite_without_a_process_group():
+    assert not dist.is_initialized()
+    assert all_finite(torch.tensor(1.5))
+    assert all_finite([torch.ones(2), {"a": torch.zeros(3)}, 2.0, torch.tensor([1, 2])])  # ints are never NaN
+    assert not all_finite([torch.ones(2), {"a": torch.tensor([0.0, float("inf")])}])
+    assert not all_finite(float("nan"))
+    assert all_finite([])

@@ -1,5 +1,4 @@
-"""MetricsLogger output, PhaseTimer accumulation, memory_report, the LR schedule and the launch helpers."""
-import dataclasses
+"""MetricsLogger output, PhaseTimer accumulation, memory_report and the LR schedule (the launch helpers: test_cli.py)."""
 import json
 import logging
 import math
@@ -7,11 +6,8 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megalign.config import option
 from megalign.trainers import logging as logging_mod
-from megalign.trainers.cli import main, parse_cli
 from megalign.trainers.logging import MetricsLogger, PhaseTimer, memory_report
 from megalign.trainers.optim import OptimConfig, lr_at
 
@@ -86,40 +82,3 @@ def test_lr_schedule_hand_values():
     assert math.isclose(lr_at(cfg, 12, 13), 0.1) and math.isclose(lr_at(cfg, 50, 13), 0.1)
     constant = OptimConfig(lr=2.0, warmup_steps=0, schedule="constant")
     assert [lr_at(constant, s, 5) for s in (0, 4)] == [2.0, 2.0]
-
-
-def test_parse_cli():
-    assert parse_cli(["--config", "a.yaml", "x.y=1", "z=[1, 2]"]) == ("a.yaml", ["x.y=1", "z=[1, 2]"])
-    assert parse_cli(["--config=b.yaml"]) == ("b.yaml", [])
-    assert parse_cli(["steps=3"]) == (None, ["steps=3"])
-    for bad in (["--lr", "3"], ["--config"], ["--config", "a", "--config", "b"], ["loose"]):
-        with pytest.raises(SystemExit):
-            parse_cli(bad)
-
-
-@dataclasses.dataclass
-class _LaunchConfig:
-    device: str = option("cpu", doc="device")
-    steps: int = option(1, doc="steps")
-
-
-def test_main_loads_config_runs_trainer_and_destroys_group(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    seen = []
-
-    def train(cfg):
-        seen.append((cfg.steps, dist.get_world_size()))
-        return "done"
-
-    assert main(_LaunchConfig, train, ["steps=3"]) == "done"
-    assert seen == [(3, 1)] and not dist.is_initialized()
-
-    def boom(cfg):
-        raise RuntimeError("trainer failed")
-
-    with pytest.raises(RuntimeError, match="trainer failed"):
-        main(_LaunchConfig, boom, [])
-    assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="nope"):  # an unknown key fails before any process group exists
-        main(_LaunchConfig, train, ["nope=1"])
-    assert not dist.is_initialized() and len(seen) == 1
