@@ -5,10 +5,8 @@ OptimizerState(model, optimizer, layout), "rng": RNGState(), "sampler": sampler,
 loads it back in place; `resolve_resume("auto")` finds the latest complete one. A checkpoint holds
 the config it was written with, and `check_resume_config` refuses (or, allowed, warns about) a resume
 whose config differs; `write_run_config` writes the run's `config.yaml`, keeping earlier ones.
-`export_hf` writes the final model for `transformers` and the next stage.
-
-`all_finite` (the trainers' skip-the-step check) lives in `megalign.parallel`; it is re-exported here
-only while `megalign.trainers.sft` and `megalign.roles.actor` still import it from this package.
+`export_hf` writes the final model for `transformers` and the next stage. (The trainers'
+skip-the-step check, `all_finite`, is a collective and lives in `megalign.parallel`.)
 """
 from megalign.checkpoint.hf_export import export_hf
 from megalign.checkpoint.manager import CheckpointManager, checkpoint_step
@@ -21,10 +19,9 @@ from megalign.checkpoint.state import (
     nonfinite_keys,
     restore_rng_state,
 )
-from megalign.parallel.collectives import all_finite
 
 __all__ = [
-    "CheckpointManager", "checkpoint_step", "ModelState", "OptimizerState", "RNGState", "all_finite",
+    "CheckpointManager", "checkpoint_step", "ModelState", "OptimizerState", "RNGState",
     "capture_rng_state", "restore_rng_state", "nonfinite_keys", "export_hf",
     "check_resume_config", "config_changes", "write_run_config",
 ]

@@ -22,9 +22,8 @@ from typing import Optional
 
 import torch
 
-from megalign.checkpoint import all_finite
 from megalign.models import CausalLM
-from megalign.parallel import (MixedPrecision, ParallelLayout, allreduce_gradients, clip_grad_norm_,
+from megalign.parallel import (MixedPrecision, ParallelLayout, all_finite, allreduce_gradients, clip_grad_norm_,
                                vocab_parallel_token_logprob)
 from megalign.roles.base import ModelRole, optimizer_slots
 from megalign.rollout import GenerationOutput, SamplingParams, generate

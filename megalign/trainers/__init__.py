@@ -1,5 +1,15 @@
-"""Training loops and what they share: typed run configs, optimizer and LR schedule (`optim`), metrics
-(`logging`: MetricsLogger, PhaseTimer, memory_report), launch helpers (`cli`), and the SFT stage (`sft`).
+"""Training loops on one skeleton, and what they share.
+
+- `base`: the one lifecycle (`Trainer`: run dir and config, resume checks, seeding, checkpoint-state
+  registry, loop with save / eval cadence, skipped-update counting, export, closing table), the
+  shared `RunConfig` and `DataConfig`, and `MetricSums` (named metric reduction over ranks).
+- `supervised`: the supervised family, one trainer with an objective plugged in (`Objective`);
+  `sft` is the SFT objective on it.
+- `online`: the online (RL) family: colocated actor / reference / reward roles, rollouts
+  (`RolloutBatch`), scoring; `grpo` is GRPO and its DAPO / Dr. GRPO variants on it.
+- `evaluation` (held-out greedy generation scored by a reward function), `optim` (AdamW with ZeRO-1,
+  LR schedule), `logging` (MetricsLogger, PhaseTimer, memory_report), `cli` (argv, `--help`,
+  config errors, process group).
 
 Checkpoints live in `megalign.checkpoint`. Submodules are imported directly (`from megalign.trainers.sft
 import train_sft`) so that importing one trainer does not import the others.

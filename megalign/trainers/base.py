@@ -5,7 +5,9 @@ set the run up), registers what a checkpoint must hold, and implements `train_st
 the rest, so a new objective or role never copies the plumbing:
 
     start-up (`Trainer.__init__`): device -> resume point resolved, and the checkpoint's config
-    compared with this one before any model is built -> run_dir/config.yaml (earlier ones kept)
+    compared with this one before any model is built (`check_resume_config`: keys outside
+    `RUN_FREE_KEYS` and `free_keys()` that differ are an error unless `resume_changes=allow`)
+    -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
     -> every RNG seeded -> [subclass: tokenizer, data, roles, `register_state`]
     `train()`: load the checkpoint -> evaluation before training (`eval_before`, once per run)
     -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
@@ -42,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint import CheckpointManager, RNGState
-from megalign.config import option, save_config
+from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, write_run_config
+from megalign.config import option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
@@ -190,9 +192,12 @@ class Trainer:
         self._layouts: dict[int, ParallelLayout] = {}
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
         self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
+        if self.resume_from is not None:
+            check_resume_config(self.checkpoints.saved_config(self.resume_from), to_dict(cfg),
+                                RUN_FREE_KEYS + self.free_keys(), cfg.resume_changes == "allow",
+                                checkpoint=self.resume_from)
         if self.rank == 0:
-            os.makedirs(cfg.run_dir, exist_ok=True)
-            save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+            write_run_config(cfg.run_dir, cfg)  # after the check: a refused resume keeps the run's config.yaml
         seed_everything(cfg.seed)
         self.progress: dict[str, Any] = {"step": 0, "nan_skips": 0, "empty_updates": 0, "accuracy_before": -1.0}
         self.state: dict[str, Any] = {"rng": RNGState(), "progress": self.progress}
@@ -235,6 +240,11 @@ class Trainer:
 
     # ----- hooks
 
+    def free_keys(self) -> tuple[str, ...]:
+        """Config keys besides `RUN_FREE_KEYS` this trainer may resume with changed (e.g. offload switches,
+        which give identical results); every key must exist in the config."""
+        return ()
+
     def train_step(self) -> dict[str, float]:
         """One training step; returns its metrics, already reduced over ranks (same on every rank)."""
         raise NotImplementedError
@@ -267,7 +277,7 @@ class Trainer:
     def _save(self, step: int) -> None:
         self.prepare_checkpoint_io()
         with self.timer("checkpoint"):
-            self.checkpoints.save(step, self.state)
+            self.checkpoints.save(step, self.state, config=to_dict(self.cfg))
 
     def train(self) -> TrainResult:
         """Run (or resume) the whole training; every rank calls it."""

@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 Number = Union[int, float, torch.Tensor]
 
-PROGRESS_KEYS = ("loss", "lr", "grad_norm", "accuracy", "reward/mean")
-"""Metrics shown on the progress bar when present (the rest go only to the files)."""
+PROGRESS_KEYS = ("loss", "actor/loss", "reward/mean", "accuracy", "eval/accuracy", "lr", "grad_norm")
+"""Metrics shown on the progress bar when present (the rest go only to the files): the loss (`loss`
+for supervised trainers, `actor/loss` for RL), the reward and the accuracy, whichever trainer runs.
+Each keeps its latest value, so a row with only `eval/accuracy` does not hide the loss."""
 
 
 def _to_float(name: str, value: Number) -> float:
@@ -83,6 +85,7 @@ class MetricsLogger:
             else:
                 self._bar = tqdm(total=progress_total, initial=initial_step, dynamic_ncols=True, file=sys.stderr)
         self._last_step = initial_step
+        self._shown: dict[str, str] = {}
 
     def log(self, step: int, metrics: Mapping[str, Number]) -> None:
         """Record `metrics` for `step` (all ranks call it; rank 0 writes)."""
@@ -95,9 +98,10 @@ class MetricsLogger:
         if self._writer is not None:
             for name, value in values.items():
                 self._writer.add_scalar(name, value, step)
-        if self._bar is not None:
+        if self._bar is not None:  # postfix first: `update` redraws, so the bar is current at every step, the last too
+            self._shown.update({k: f"{values[k]:.4g}" for k in PROGRESS_KEYS if k in values})
+            self._bar.set_postfix({k: self._shown[k] for k in PROGRESS_KEYS if k in self._shown}, refresh=False)
             self._bar.update(max(0, step - self._last_step))
-            self._bar.set_postfix({k: f"{values[k]:.4g}" for k in PROGRESS_KEYS if k in values}, refresh=False)
         self._last_step = max(self._last_step, step)
 
     def close(self) -> None:

@@ -202,6 +202,10 @@ class OnlineTrainer(Trainer):
         """Whether the algorithm uses the frozen reference (it is built only then)."""
         return False
 
+    def free_keys(self) -> tuple[str, ...]:
+        keys = ("actor.offload_weights", "actor.offload_optimizer", "reference.offload_weights")
+        return keys + (("reward.model.offload_weights",) if self.cfg.reward.model is not None else ())
+
     def __init__(self, cfg: OnlineConfig):
         super().__init__(cfg)
         self.layout = self.layout_for(cfg.actor.tp)

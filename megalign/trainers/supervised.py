@@ -194,6 +194,9 @@ class SupervisedTrainer(Trainer):
         self.register_state("optim", OptimizerState(model, self.policy.optimizer, layout))
         self.register_state("sampler", self.sampler)
 
+    def free_keys(self) -> tuple[str, ...]:
+        return ("model.offload_weights",)
+
     def describe(self) -> str:
         return (f"{self.name}: {len(self.train_set)} training examples, {len(self.held_out or [])} held-out prompts, "
                 f"{sum(p.numel() for p in self.policy.parameters())} parameters per rank, "

@@ -15,7 +15,7 @@ from megalign.data import CharTokenizer, PromptSampler
 from megalign.models import CausalLM, ModelConfig
 from megalign.parallel import ParallelLayout, allreduce_gradients
 from megalign.trainers.optim import OptimConfig, build_optimizer
-from megalign.trainers.sft import SFTModelConfig, _scratch_model
+from megalign.trainers.supervised import PolicyModelConfig, scratch_model
 
 
 def tiny_model(seed=0) -> CausalLM:
@@ -142,7 +142,7 @@ def _two_rank_round_trip(run_dir: str, tp: int) -> None:
     layout = ParallelLayout.build(tp=tp)
     torch.manual_seed(100 + layout.rank)  # per-rank RNG streams must come back per rank
     tokenizer = CharTokenizer()
-    model = _scratch_model(SFTModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+    model = scratch_model(PolicyModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                                           num_kv_heads=2), tokenizer, layout, seed=0)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1), layout)
 

@@ -17,13 +17,14 @@ from megalign.checkpoint import CheckpointManager, ModelState, OptimizerState, R
 from megalign.data import CharTokenizer
 from megalign.parallel import ParallelLayout, allreduce_gradients
 from megalign.trainers.optim import OptimConfig, build_optimizer
-from megalign.trainers.sft import SFTModelConfig, _scratch_model, train_sft
+from megalign.trainers.sft import train_sft
+from megalign.trainers.supervised import PolicyModelConfig, scratch_model
 
 TOKENIZER = CharTokenizer()
 
 
 def build(layout):
-    model = _scratch_model(SFTModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+    model = scratch_model(PolicyModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                                           num_kv_heads=2), TOKENIZER, layout, seed=0)
     return model, build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1), layout)
 

@@ -57,3 +57,13 @@ def write_rows(path, rows):
             f.write(row if isinstance(row, str) else json.dumps(row))
             f.write("\n")
     return str(path)
+
+
+def constant_one(prompt, response, answer, metadata):
+    """Every response scores the same: no group is informative for dynamic sampling."""
+    return 1.0
+
+
+def always_raises(prompt, response, answer, metadata):
+    """A verifier broken for every sample (e.g. a renamed metadata field)."""
+    raise KeyError("expected_answer")

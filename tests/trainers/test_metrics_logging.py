@@ -27,6 +27,18 @@ def test_metrics_logger_writes_valid_jsonl(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_progress_bar_is_current_at_the_last_step(tmp_path, capsys):
+    # what the bar shows after the last row: that step's loss, reward and accuracy, and the final eval
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False, progress_total=2) as log:
+        log.log(1, {"actor/loss": 0.5, "reward/mean": 0.25, "accuracy": 0.125, "time/step": 1.0})
+        log.log(2, {"actor/loss": 0.75, "reward/mean": 0.5, "accuracy": 0.375, "time/step": 1.0})
+        log.log(2, {"eval/accuracy": 0.625})
+        shown = log._bar.postfix
+    assert shown == "actor/loss=0.75, reward/mean=0.5, accuracy=0.375, eval/accuracy=0.625"
+    last_line = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "2/2" in last_line and "actor/loss=0.75" in last_line and "eval/accuracy=0.625" in last_line
+
+
 def test_metrics_logger_other_ranks_write_nothing(tmp_path):
     with MetricsLogger(tmp_path / "run", rank=1, progress_total=5) as log:
         log.log(1, {"loss": 1.0})
