@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import HERE, tiny_config, tiny_policy
@@ -113,3 +114,19 @@ def test_each_reward_term_and_a_configurable_eval_metric_are_logged(policy, tmp_
         assert row["reward/mean"] == pytest.approx(row["reward/digit_fraction/mean"] + 0.5 * row["reward/format/mean"])
         assert not any(".py" in key for key in row)  # no file path in any metric name
     assert rows[-1] == {"step": 2, "eval/accuracy": 1.0}  # constant_one scores every response 1
+
+
+def _grpo_dp1_then_dp2(policy, root):
+    if dist.get_world_size() == 1:
+        train_grpo(tiny_config(policy, root, "steps=2", "save_every=1"))
+    else:
+        result = train_grpo(tiny_config(policy, root, "steps=3", "save_every=1"))
+        assert [row["step"] for row in result.metrics] == [3]
+
+
+def test_grpo_resumes_on_another_dp_size(policy, tmp_path):
+    run_distributed(_grpo_dp1_then_dp2, policy, str(tmp_path), world_size=1)
+    run_distributed(_grpo_dp1_then_dp2, policy, str(tmp_path), world_size=2)
+    rows = [r for r in _rows(str(tmp_path)) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(0 <= r["reward/mean"] <= 1 for r in rows)
+    assert rows[2]["reward/digit_fraction/samples"] == 16 * 3  # rank 0's counts carried on, rank 1 started at 0
