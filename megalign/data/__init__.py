@@ -1,4 +1,4 @@
-"""Data for training: tokenizers (built-in character, HF), prompt datasets and their sampler, the arithmetic task."""
+"""Data for training: tokenizers (built-in character, HF, SentencePiece), prompt and SFT datasets, the prompt sampler, the arithmetic task."""
 from megalign.data.arith import ArithProblem, ArithTaskConfig, make_splits, write_jsonl
 from megalign.data.prompts import (
     DataError,
@@ -9,10 +9,19 @@ from megalign.data.prompts import (
     PromptSampler,
     load_prompts,
 )
-from megalign.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, build_tokenizer
+from megalign.data.tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    TokenizerConfig,
+    build_tokenizer,
+    check_vocab,
+)
 
 __all__ = [
     "ArithProblem", "ArithTaskConfig", "make_splits", "write_jsonl",
     "DataError", "DatasetStats", "PromptDataConfig", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
-    "CharTokenizer", "HFTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
+    "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
+    "check_vocab",
 ]
