@@ -117,3 +117,22 @@ def test_generate_from_transformers_stops_at_the_exported_eos(exported):
         head[[2, greedy[k]]] = head[[greedy[k], 2]].clone()
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
     assert out[0, prompt.shape[1]:].tolist() == greedy[:k] + [2]
+
+
+def test_sentencepiece_tokenizer_is_exported_as_its_model_file(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    from data.sp_fixtures import train_sentencepiece
+
+    from megalign.data import SentencePieceTokenizer
+
+    (tmp_path / "sp").mkdir()
+    tok = SentencePieceTokenizer(train_sentencepiece(str(tmp_path / "sp")))
+    path = export_hf(tiny_model(tok.vocab_size), str(tmp_path / "hf"), tokenizer=tok)
+    ref = spm.SentencePieceProcessor(model_file=tok.path)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    for text in ["hello world", " two  spaces\nline", "Über 1+2=3"]:
+        ids = hf.encode(text, add_special_tokens=False)
+        assert ids == ref.encode(text), text
+        assert hf.decode(ids) == text
+    with open(os.path.join(path, "generation_config.json")) as f:
+        assert json.load(f) == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
