@@ -8,7 +8,9 @@ from megalign.data.prompts import (
     PromptExample,
     PromptSampler,
     load_prompts,
+    read_rows,
 )
+from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_messages, encode_sft, load_sft
 from megalign.data.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -22,6 +24,7 @@ from megalign.data.tokenizer import (
 __all__ = [
     "ArithProblem", "ArithTaskConfig", "make_splits", "write_jsonl",
     "DataError", "DatasetStats", "PromptDataConfig", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
+    "read_rows", "IGNORE_INDEX", "SFTExample", "collate_sft", "encode_messages", "encode_sft", "load_sft",
     "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
     "check_vocab",
 ]

@@ -3,6 +3,7 @@ tokenizer-choice rule and the vocabulary check."""
 import shutil
 
 import pytest
+from data.hf_tok_fixtures import save_char_level_hf_tokenizer
 
 from megalign.config import load_config
 from megalign.data import CharTokenizer, HFTokenizer, TokenizerConfig, build_tokenizer, check_vocab
@@ -53,23 +54,11 @@ def test_char_chat_template_ends_assistant_turns_with_eos():
 def hf_dir(tmp_path_factory):
     """A tiny word-level (one token per character) HF tokenizer with a chat template, saved locally."""
     pytest.importorskip("transformers")  # an optional dependency: only HFTokenizer needs it
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for ch in "abcdefghijklmnopqrstuvwxyz0123456789+-*=<>|/ \n":
-        vocab[ch] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    core.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = (
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    path = tmp_path_factory.mktemp("hf_tok")
-    fast.save_pretrained(str(path))
-    return str(path)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return save_char_level_hf_tokenizer(tmp_path_factory.mktemp("hf_tok"), ["<pad>", "<s>", "</s>", "<unk>"],
+                                        "abcdefghijklmnopqrstuvwxyz0123456789+-*=<>|/ \n", template,
+                                        bos_token="<s>", eos_token="</s>")
 
 
 def test_hf_wrapper_ids_template_and_pad_fallback(hf_dir):
