@@ -6,10 +6,12 @@ import string
 
 import pytest
 import torch
+from parallel.dist_utils import run_distributed
 
 from megalign.checkpoint import export_hf
 from megalign.data import CharTokenizer, HFTokenizer
-from megalign.models import CausalLM, ModelConfig
+from megalign.models import CausalLM, ModelConfig, TensorParallelFactory, tensor_parallel_config
+from megalign.parallel.layout import ParallelLayout
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,13 +23,19 @@ TEXTS = [c for c in CharTokenizer.CHARS] + [
 ]
 
 
-def tiny_model(vocab_size: int) -> CausalLM:
-    """A random untied Llama whose config.json names no eos: only generation_config.json can stop `generate`."""
+def tiny_model(vocab_size: int, layout=None) -> CausalLM:
+    """A random untied Llama whose config.json names no eos: only generation_config.json can stop `generate`.
+
+    With a `layout` of tp > 1, this rank's tensor-parallel shard (weights need not match across tp here).
+    """
     config = ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=64, pad_token_id=0)
     torch.manual_seed(0)
-    model = CausalLM(config)
+    if layout is not None and layout.tp > 1:
+        model = CausalLM(tensor_parallel_config(config, layout.tp), TensorParallelFactory(layout))
+    else:
+        model = CausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -87,6 +95,22 @@ def test_exported_chat_template_gives_the_same_ids(exported, generation_prompt):
     assert char.apply_chat_template(conversations[2], False) == [1] + char.encode("user: q\nassistant: a") + [2]
 
 
+def _export_from_every_rank(path: str, tp: int) -> None:
+    layout = ParallelLayout.build(tp=tp)
+    tok = CharTokenizer()
+    export_hf(tiny_model(tok.vocab_size, layout), path, layout, tokenizer=tok)
+    # after the barrier every rank sees the complete export
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    assert hf.encode("1+2=\n", add_special_tokens=False) == tok.encode("1+2=\n")
+    assert transformers.GenerationConfig.from_pretrained(path).eos_token_id == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])  # tp=1: two dp replicas; tp=2: two shards of one model
+def test_export_with_tokenizer_on_two_ranks(tmp_path, tp):
+    run_distributed(_export_from_every_rank, str(tmp_path / "hf"), tp)
+    assert not [f for f in os.listdir(tmp_path / "hf") if "tmp" in f]
+
+
 def test_hf_tokenizer_is_saved_with_save_pretrained(exported, tmp_path):
     again = str(tmp_path / "again")
     tok = HFTokenizer(exported)
@@ -100,18 +124,26 @@ def test_hf_tokenizer_is_saved_with_save_pretrained(exported, tmp_path):
 def test_generate_from_transformers_stops_at_the_exported_eos(exported):
     model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     tok = transformers.AutoTokenizer.from_pretrained(exported)
-    prompt = torch.tensor([tok.encode("hello")])
     assert model.generation_config.eos_token_id == 2 and model.generation_config.pad_token_id == 0
-    # the greedy continuation without stopping, step by step (independent of generate)
-    ids, greedy = prompt, []
-    with torch.no_grad():
-        for _ in range(12):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            greedy.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    # k: the first step >= 2 whose token is new, with no EOS before it. Swapping the head rows of that
+
+    def greedy_without_stopping(prompt):  # step by step, independent of generate
+        ids, greedy = prompt, []
+        with torch.no_grad():
+            for _ in range(12):
+                greedy.append(int(model(ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([greedy[-1:]])], dim=1)
+        return greedy
+
+    # k: the first step >= 2 whose token is new, with no EOS up to it. Swapping the head rows of that
     # token and EOS relabels the two logits, so the greedy path is unchanged until step k emits EOS.
-    k = next(k for k in range(2, 12) if greedy[k] not in greedy[:k] and 2 not in greedy[:k + 1])
+    # The first prompt whose continuation has such a step is used (a random model may loop on one token).
+    for text in ["1+2=", "hello", "abc", "xy"]:
+        prompt = torch.tensor([tok.encode(text)])
+        greedy = greedy_without_stopping(prompt)
+        k = next((k for k in range(2, 12) if greedy[k] not in greedy[:k] and 2 not in greedy[:k + 1]), None)
+        if k is not None:
+            break
+    assert k is not None, "no prompt has a usable greedy continuation; change the seed of tiny_model"
     with torch.no_grad():
         head = model.lm_head.weight
         head[[2, greedy[k]]] = head[[greedy[k], 2]].clone()
