@@ -1,4 +1,4 @@
-"""Data for training: tokenizers (built-in character, HF), prompt datasets and their sampler, the arithmetic task."""
+"""Data for training: tokenizers (built-in character, HF, SentencePiece), prompt and SFT datasets, the prompt sampler, the arithmetic task."""
 from megalign.data.arith import ArithProblem, ArithTaskConfig, make_splits, write_jsonl
 from megalign.data.prompts import (
     DataError,
@@ -8,11 +8,23 @@ from megalign.data.prompts import (
     PromptExample,
     PromptSampler,
     load_prompts,
+    read_rows,
 )
-from megalign.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, build_tokenizer
+from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_messages, encode_sft, load_sft
+from megalign.data.tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    TokenizerConfig,
+    build_tokenizer,
+    check_vocab,
+)
 
 __all__ = [
     "ArithProblem", "ArithTaskConfig", "make_splits", "write_jsonl",
     "DataError", "DatasetStats", "PromptDataConfig", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
-    "CharTokenizer", "HFTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
+    "read_rows", "IGNORE_INDEX", "SFTExample", "collate_sft", "encode_messages", "encode_sft", "load_sft",
+    "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
+    "check_vocab",
 ]

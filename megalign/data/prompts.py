@@ -1,13 +1,17 @@
-"""Prompt datasets for online RL (JSONL or Parquet) and a deterministic, resumable, sharded sampler.
+"""Prompt datasets for online RL (JSONL, Parquet or a `datasets` folder) and a deterministic, resumable, sharded sampler.
 
 Rows: `{"prompt": str, "answer": ...}` or `{"messages": [{"role", "content"}, ...], "answer": ...}`,
 with `answer` a string or number; every other field is kept in `metadata` and reaches the reward
 functions. Design choices:
 
+- One reader for every dataset file (`read_rows`, also used by the SFT loader): `.jsonl`,
+  `.parquet` (pyarrow), or a folder written by `datasets`' `Dataset.save_to_disk` (read with
+  `datasets.load_from_disk`, imported only then: it is an optional dependency). A `DatasetDict`
+  folder is refused with its split names rather than one split being picked silently.
 - Validation happens once, at load: a malformed row (bad JSON, not an object, both or neither of
   prompt/messages, wrong types, characters the tokenizer cannot encode) raises `DataError` naming
-  `file:line` (JSONL, 1-based) or `file row i` (Parquet, 0-based); with `skip_invalid=True` it is
-  skipped and counted instead. Blank JSONL lines are not rows.
+  `file:line` (JSONL, 1-based) or `file row i` (Parquet and datasets folders, 0-based); with
+  `skip_invalid=True` it is skipped and counted instead. Blank JSONL lines are not rows.
 - `prompt` rows are encoded as raw text after BOS (base models, the built-in arithmetic task);
   with `template_prompts=True` they are wrapped as one user message and go through the chat
   template, like `messages` rows always do.
@@ -91,6 +95,46 @@ def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
         yield f"{path} row {i}", row
 
 
+def _read_hf_dataset(path: str) -> Iterator[tuple[str, Any]]:
+    """(`file row i`, row) of a folder written by `Dataset.save_to_disk`."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+        raise DataError(f"{path}: a DatasetDict with splits {splits}; give the folder of one split, "
+                        f"e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+    if not os.path.isfile(os.path.join(path, "state.json")):
+        raise DataError(f"{path}: a folder, but not one written by datasets' save_to_disk (it has no state.json)")
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"{path}: reading a datasets folder needs the datasets package: "
+                          "pip install 'megalign[datasets]'") from exc
+    try:
+        dataset = datasets.load_from_disk(path)
+    except Exception as exc:  # datasets raises several types (FileNotFoundError, ArrowInvalid, ...) for bad folders
+        raise DataError(f"{path}: cannot read as a datasets folder: {exc}") from exc
+    for i, row in enumerate(dataset):
+        yield f"{path} row {i}", row
+
+
+def read_rows(path: str, what: str) -> Iterator[tuple[str, Any]]:
+    """(source, parsed row) of a `.jsonl`, a `.parquet` or a `save_to_disk` folder (module doc); `what` names it in errors.
+
+    A JSONL line that is not JSON comes as a ValueError in place of the row, for the caller to
+    raise or count; file-level problems raise `DataError` here.
+    """
+    if os.path.isdir(path):
+        return _read_hf_dataset(path)
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: {what} file does not exist")
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path)
+    if path.endswith(".parquet"):
+        return _read_parquet(path)
+    raise DataError(f"{path}: unknown {what} file type; expected .jsonl, .parquet or a folder written by "
+                    "datasets' save_to_disk")
+
+
 def _encode_row(row: Any, tokenizer: Tokenizer, template_prompts: bool) -> tuple[list[int], Any, dict[str, Any]]:
     """(prompt ids, answer, metadata) of one parsed row; ValueError says what is wrong with it."""
     if isinstance(row, ValueError):
@@ -142,20 +186,12 @@ def load_prompts(
     skip_invalid: bool = False,
     template_prompts: bool = False,
 ) -> PromptDataset:
-    """Load, validate and tokenise a `.jsonl` or `.parquet` prompt file (rules in the module doc)."""
+    """Load, validate and tokenise a `.jsonl`, `.parquet` or `datasets` folder of prompts (rules in the module doc)."""
     path = os.fspath(path)
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: prompt file does not exist")
-    if path.endswith(".jsonl"):
-        rows = _read_jsonl(path)
-    elif path.endswith(".parquet"):
-        rows = _read_parquet(path)
-    else:
-        raise DataError(f"{path}: unknown prompt file type; expected .jsonl or .parquet")
     stats, examples = DatasetStats(), []
-    for source, row in rows:
+    for source, row in read_rows(path, "prompt"):
         stats.rows += 1
         try:
             ids, answer, metadata = _encode_row(row, tokenizer, template_prompts)
@@ -183,7 +219,8 @@ def load_prompts(
 class PromptDataConfig:
     """Where the prompts come from and how they are filtered and ordered."""
 
-    path: str = option(doc="prompt file, .jsonl or .parquet (rows: prompt or messages, answer, extra metadata)")
+    path: str = option(doc="prompt file, .jsonl or .parquet, or a datasets save_to_disk folder (rows: prompt or "
+                           "messages, answer, extra metadata)")
     max_prompt_length: int = option(256, doc="prompts with more tokens are dropped (and counted), never truncated")
     skip_invalid: bool = option(False, doc="skip and count malformed rows instead of failing on the first")
     template_prompts: bool = option(False, doc="wrap `prompt` strings as a user message and apply the chat template")

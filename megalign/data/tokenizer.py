@@ -1,24 +1,47 @@
-"""Tokenizers behind one small interface: a built-in character tokenizer and a thin HF wrapper.
+"""Tokenizers behind one small interface: a built-in character tokenizer, HF tokenizers and SentencePiece models.
 
 Design choices:
 
 - The trainer, datasets and rollout only need `encode`, `decode`, the special ids, `vocab_size`
   and `apply_chat_template(messages, add_generation_prompt=True) -> ids`; the `Tokenizer`
-  protocol is exactly that, so a tiny model on a laptop and a 7B HF model share the same code.
+  protocol is exactly that, plus `save(path)` (HF files for the export) and a `name` for messages,
+  so a tiny model on a laptop and a 7B HF model share the same code. `vocab_size` is one more than
+  the largest id the tokenizer can produce, which is what the model's embedding must hold
+  (`check_vocab`).
 - `CharTokenizer` needs no files: ids 0..2 are `<pad>`, `<bos>`, `<eos>`, then newline and the 95
   printable ASCII characters (vocab_size 99). An unknown character is an error naming it and its
   position: replacing it with a placeholder would silently change the task.
-  Its chat template is plain text, `"{role}: {content}\\n"` per message, then `"assistant: "`
-  when a generation prompt is asked for, after one `<bos>`.
+  Its chat template is plain text after one `<bos>`: `"{role}: {content}\\n"` per message, except
+  that an assistant message ends with `<eos>` instead of the newline (the model learns to stop
+  where generation stops, and a [user, assistant] conversation gives the same ids as the (prompt,
+  response) pair of `encode_sft` with `template_prompts`); `"assistant: "` follows when a
+  generation prompt is asked for.
+  `save` writes it as an HF fast tokenizer (`tokenizers` WordLevel over single characters, a
+  pre-tokenizer that isolates every character, a decoder that fuses them, BOS added by
+  `tokenizer(text)` as megalign adds it to prompts) with the same template in Jinja, so
+  `AutoTokenizer` gives the same ids. One difference is inherent to HF: a text holding the literal
+  spelling of a special token (`"<eos>"`) is encoded by HF as that token, where `CharTokenizer`
+  spells it out character by character (a prompt cannot inject an EOS here).
 - `HFTokenizer` loads `AutoTokenizer` from a local folder (never the network). Chat prompts are
   rendered to text with the tokenizer's own template and then encoded without adding special
   tokens, because templates write their own BOS; this is also stable across transformers versions
   (v5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`). A tokenizer without a
   pad token pads with EOS (pad positions are masked, so the id only has to be valid).
+- `SentencePieceTokenizer` reads a bare `tokenizer.model` (Llama-2 style) with the `sentencepiece`
+  package itself rather than through transformers, whose handling of a folder without
+  `tokenizer_config.json` differs between versions; ids are exactly `SentencePieceProcessor`'s.
+  Such a file has no chat template, so chat rendering is an error (as for an HF tokenizer
+  without one). `save` copies the file, which `AutoTokenizer` reads beside the exported config.json.
+- Which tokenizer a run uses (`build_tokenizer`): `kind: auto` (the default) takes the tokenizer
+  of `path` if given, else of the model folder when it holds tokenizer files, else the character
+  tokenizer; a folder with `tokenizer.json` or `tokenizer_config.json` is an HF tokenizer, one with
+  only `tokenizer.model` a SentencePiece model. `char`, `hf` and `sentencepiece` force a kind.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from typing import Any, Literal, Mapping, Optional, Protocol, Sequence
 
 from megalign.config import option
@@ -28,8 +51,10 @@ Message = Mapping[str, str]
 
 
 class Tokenizer(Protocol):
-    """What megalign needs from a tokenizer; ids are plain Python ints."""
+    """What megalign needs from a tokenizer; ids are plain Python ints in [0, vocab_size)."""
 
+    name: str
+    """What it is and where it came from, for messages: "char", "hf '/models/x'", ..."""
     vocab_size: int
     pad_id: int
     eos_id: int
@@ -40,6 +65,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def save(self, path: str) -> None:
+        """Write files into the existing folder `path` from which `transformers.AutoTokenizer` loads this tokenizer."""
 
 
 def check_messages(messages: Any) -> None:
@@ -54,11 +82,36 @@ def check_messages(messages: Any) -> None:
                 raise ValueError(f"messages[{i}].{key} must be a string, got {message.get(key)!r}")
 
 
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, what: str) -> None:
+    """Raise ValueError unless every id of `tokenizer` is a row of a model vocabulary of `vocab_size`.
+
+    `what` names the model side in the message (e.g. "actor.path '/models/x'"). A tokenizer with more
+    ids than the model has rows is an error: its extra ids would index past the embedding. A larger
+    model vocabulary is fine, because HF models often pad the embedding to a multiple of 64 or 128
+    and the tokenizer's ids all fit; the model can still sample an unused row, which
+    `decode` then rejects (CharTokenizer) or renders as nothing (HF, SentencePiece).
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"{what}: vocab_size must be a positive int, got {vocab_size!r}")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer ({tokenizer.name}, {tokenizer.vocab_size} ids) does not match {what} "
+                         f"(vocab_size {vocab_size}): the model has no rows for ids {vocab_size}.."
+                         f"{tokenizer.vocab_size - 1}")
+
+
 class CharTokenizer:
     """Character-level tokenizer over printable ASCII and newline, for small tasks (see module doc)."""
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
     CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+    CHAT_TEMPLATE = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    """`apply_chat_template`'s rendering in Jinja, for the HF files `save` writes."""
+
+    name = "char"
 
     def __init__(self):
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
@@ -88,8 +141,33 @@ class CharTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         check_messages(messages)
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return self.encode(text + ("assistant: " if add_generation_prompt else ""), add_bos=True)
+        ids = [self.bos_id]
+        for i, m in enumerate(messages):
+            try:
+                ids += self.encode(f"{m['role']}: {m['content']}")
+            except ValueError as exc:
+                raise ValueError(f"messages[{i}]: {exc}") from None
+            ids += [self.eos_id] if m["role"] == "assistant" else self.encode("\n")
+        return ids + (self.encode("assistant: ") if add_generation_prompt else [])
+
+    def save(self, path: str) -> None:
+        """Write tokenizer.json, tokenizer_config.json and the chat template (module doc); needs transformers."""
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as CoreTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        pad, bos, eos = self.SPECIALS
+        core = CoreTokenizer(models.WordLevel({tok: i for i, tok in enumerate(self.SPECIALS + tuple(self.CHARS))}))
+        core.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is its own word
+        core.decoder = decoders.Fuse()  # joined without spaces
+        core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.SPECIALS])
+        core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                            special_tokens=[(bos, self.bos_id)])
+        fast = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad, bos_token=bos, eos_token=eos,
+                                       clean_up_tokenization_spaces=False)
+        fast.chat_template = self.CHAT_TEMPLATE
+        fast.save_pretrained(path)
 
 
 class HFTokenizer:
@@ -99,13 +177,14 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.path = path
+        self.name = f"hf {path!r}"
         self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if self.hf.eos_token_id is None:
             raise ValueError(f"tokenizer at {path!r} has no eos token; generation needs one to stop")
         self.eos_id = int(self.hf.eos_token_id)
         self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
         self.bos_id = int(self.hf.bos_token_id) if self.hf.bos_token_id is not None else None
-        self.vocab_size = len(self.hf)
+        self.vocab_size = max(len(self.hf), max(self.hf.get_vocab().values()) + 1)  # ids need not be dense
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = list(self.hf.encode(text, add_special_tokens=False))
@@ -121,19 +200,110 @@ class HFTokenizer:
         text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.encode(text)
 
+    def save(self, path: str) -> None:
+        self.hf.save_pretrained(path)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece `tokenizer.model` read with `sentencepiece` itself (see module doc)."""
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece
+        except ImportError as exc:
+            raise ImportError(f"reading {path!r} needs the sentencepiece package: pip install 'megalign[sentencepiece]'") from exc
+        self.path = path
+        self.name = f"sentencepiece {path!r}"
+        self.sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp.Load(path)
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"{path}: cannot read as a SentencePiece model: {exc}") from exc
+        if self.sp.eos_id() < 0:
+            raise ValueError(f"SentencePiece model {path!r} has no eos piece; generation needs one to stop")
+        self.eos_id = self.sp.eos_id()
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.vocab_size = self.sp.get_piece_size()
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self.sp.encode(text)
+        return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"SentencePieceTokenizer cannot decode id {i}: vocab_size is {self.vocab_size}")
+        if skip_special:
+            return self.sp.decode(ids)  # control pieces (bos, eos, pad) decode to nothing
+        out, run = [], []
+        for i in ids:  # decode runs of ordinary pieces; spell control pieces out where they stand
+            if self.sp.is_control(i):
+                out += [self.sp.decode(run), self.sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out + [self.sp.decode(run)])
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        check_messages(messages)
+        raise ValueError(f"SentencePiece model {self.path!r} has no chat template; use `prompt` rows or an HF "
+                         "tokenizer folder with a template")
+
+    def save(self, path: str) -> None:
+        shutil.copyfile(self.path, os.path.join(path, "tokenizer.model"))
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SENTENCEPIECE_FILE = "tokenizer.model"
+
+
+def _detect(folder: str) -> Optional[Literal["hf", "sentencepiece"]]:
+    """The kind of tokenizer `folder` holds (module doc), or None when it holds no tokenizer files."""
+    if any(os.path.isfile(os.path.join(folder, f)) for f in HF_TOKENIZER_FILES):
+        return "hf"
+    if os.path.isfile(os.path.join(folder, SENTENCEPIECE_FILE)):
+        return "sentencepiece"
+    return None
+
 
 @dataclasses.dataclass
 class TokenizerConfig:
-    """Which tokenizer to build."""
+    """Which tokenizer to build (rule in the module doc)."""
 
-    kind: Literal["char", "hf"] = option("char", doc="'char': built-in character tokenizer; 'hf': AutoTokenizer from `path`")
-    path: Optional[str] = option(None, doc="local folder of an HF tokenizer (required when kind is 'hf')")
+    kind: Literal["auto", "char", "hf", "sentencepiece"] = option(
+        "auto", doc="'auto': the tokenizer of `path`, else of the model folder, else 'char'; 'char': built-in "
+                    "character tokenizer; 'hf': AutoTokenizer from `path`; 'sentencepiece': a tokenizer.model at `path`")
+    path: Optional[str] = option(None, doc="local tokenizer folder (required for 'hf' and 'sentencepiece', which also "
+                                           "takes the tokenizer.model file itself; optional for 'auto')")
 
     def __post_init__(self):
-        if (self.kind == "hf") != (self.path is not None):
-            raise ValueError(f"tokenizer.path is required for kind 'hf' and unused for kind 'char' (kind={self.kind!r}, path={self.path!r})")
+        if self.kind == "char" and self.path is not None:
+            raise ValueError(f"tokenizer.path is unused for kind 'char' (path={self.path!r})")
+        if self.kind in ("hf", "sentencepiece") and self.path is None:
+            raise ValueError(f"tokenizer.path is required for kind {self.kind!r}")
 
 
-def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
-    """The tokenizer `cfg` describes."""
-    return HFTokenizer(cfg.path) if cfg.kind == "hf" else CharTokenizer()
+def build_tokenizer(cfg: TokenizerConfig, model_path: Optional[str] = None) -> Tokenizer:
+    """The tokenizer `cfg` describes; `model_path` is the model folder `kind: auto` looks in."""
+    kind, path = cfg.kind, cfg.path
+    if kind == "auto":
+        if path is not None:
+            kind = _detect(path) if os.path.isdir(path) else None
+            if kind is None:
+                raise ValueError(f"tokenizer.path {path!r} is not a folder holding tokenizer.json, "
+                                 "tokenizer_config.json or tokenizer.model")
+        elif model_path is not None and os.path.isdir(model_path) and _detect(model_path) is not None:
+            kind, path = _detect(model_path), model_path
+        else:
+            kind = "char"
+    if kind == "char":
+        return CharTokenizer()
+    if kind == "hf":
+        return HFTokenizer(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, SENTENCEPIECE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer.path: no SentencePiece model at {path!r}")
+    return SentencePieceTokenizer(path)

@@ -1,4 +1,4 @@
-"""Prompt datasets (JSONL, Parquet; bad rows; length filter) and the resumable, sharded sampler."""
+"""Prompt datasets (JSONL, Parquet, datasets folders; bad rows; length filter) and the resumable, sharded sampler."""
 import json
 import logging
 
@@ -28,13 +28,22 @@ def write_parquet(path, rows):
     return path
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def write_hf_dataset(path, rows):
+    """A folder written by `datasets.Dataset.save_to_disk` (skips the test without datasets)."""
+    datasets = pytest.importorskip("datasets")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    datasets.Dataset.from_list([{k: row.get(k) for k in columns} for row in rows]).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "datasets"])
 def test_prompt_and_messages_rows_load_with_metadata(tmp_path, kind):
     path = tmp_path / f"p.{kind}"
     if kind == "jsonl":
         write_jsonl(path, GOOD_ROWS)
-    else:  # a parquet column has one type: answers as strings
-        write_parquet(path, [{**row, "answer": str(row["answer"])} for row in GOOD_ROWS])
+    else:  # a parquet / arrow column has one type: answers as strings
+        (write_parquet if kind == "parquet" else write_hf_dataset)(path, [{**row, "answer": str(row["answer"])}
+                                                                          for row in GOOD_ROWS])
     ds = load_prompts(path, TOK, max_prompt_length=64)
     assert len(ds) == 3
     first, second, third = ds[0], ds[1], ds[2]
@@ -45,7 +54,7 @@ def test_prompt_and_messages_rows_load_with_metadata(tmp_path, kind):
     if kind == "jsonl":
         assert first.metadata == {"id": "a"} and second.metadata == {"level": 1}
         assert (first.source, third.source) == (f"{path}:1", f"{path}:3")
-    else:  # parquet gives every row every column, missing ones as None
+    else:  # parquet and datasets give every row every column, missing ones as None
         assert first.metadata == {"id": "a", "level": None}
         assert third.source == f"{path} row 2"
     assert ds.stats.as_dict() == {"data/rows": 3, "data/kept": 3, "data/invalid": 0, "data/too_long": 0}
@@ -111,6 +120,19 @@ def test_file_level_errors(tmp_path):
         load_prompts(tmp_path / "p.csv", TOK, 64)
     with pytest.raises(DataError, match=r"no usable prompts"):
         load_prompts(write_jsonl(tmp_path / "p.jsonl", GOOD_ROWS), TOK, max_prompt_length=2)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError, match=r"plain: a folder, but not one written by datasets' save_to_disk"):
+        load_prompts(tmp_path / "plain", TOK, 64)
+
+
+def test_dataset_dict_folder_is_refused_with_its_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+    datasets.DatasetDict({"train": rows, "test": rows}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"dd: a DatasetDict with splits \['train', 'test'\]; give the folder of one "
+                                        r"split, e.g. .*dd/train"):
+        load_prompts(tmp_path / "dd", TOK, 64)
+    assert load_prompts(tmp_path / "dd" / "train", TOK, 64)[0].prompt_text == "1+1="
 
 
 def test_unshuffled_sharding_matches_hand_worked_stream():

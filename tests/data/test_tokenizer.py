@@ -1,8 +1,12 @@
-"""The character tokenizer (hand-worked ids) and the HF wrapper on a tokenizer built offline."""
+"""The character tokenizer (hand-worked ids), the HF wrapper on a tokenizer built offline, the
+tokenizer-choice rule and the vocabulary check."""
+import shutil
+
 import pytest
+from data.hf_tok_fixtures import save_char_level_hf_tokenizer
 
 from megalign.config import load_config
-from megalign.data import CharTokenizer, HFTokenizer, TokenizerConfig, build_tokenizer
+from megalign.data import CharTokenizer, HFTokenizer, TokenizerConfig, build_tokenizer, check_vocab
 
 
 def test_char_tokenizer_ids_and_round_trip():
@@ -34,29 +38,27 @@ def test_char_chat_template_is_the_documented_plain_text():
         tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "user", "content": 3}])
     with pytest.raises(ValueError, match="non-empty list"):
         tok.apply_chat_template([])
+    with pytest.raises(ValueError, match=r"messages\[0\]: CharTokenizer cannot encode 'é' at position 7"):
+        tok.apply_chat_template([{"role": "user", "content": "1é"}])
+
+
+def test_char_chat_template_ends_assistant_turns_with_eos():
+    tok = CharTokenizer()
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]
+    # <bos> "user: q\n" "assistant: a" <eos> "user: r\n" "assistant: "
+    expected = [1] + tok.encode("user: q\nassistant: a") + [2] + tok.encode("user: r\nassistant: ")
+    assert tok.apply_chat_template(messages) == expected
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny word-level (one token per character) HF tokenizer with a chat template, saved locally."""
     pytest.importorskip("transformers")  # an optional dependency: only HFTokenizer needs it
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for ch in "abcdefghijklmnopqrstuvwxyz0123456789+-*=<>|/ \n":
-        vocab[ch] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    core.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = (
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    path = tmp_path_factory.mktemp("hf_tok")
-    fast.save_pretrained(str(path))
-    return str(path)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return save_char_level_hf_tokenizer(tmp_path_factory.mktemp("hf_tok"), ["<pad>", "<s>", "</s>", "<unk>"],
+                                        "abcdefghijklmnopqrstuvwxyz0123456789+-*=<>|/ \n", template,
+                                        bos_token="<s>", eos_token="</s>")
 
 
 def test_hf_wrapper_ids_template_and_pad_fallback(hf_dir):
@@ -75,3 +77,53 @@ def test_tokenizer_config_checks_path():
         TokenizerConfig(kind="hf")
     with pytest.raises(ValueError, match="unused for kind 'char'"):
         TokenizerConfig(kind="char", path="/x")
+
+
+def test_tokenizer_config_default_is_auto_and_kinds_check_path():
+    assert TokenizerConfig().kind == "auto"
+    with pytest.raises(ValueError, match="tokenizer.path is required for kind 'sentencepiece'"):
+        TokenizerConfig(kind="sentencepiece")
+
+
+def test_auto_takes_the_model_folders_tokenizer_else_char(hf_dir, tmp_path):
+    auto = TokenizerConfig()
+    assert isinstance(build_tokenizer(auto), CharTokenizer)
+    assert isinstance(build_tokenizer(auto, model_path=str(tmp_path)), CharTokenizer)  # a folder without tokenizer files
+    assert isinstance(build_tokenizer(auto, model_path=str(tmp_path / "missing")), CharTokenizer)
+    from_model = build_tokenizer(auto, model_path=hf_dir)
+    assert isinstance(from_model, HFTokenizer) and from_model.path == hf_dir
+    # one file is enough to mark an HF folder (tokenizer.json alone names no eos, so HFTokenizer refuses it)
+    only_json = tmp_path / "only_json"
+    only_json.mkdir()
+    shutil.copy(f"{hf_dir}/tokenizer.json", only_json)
+    with pytest.raises(ValueError, match="only_json' has no eos token"):
+        build_tokenizer(auto, model_path=str(only_json))
+    # an explicit kind wins over the model folder
+    assert isinstance(build_tokenizer(TokenizerConfig(kind="char"), model_path=hf_dir), CharTokenizer)
+    # `path` of kind auto is used before the model folder, and must hold a tokenizer
+    assert isinstance(build_tokenizer(TokenizerConfig(path=hf_dir), model_path=str(tmp_path)), HFTokenizer)
+    with pytest.raises(ValueError, match="is not a folder holding tokenizer.json"):
+        build_tokenizer(TokenizerConfig(path=str(tmp_path)), model_path=hf_dir)
+
+
+def test_check_vocab_allows_padded_model_vocab_and_names_both_sides():
+    tok = CharTokenizer()
+    check_vocab(tok, 99, "actor.path 'x'")
+    check_vocab(tok, 128, "actor.path 'x'")  # HF pads embeddings to a multiple of 64 / 128: all 99 ids fit
+    with pytest.raises(ValueError, match=r"tokenizer \(char, 99 ids\) does not match actor.path 'x' \(vocab_size 98\)"
+                                         r": the model has no rows for ids 98..98"):
+        check_vocab(tok, 98, "actor.path 'x'")
+    with pytest.raises(ValueError, match="model.path 'y': vocab_size must be a positive int, got 0"):
+        check_vocab(tok, 0, "model.path 'y'")
+
+
+def test_hf_vocab_size_counts_added_tokens(hf_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(hf_dir)
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    hf.save_pretrained(str(tmp_path))
+    tok = HFTokenizer(str(tmp_path))
+    assert tok.encode("<|im_end|>") == [50] and tok.vocab_size == 51
+    with pytest.raises(ValueError, match=r"tokenizer \(hf '.*', 51 ids\) does not match m \(vocab_size 50\)"):
+        check_vocab(tok, 50, "m")
