@@ -164,8 +164,6 @@ def load_sft(path: str | os.PathLike, tokenizer: Tokenizer, max_length: int, ski
     return examples, stats
 
 
-load_sft_jsonl = load_sft
-"""The former name (JSONL only then), which `megalign.trainers.sft` imports until it switches to `load_sft`."""
 
 
 def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:

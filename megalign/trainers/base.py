@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, write_run_config
 from megalign.config import option, to_dict
-from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer
+from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
@@ -190,6 +190,7 @@ class Trainer:
             raise RuntimeError("device='cuda' but CUDA is not available")
         self.rank = dist.get_rank()
         self._layouts: dict[int, ParallelLayout] = {}
+        self._accepted_vocab: set[int] = set()
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
         self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
         if self.resume_from is not None:
@@ -212,16 +213,33 @@ class Trainer:
         return self._layouts[tp]
 
     def build_tokenizer(self, cfg: TokenizerConfig, model_path: Optional[str]) -> Tokenizer:
-        """The run's tokenizer (`megalign.data.build_tokenizer`)."""
-        return build_tokenizer(cfg)
+        """The run's tokenizer (`megalign.data.build_tokenizer`: by default the model folder's own, when it has one)."""
+        self.tokenizer = build_tokenizer(cfg, model_path)
+        return self.tokenizer
 
-    def check_model(self, model, key: str, max_length: int, length_what: str) -> None:
-        """Start-up checks of a loaded or built model against the run: tokenizer ids fit its vocabulary, and
-        the longest sequence the run feeds it (`max_length` tokens, named by `length_what`) fits its positions."""
-        config = model.config
-        if self.tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but {key} has vocab_size "
-                             f"{config.vocab_size}: they must match (set data.tokenizer to the model's tokenizer)")
+    def check_model(self, model, key: str, path: Optional[str], max_length: int, length_what: str) -> None:
+        """Start-up checks of a model (from config key `key`, folder `path` or None) against the run.
+
+        Vocabulary: every tokenizer id must be a row of the model (`check_vocab`), and a model with
+        more rows than the tokenizer has ids is accepted only with its own tokenizer (HF checkpoints
+        pad the embedding, e.g. Qwen2.5's 151936 rows for 151665 ids) or with the vocabulary of a model
+        already accepted (the reference of a padded actor): anything else would sample ids the
+        tokenizer cannot decode, mid-rollout. Length: the longest sequence the run feeds the model
+        (`max_length` tokens, named by `length_what`) must fit its positions.
+        """
+        config, tok = model.config, self.tokenizer
+        where = f"{key} {path!r}" if path else key
+        check_vocab(tok, config.vocab_size, where)
+        tok_path = getattr(tok, "path", None)
+        own = (tok_path is not None and path is not None and
+               os.path.realpath(tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path))
+               == os.path.realpath(path))
+        if config.vocab_size > tok.vocab_size and not own and config.vocab_size not in self._accepted_vocab:
+            raise ValueError(f"tokenizer ({tok.name}, {tok.vocab_size} ids) does not match {where} (vocab_size "
+                             f"{config.vocab_size}) and is not that model's own tokenizer: the model would sample ids "
+                             f"the tokenizer cannot decode. Use the model's tokenizer (data.tokenizer.path) or a model "
+                             f"built for this one")
+        self._accepted_vocab.add(config.vocab_size)
         if max_length > config.max_position_embeddings:
             raise ValueError(f"{length_what} is {max_length} tokens but {key} has max_position_embeddings="
                              f"{config.max_position_embeddings}; lower the length limits")

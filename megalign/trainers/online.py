@@ -239,7 +239,7 @@ class OnlineTrainer(Trainer):
                 longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
 
         model = from_pretrained(cfg.actor.path, layout=self.layout)
-        self.check_model(model, "actor.path", longest, what)
+        self.check_model(model, "actor.path", cfg.actor.path, longest, what)
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
         self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,
                            build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip)
@@ -249,7 +249,7 @@ class OnlineTrainer(Trainer):
             ref_layout = self.layout_for(cfg.reference.tp)
             ref_model = from_pretrained(cfg.reference.path or cfg.actor.path, layout=ref_layout,
                                         dtype=DTYPES[cfg.reference.dtype])
-            self.check_model(ref_model, "reference.path", longest, what)
+            self.check_model(ref_model, "reference.path", cfg.reference.path or cfg.actor.path, longest, what)
             self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
         reward_model, reward_layout = None, None
         if cfg.reward.model is not None:
@@ -257,7 +257,7 @@ class OnlineTrainer(Trainer):
             reward_layout = self.layout_for(cfg.reward.model.tp)
             reward_model = from_pretrained(cfg.reward.model.path, kind="reward", layout=reward_layout,
                                            dtype=DTYPES[cfg.reward.model.dtype])
-            self.check_model(reward_model, "reward.model.path", longest, what)
+            self.check_model(reward_model, "reward.model.path", cfg.reward.model.path, longest, what)
         self.reward = Reward(cfg.reward, reward_model, reward_layout)
         self.roles: list[Role] = [r for r in (self.actor, self.reference, self.reward) if r is not None]
 
@@ -390,7 +390,7 @@ class OnlineTrainer(Trainer):
 
     def export(self) -> Optional[str]:
         self.actor.need("weights")
-        return export_hf(self.actor.model, os.path.join(self.cfg.run_dir, "hf"), self.layout)
+        return export_hf(self.actor.model, os.path.join(self.cfg.run_dir, "hf"), self.layout, tokenizer=self.tokenizer)
 
     def describe(self) -> str:
         cfg = self.cfg

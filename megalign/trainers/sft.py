@@ -28,7 +28,7 @@ import torch
 
 from megalign.config import option
 from megalign.data import PromptExample, Tokenizer, load_prompts, make_splits
-from megalign.data.sft import SFTExample, collate_sft, encode_sft, load_sft_jsonl
+from megalign.data.sft import SFTExample, collate_sft, encode_sft, load_sft
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
@@ -40,7 +40,7 @@ from megalign.trainers.supervised import Objective, SupervisedConfig, Supervised
 class SFTDataConfig(DataConfig):
     """Training pairs and held-out prompts: the embedded arithmetic task, or files."""
 
-    path: Optional[str] = option(None, doc="SFT JSONL (rows: prompt, response); null: the train split of the arithmetic task")
+    path: Optional[str] = option(None, doc="SFT data: .jsonl, .parquet or a datasets save_to_disk folder (rows: prompt + response, or messages with the loss on assistant turns); null: the arithmetic task's train split")
     max_length: int = option(64, doc="rows with more prompt + response + EOS tokens are dropped and counted")
 
     def __post_init__(self):
@@ -71,13 +71,13 @@ class SFTBatch:
 def build_data(cfg: SFTDataConfig, tokenizer: Tokenizer, max_prompt_length: int) -> tuple[list[SFTExample], list[PromptExample]]:
     """(training pairs, held-out prompts with answers) as the config says."""
     if cfg.path is not None:
-        train, _ = load_sft_jsonl(cfg.path, tokenizer, cfg.max_length, cfg.skip_invalid, cfg.template_prompts)
+        train, _ = load_sft(cfg.path, tokenizer, cfg.max_length, cfg.skip_invalid, cfg.template_prompts)
         held_out = [] if cfg.eval_path is None else list(
             load_prompts(cfg.eval_path, tokenizer, max_prompt_length, cfg.skip_invalid, cfg.template_prompts))
         return train, held_out
     train_problems, held_problems = make_splits(cfg.arith)
     train = [encode_sft(p.prompt, p.response, tokenizer, cfg.template_prompts) for p in train_problems]
-    too_long = sum(len(e.prompt_ids) + len(e.response_ids) > cfg.max_length for e in train)
+    too_long = sum(len(e) > cfg.max_length for e in train)
     if too_long:
         raise ValueError(f"data.max_length={cfg.max_length} is shorter than {too_long} arithmetic examples; raise it")
     if cfg.eval_path is not None:

@@ -182,8 +182,8 @@ class SupervisedTrainer(Trainer):
             model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
         else:
             model = from_pretrained(cfg.model.path, layout=layout, dtype=None)
-        self.check_model(model, "model.path" if cfg.model.path else "model", self.objective.max_length(),
-                         "the objective's longest example")
+        self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
+                         self.objective.max_length(), "the objective's longest example")
         model.train()
         precision = MixedPrecision(DTYPES[cfg.model.dtype] if cfg.model.dtype != "fp32" else None)
         self.policy = TrainableRole("policy", model, layout, precision, cfg.model.offload_weights, False,
@@ -246,4 +246,4 @@ class SupervisedTrainer(Trainer):
         return eval_count(self.cfg.eval, self.held_out)
 
     def export(self) -> Optional[str]:
-        return export_hf(self.policy.model, os.path.join(self.cfg.run_dir, "hf"), self.layout)
+        return export_hf(self.policy.model, os.path.join(self.cfg.run_dir, "hf"), self.layout, tokenizer=self.tokenizer)

@@ -24,10 +24,10 @@ def raise_on_odd_length(prompt, response, answer, metadata):
     return 1.0
 
 
-def tiny_policy(path, seed=0):
-    """A 2-layer random Llama over the character vocabulary, written as an HF checkpoint at `path`."""
+def tiny_policy(path, seed=0, vocab_size=None):
+    """A 2-layer random Llama over the character vocabulary (or `vocab_size` rows), written as an HF checkpoint at `path`."""
     tok = CharTokenizer()
-    config = ModelConfig(model_type="llama", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+    config = ModelConfig(model_type="llama", vocab_size=vocab_size or tok.vocab_size, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          max_position_embeddings=64, pad_token_id=tok.pad_id,
                          extra_hf={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})

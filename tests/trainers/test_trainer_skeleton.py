@@ -130,3 +130,35 @@ def test_grpo_resumes_on_another_dp_size(policy, tmp_path):
     rows = [r for r in _rows(str(tmp_path)) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(0 <= r["reward/mean"] <= 1 for r in rows)
     assert rows[2]["reward/digit_fraction/samples"] == 16 * 3  # rank 0's counts carried on, rank 1 started at 0
+
+
+@pytest.mark.parametrize("vocab_size, message", [
+    (300, r"tokenizer \(char, 99 ids\) does not match actor\.path .*\(vocab_size 300\) and is not that model's own"),
+    (64, r"tokenizer \(char, 99 ids\) does not match actor\.path .*\(vocab_size 64\): the model has no rows for ids 64\.\.98"),
+])
+def test_tokenizer_and_model_vocabularies_must_match(tmp_path, vocab_size, message):
+    # before: vocab 300 crashed mid-rollout (CharTokenizer cannot decode id 142), vocab 64 with an IndexError
+    policy = tiny_policy(tmp_path / "hf", vocab_size=vocab_size)
+    run_distributed(_raises, train_grpo, tiny_config(policy, str(tmp_path / "run")), ValueError, message, world_size=1)
+
+
+def _sft_export_is_usable_and_is_the_next_stage_tokenizer(root):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megalign.data import CharTokenizer
+    from megalign.trainers.grpo import GRPOTrainer
+
+    hf = train_sft(sft_config(f"{root}/sft", "export_hf=true", "steps=2")).hf_path
+    if dist.get_rank() == 0:  # from transformers alone: tokenizer files and generation config are in the export
+        tok, char = AutoTokenizer.from_pretrained(hf), CharTokenizer()
+        text = "12+7=\\boxed{19}"
+        assert tok.encode(text, add_special_tokens=False) == char.encode(text)
+        model = AutoModelForCausalLM.from_pretrained(hf)
+        out = model.generate(torch.tensor([char.encode("1+2=", add_bos=True)]), max_new_tokens=4, do_sample=False)
+        assert out.shape[1] <= 5 + 4 and model.generation_config.eos_token_id == char.eos_id
+    trainer = GRPOTrainer(tiny_config(hf, f"{root}/grpo"))
+    assert trainer.tokenizer.name == f"hf {hf!r}"  # actor.path's own tokenizer is the default
+
+
+def test_sft_export_is_usable_from_transformers_and_feeds_grpo(tmp_path):
+    run_distributed(_sft_export_is_usable_and_is_the_next_stage_tokenizer, str(tmp_path), world_size=1)
