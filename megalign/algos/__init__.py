@@ -10,6 +10,14 @@ from megalign.algos.grpo import (
     overlong_penalty,
     response_advantages,
 )
+from megalign.algos.kto import (
+    KTO_WEIGHT_RATIO_RANGE,
+    KTOStats,
+    check_kto_weight_ratio,
+    kto_loss,
+    kto_reference_point,
+    kto_weight_ratio,
+)
 from megalign.algos.preference import (
     DPO_LOSSES,
     ORPO_MAX_AVG_LOGP,
@@ -28,4 +36,6 @@ __all__ = [
     "MetricSum",
     "DPO_LOSSES", "DPOLoss", "ORPO_MAX_AVG_LOGP", "PreferenceStats", "cpo_loss", "dpo_loss", "orpo_loss",
     "reward_model_loss", "simpo_loss",
+    "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_reference_point",
+    "kto_weight_ratio",
 ]
