@@ -29,6 +29,7 @@ from megalign.algos.preference import (
     reward_model_loss,
     simpo_loss,
 )
+from megalign.algos.prm import IGNORE_INDEX, PRMStats, math_shepherd_labels, prm_loss, prm_token_loss
 
 __all__ = [
     "LOSS_AGGREGATIONS", "LossAggregation", "aggregate_loss", "informative_groups", "loss_normalizer",
@@ -38,4 +39,5 @@ __all__ = [
     "reward_model_loss", "simpo_loss",
     "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_reference_point",
     "kto_weight_ratio",
+    "IGNORE_INDEX", "PRMStats", "math_shepherd_labels", "prm_loss", "prm_token_loss",
 ]
