@@ -215,7 +215,7 @@ def _averages(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_l
 def simpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
                rejected_lengths: torch.Tensor, *, beta: float = 2.0,
                gamma_beta_ratio: float = 0.5) -> tuple[torch.Tensor, PreferenceStats]:
-    """SimPO (Meng et al. 2024, arXiv 2405.14734, eq. 6), no reference model, per pair [B]:
+    """SimPO (Meng et al. 2024, arXiv 2405.14734), no reference model, per pair [B]:
 
         -log sigma(beta (avg_w - avg_l) - gamma),   avg = log pi(y|x) / |y|,   gamma = beta * gamma_beta_ratio
 
@@ -235,7 +235,7 @@ def simpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_
 
 def cpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor, *,
              beta: float = 0.1, alpha: float = 1.0) -> tuple[torch.Tensor, PreferenceStats]:
-    """CPO (Xu et al. 2024, arXiv 2401.08417, eq. 8), no reference model, per pair [B]:
+    """CPO (Xu et al. 2024, arXiv 2401.08417), no reference model, per pair [B]:
 
         -log sigma(beta (log pi(y_w) - log pi(y_l))) + alpha NLL_w
 
@@ -267,7 +267,7 @@ def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
 
 def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
               rejected_lengths: torch.Tensor, *, lam: float = 0.1) -> tuple[torch.Tensor, PreferenceStats]:
-    """ORPO (Hong et al. 2024, arXiv 2403.07691, eqs. 6-7), no reference model, per pair [B]:
+    """ORPO (Hong et al. 2024, arXiv 2403.07691), no reference model, per pair [B]:
 
         NLL_w - lam log sigma(log odds(y_w) - log odds(y_l)),   odds(y) = p / (1 - p),   p = exp(avg),
 
