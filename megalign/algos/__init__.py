@@ -1,4 +1,5 @@
 """Pure loss and advantage functions of the alignment algorithms; no models, no process groups unless passed in."""
+from megalign.algos.common import MetricSum
 from megalign.algos.grpo import (
     LOSS_AGGREGATIONS,
     LossAggregation,
@@ -9,8 +10,34 @@ from megalign.algos.grpo import (
     overlong_penalty,
     response_advantages,
 )
+from megalign.algos.kto import (
+    KTO_WEIGHT_RATIO_RANGE,
+    KTOStats,
+    check_kto_weight_ratio,
+    kto_loss,
+    kto_reference_point,
+    kto_weight_ratio,
+)
+from megalign.algos.preference import (
+    DPO_LOSSES,
+    ORPO_MAX_AVG_LOGP,
+    DPOLoss,
+    PreferenceStats,
+    cpo_loss,
+    dpo_loss,
+    orpo_loss,
+    reward_model_loss,
+    simpo_loss,
+)
+from megalign.algos.prm import IGNORE_INDEX, PRMStats, math_shepherd_labels, prm_loss, prm_token_loss
 
 __all__ = [
     "LOSS_AGGREGATIONS", "LossAggregation", "aggregate_loss", "informative_groups", "loss_normalizer",
     "overlong_mask", "overlong_penalty", "response_advantages",
+    "MetricSum",
+    "DPO_LOSSES", "DPOLoss", "ORPO_MAX_AVG_LOGP", "PreferenceStats", "cpo_loss", "dpo_loss", "orpo_loss",
+    "reward_model_loss", "simpo_loss",
+    "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_reference_point",
+    "kto_weight_ratio",
+    "IGNORE_INDEX", "PRMStats", "math_shepherd_labels", "prm_loss", "prm_token_loss",
 ]

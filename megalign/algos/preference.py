@@ -1,0 +1,289 @@
+"""Pairwise preference objectives as pure tensor functions: reward model, DPO family, SimPO, CPO, ORPO.
+
+Every function scores pairs (chosen y_w, rejected y_l) of one prompt x. Conventions:
+
+- Inputs are per-sequence *summed* log-probs [B] of the response tokens (prompt and padding
+  excluded), plus the response token counts [B] (integers >= 1) where an average is needed;
+  the reward model takes the scalar rewards [B]. Any float dtype; computed in fp32 (see `common`).
+- Each function returns `(losses, stats)`. `losses` [B] is the per-pair loss, unreduced: the trainer
+  sums it over micro-batches and data-parallel ranks and divides by the global number of pairs, so
+  the objective is the mean over the global batch whatever the split (as `aggregate_loss` does for
+  GRPO). `stats` is a `PreferenceStats` of detached [B] tensors; `stats.metrics()` gives TRL's metric
+  names ("rewards/chosen", ...) as `MetricSum`s to all-reduce and divide.
+- NLL terms (RPO's `nll_coef`, CPO's alpha, ORPO's SFT term) are the chosen response's per-token
+  negative log-likelihood of each pair, NLL_w = -log pi(y_w|x) / n_w (the summed log-prob over the
+  chosen token count), summed over pairs by the trainer like the rest of the loss: the mean over
+  pairs of each chosen response's token mean. TRL instead takes one cross-entropy over all chosen
+  tokens of the batch (a token mean, so long responses weigh more); the two agree when the chosen
+  responses have equal lengths.
+
+With h = (log pi(y_w) - log pi(y_l)) - (log pi_ref(y_w) - log pi_ref(y_l)) the DPO family
+(`DPO_LOSSES`, chosen by name) is:
+
+    "sigmoid"  -log sigma(beta h)                              DPO, Rafailov et al. 2023 (arXiv 2305.18290);
+               with label smoothing eps:                       conservative DPO (Mitchell 2023)
+               (1 - eps)(-log sigma(beta h)) + eps(-log sigma(-beta h))
+    "robust"   [(1 - eps)(-log sigma(beta h)) + eps log sigma(-beta h)] / (1 - 2 eps)
+                                                               robust DPO, Chowdhury et al. 2024 (arXiv 2403.00409)
+    "hinge"    relu(1 - beta h)                                SLiC-HF, Zhao et al. 2023 (arXiv 2305.10425)
+    "ipo"      (h_avg - 1 / (2 beta))^2                        IPO, Azar et al. 2023 (arXiv 2310.12036), eq. 17;
+               h_avg is h on token-averaged log-probs (log-prob sum / token count, policy and
+               reference alike), as TRL's "ipo" computes it; beta is the paper's tau.
+
+The implicit rewards of the stats are beta (log pi(y) - log pi_ref(y)) on the log-probs the loss
+used (token averages for "ipo"), as TRL's DPOTrainer reports them.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megalign.algos.common import MetricSum, as_vectors, check_non_negative, check_positive, metric_sum
+
+# ORPO's odds p / (1 - p) are infinite at p = 1; the average log-prob is capped here inside the odds
+# (p <= 1 - 1e-6, log odds <= 13.8), so the loss and its gradient stay finite when a response is
+# certain to rounding. The SFT term uses the uncapped value.
+ORPO_MAX_AVG_LOGP = -1e-6
+
+
+class PreferenceStats(NamedTuple):
+    """Per-pair statistics, detached [B] tensors in the compute dtype; None where a loss has no such term."""
+
+    chosen_rewards: torch.Tensor
+    """The reward of y_w: the reward model's score, or the implicit reward (see each loss)."""
+    rejected_rewards: torch.Tensor
+    chosen_logps: Optional[torch.Tensor] = None
+    """Policy log-prob of y_w the loss used (summed, or token-averaged where the loss averages)."""
+    rejected_logps: Optional[torch.Tensor] = None
+    nll: Optional[torch.Tensor] = None
+    """NLL_w = -log pi(y_w) / n_w, where the loss has an NLL term."""
+    log_odds: Optional[torch.Tensor] = None
+    """ORPO: log odds(y_w) - log odds(y_l)."""
+
+    def metrics(self) -> dict[str, MetricSum]:
+        """TRL's DPOTrainer / ORPOTrainer metric names, each as a MetricSum over the pairs."""
+        out = {
+            "rewards/chosen": metric_sum(self.chosen_rewards),
+            "rewards/rejected": metric_sum(self.rejected_rewards),
+            "rewards/accuracies": metric_sum((self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype)),
+            "rewards/margins": metric_sum(self.chosen_rewards - self.rejected_rewards),
+        }
+        if self.chosen_logps is not None:
+            out["logps/chosen"] = metric_sum(self.chosen_logps)
+        if self.rejected_logps is not None:
+            out["logps/rejected"] = metric_sum(self.rejected_logps)
+        if self.nll is not None:
+            out["nll_loss"] = metric_sum(self.nll)
+        if self.log_odds is not None:
+            out["log_odds_ratio"] = metric_sum(F.logsigmoid(self.log_odds))
+            out["log_odds_chosen"] = metric_sum(self.log_odds)
+        return out
+
+
+def reward_model_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, *,
+                      margin: Optional[torch.Tensor] = None,
+                      center_coef: float = 0.0) -> tuple[torch.Tensor, PreferenceStats]:
+    """Bradley-Terry pairwise loss of a scalar reward model, per pair [B].
+
+        -log sigma(r_c - r_r - m) + c (r_c + r_r)^2
+
+    Args:
+        chosen_rewards, rejected_rewards: [B] scalar scores r_c, r_r of the reward head.
+        margin: optional [B] per-pair margin m from the preference rating (Llama 2, Touvron et al.
+            2023, arXiv 2307.09288 section 3.2.2): a clearly better response must win by more.
+        center_coef: c >= 0, the centring term of Eisenstein et al. 2023 (TRL's
+            `center_rewards_coefficient`) that keeps the rewards near zero mean.
+
+    Returns: (losses [B], stats with the rewards; accuracy counts r_c > r_r strictly).
+    """
+    check_non_negative("center_coef", center_coef)
+    if margin is None:
+        rc, rr = as_vectors(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
+        diff = rc - rr
+    else:
+        rc, rr, m = as_vectors(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards, margin=margin)
+        diff = rc - rr - m
+    losses = -F.logsigmoid(diff)
+    if center_coef:
+        losses = losses + center_coef * (rc + rr) ** 2
+    return losses, PreferenceStats(rc.detach(), rr.detach())
+
+
+class DPOLoss(NamedTuple):
+    """One loss of the DPO family (a `DPO_LOSSES` entry)."""
+
+    loss: Callable[[torch.Tensor, float, float], torch.Tensor]
+    """(h [B], beta, label_smoothing) -> losses [B]."""
+    length_averaged: bool
+    """h is taken on token-averaged log-probs (needs the token counts)."""
+    label_smoothing: bool
+    """The loss has a label-smoothing (noisy preference) form."""
+
+
+def _sigmoid(h: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+
+
+def _robust(h: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+
+
+def _hinge(h: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return torch.relu(1 - beta * h)
+
+
+def _ipo(h: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return (h - 1 / (2 * beta)) ** 2
+
+
+DPO_LOSSES: dict[str, DPOLoss] = {
+    "sigmoid": DPOLoss(_sigmoid, length_averaged=False, label_smoothing=True),
+    "robust": DPOLoss(_robust, length_averaged=False, label_smoothing=True),
+    "hinge": DPOLoss(_hinge, length_averaged=False, label_smoothing=False),
+    "ipo": DPOLoss(_ipo, length_averaged=True, label_smoothing=False),
+}
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+
+
+def _lengths(name: str, lengths: Optional[torch.Tensor], like: torch.Tensor, why: str) -> torch.Tensor:
+    """The token counts `lengths` [B] in the compute dtype, checked against `like` [B]; an error names `name`."""
+    if lengths is None:
+        raise ValueError(f"{name} (response token counts [B]) is required {why}")
+    return as_vectors(**{"policy_chosen_logps": like, name: lengths})[1]
+
+
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+             ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, *,
+             loss_type: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+             nll_coef: float = 0.0, chosen_lengths: Optional[torch.Tensor] = None,
+             rejected_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, PreferenceStats]:
+    """A DPO-family loss per pair [B] (see the module docstring for the formulas).
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps: [B] summed log pi(y_w|x), log pi(y_l|x).
+        ref_chosen_logps, ref_rejected_logps: [B] the same under the frozen reference (no grad needed).
+        loss_type: a key of DPO_LOSSES.
+        beta: > 0, the KL strength (IPO's tau).
+        label_smoothing: eps in [0, 0.5), the assumed rate of flipped labels; "sigmoid" and "robust" only.
+        nll_coef: >= 0; adds nll_coef * NLL_w, the chosen response's per-token NLL (RPO, Pang et al.
+            2024, arXiv 2404.19733; Llama 3, arXiv 2407.21783 section 4.1.4). Needs chosen_lengths.
+        chosen_lengths, rejected_lengths: [B] response token counts; required by "ipo" (both) and
+            by nll_coef > 0 (chosen).
+
+    Returns: (losses [B], stats: implicit rewards, the policy log-probs the loss used, NLL_w if nll_coef > 0).
+    """
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; one of {', '.join(DPO_LOSSES)}")
+    kind = DPO_LOSSES[loss_type]
+    check_positive("beta", beta)
+    _check_label_smoothing(label_smoothing)
+    if label_smoothing and not kind.label_smoothing:
+        raise ValueError(f"label_smoothing={label_smoothing} is not defined for loss_type {loss_type!r}; "
+                         f"only for {', '.join(k for k, v in DPO_LOSSES.items() if v.label_smoothing)}")
+    check_non_negative("nll_coef", nll_coef)
+    pw, pl, rw, rl = as_vectors(policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
+                                ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    nll = None
+    if nll_coef:
+        nll = -pw / _lengths("chosen_lengths", chosen_lengths, pw, "when nll_coef > 0")
+    if kind.length_averaged:
+        nw = _lengths("chosen_lengths", chosen_lengths, pw, f"by loss_type {loss_type!r}")
+        nl = _lengths("rejected_lengths", rejected_lengths, pw, f"by loss_type {loss_type!r}")
+        pw, rw, pl, rl = pw / nw, rw / nw, pl / nl, rl / nl
+    losses = kind.loss((pw - pl) - (rw - rl), beta, label_smoothing)
+    if nll is not None:
+        losses = losses + nll_coef * nll
+    stats = PreferenceStats(chosen_rewards=(beta * (pw - rw)).detach(), rejected_rewards=(beta * (pl - rl)).detach(),
+                            chosen_logps=pw.detach(), rejected_logps=pl.detach(),
+                            nll=None if nll is None else nll.detach())
+    return losses, stats
+
+
+def _averages(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
+              rejected_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pw, pl, nw, nl = as_vectors(chosen_logps=chosen_logps, rejected_logps=rejected_logps,
+                                chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+    return pw / nw, pl / nl
+
+
+def simpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
+               rejected_lengths: torch.Tensor, *, beta: float = 2.0,
+               gamma_beta_ratio: float = 0.5) -> tuple[torch.Tensor, PreferenceStats]:
+    """SimPO (Meng et al. 2024, arXiv 2405.14734), no reference model, per pair [B]:
+
+        -log sigma(beta (avg_w - avg_l) - gamma),   avg = log pi(y|x) / |y|,   gamma = beta * gamma_beta_ratio
+
+    Args:
+        chosen_logps, rejected_logps: [B] summed policy log-probs; chosen_lengths, rejected_lengths: [B] token counts.
+        beta: > 0 (the paper's default 2.0); gamma_beta_ratio: >= 0, the target margin over beta
+            (the paper's `gamma_beta_ratio`, default 0.5; TRL's `simpo_gamma` is gamma itself).
+
+    Returns: (losses [B], stats: rewards beta * avg and the averages, as TRL's CPOTrainer reports for SimPO).
+    """
+    check_positive("beta", beta)
+    check_non_negative("gamma_beta_ratio", gamma_beta_ratio)
+    aw, al = _averages(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths)
+    losses = -F.logsigmoid(beta * (aw - al) - beta * gamma_beta_ratio)
+    return losses, PreferenceStats((beta * aw).detach(), (beta * al).detach(), aw.detach(), al.detach())
+
+
+def cpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor, *,
+             beta: float = 0.1, alpha: float = 1.0) -> tuple[torch.Tensor, PreferenceStats]:
+    """CPO (Xu et al. 2024, arXiv 2401.08417), no reference model, per pair [B]:
+
+        -log sigma(beta (log pi(y_w) - log pi(y_l))) + alpha NLL_w
+
+    on summed log-probs (as TRL's CPOTrainer "sigmoid"), with NLL_w = -log pi(y_w) / n_w.
+
+    Args:
+        chosen_logps, rejected_logps: [B] summed policy log-probs; chosen_lengths: [B] chosen token counts.
+        beta: > 0; alpha: >= 0, the weight of the NLL (behaviour cloning) term.
+
+    Returns: (losses [B], stats: rewards beta * log pi(y), the log-probs, NLL_w).
+    """
+    check_positive("beta", beta)
+    check_non_negative("alpha", alpha)
+    pw, pl, nw = as_vectors(chosen_logps=chosen_logps, rejected_logps=rejected_logps, chosen_lengths=chosen_lengths)
+    nll = -pw / nw
+    losses = -F.logsigmoid(beta * (pw - pl)) + alpha * nll
+    return losses, PreferenceStats((beta * pw).detach(), (beta * pl).detach(), pw.detach(), pl.detach(), nll.detach())
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012): log(-expm1(x)) near 0, log1p(-exp(x)) below -log 2."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
+    x = avg_logp.clamp(max=ORPO_MAX_AVG_LOGP)
+    return x - _log1mexp(x)
+
+
+def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
+              rejected_lengths: torch.Tensor, *, lam: float = 0.1) -> tuple[torch.Tensor, PreferenceStats]:
+    """ORPO (Hong et al. 2024, arXiv 2403.07691), no reference model, per pair [B]:
+
+        NLL_w - lam log sigma(log odds(y_w) - log odds(y_l)),   odds(y) = p / (1 - p),   p = exp(avg),
+
+    on the token-averaged log-probs avg = log pi(y|x) / |y| (as TRL's ORPOTrainer), with
+    log odds = avg - log(1 - exp(avg)) computed stably and avg capped at ORPO_MAX_AVG_LOGP inside
+    the odds. NLL_w = -avg_w.
+
+    Args:
+        chosen_logps, rejected_logps: [B] summed policy log-probs; chosen_lengths, rejected_lengths: [B] token counts.
+        lam: >= 0, the odds-ratio weight lambda (TRL's `beta`).
+
+    Returns: (losses [B], stats: rewards lam * avg and the averages as TRL reports them, NLL_w, the log odds ratio).
+    """
+    check_non_negative("lam", lam)
+    aw, al = _averages(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths)
+    log_odds = _log_odds(aw) - _log_odds(al)
+    losses = -aw - lam * F.logsigmoid(log_odds)
+    return losses, PreferenceStats((lam * aw).detach(), (lam * al).detach(), aw.detach(), al.detach(),
+                                   (-aw).detach(), log_odds.detach())
