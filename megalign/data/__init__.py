@@ -1,5 +1,18 @@
-"""Data for training: tokenizers (built-in character, HF, SentencePiece), prompt and SFT datasets, the prompt sampler, the arithmetic task."""
+"""Data for training: tokenizers (built-in character, HF, SentencePiece), prompt, SFT, preference and unpaired
+datasets, the prompt sampler, the arithmetic task."""
 from megalign.data.arith import ArithProblem, ArithTaskConfig, make_splits, write_jsonl
+from megalign.data.preference import (
+    OfflineDataStats,
+    PreferenceExample,
+    UnpairedExample,
+    collate_preferences,
+    collate_unpaired,
+    encode_prompt,
+    encode_prompt_and_replies,
+    extract_prompt,
+    load_preferences,
+    load_unpaired,
+)
 from megalign.data.prompts import (
     DataError,
     DatasetStats,
@@ -23,6 +36,8 @@ from megalign.data.tokenizer import (
 
 __all__ = [
     "ArithProblem", "ArithTaskConfig", "make_splits", "write_jsonl",
+    "OfflineDataStats", "PreferenceExample", "UnpairedExample", "collate_preferences", "collate_unpaired",
+    "encode_prompt", "encode_prompt_and_replies", "extract_prompt", "load_preferences", "load_unpaired",
     "DataError", "DatasetStats", "PromptDataConfig", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
     "read_rows", "IGNORE_INDEX", "SFTExample", "collate_sft", "encode_messages", "encode_sft", "load_sft",
     "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
