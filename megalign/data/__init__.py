@@ -1,5 +1,5 @@
-"""Data for training: tokenizers (built-in character, HF, SentencePiece), prompt, SFT, preference and unpaired
-datasets, the prompt sampler, the arithmetic task."""
+"""Data for training: tokenizers (built-in character, HF, SentencePiece), prompt, SFT, preference, unpaired and
+stepwise datasets, the prompt sampler, the arithmetic task."""
 from megalign.data.arith import ArithProblem, ArithTaskConfig, make_splits, write_jsonl
 from megalign.data.preference import (
     OfflineDataStats,
@@ -24,6 +24,7 @@ from megalign.data.prompts import (
     read_rows,
 )
 from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_messages, encode_sft, load_sft
+from megalign.data.stepwise import StepwiseExample, collate_stepwise, encode_steps, load_stepwise
 from megalign.data.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -38,6 +39,7 @@ __all__ = [
     "ArithProblem", "ArithTaskConfig", "make_splits", "write_jsonl",
     "OfflineDataStats", "PreferenceExample", "UnpairedExample", "collate_preferences", "collate_unpaired",
     "encode_prompt", "encode_prompt_and_replies", "extract_prompt", "load_preferences", "load_unpaired",
+    "StepwiseExample", "collate_stepwise", "encode_steps", "load_stepwise",
     "DataError", "DatasetStats", "PromptDataConfig", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
     "read_rows", "IGNORE_INDEX", "SFTExample", "collate_sft", "encode_messages", "encode_sft", "load_sft",
     "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",

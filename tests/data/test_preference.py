@@ -1,4 +1,4 @@
-"""Offline alignment data: preference pairs and unpaired KTO examples.
+"""Offline alignment data: preference pairs, unpaired KTO examples and stepwise PRM examples.
 
 Ids are worked by hand for `CharTokenizer` (printable character c has id ord(c) - 28: ids 0..2 are
 <pad> <bos> <eos>, 3 is the newline, 4 the space), batches are checked against `collate_sft` of the
@@ -11,6 +11,7 @@ import torch
 from data.test_prompts import write_hf_dataset, write_jsonl, write_parquet
 from data.test_sft import chatml_dir  # noqa: F401 (fixture)
 
+from megalign.algos import prm_loss
 from megalign.data import CharTokenizer, DataError, HFTokenizer
 from megalign.data.preference import (
     PreferenceExample,
@@ -24,6 +25,7 @@ from megalign.data.preference import (
     load_unpaired,
 )
 from megalign.data.sft import IGNORE_INDEX, collate_sft, encode_messages, encode_sft
+from megalign.data.stepwise import StepwiseExample, collate_stepwise, encode_steps, load_stepwise
 
 TOK = CharTokenizer()
 BOS, EOS, NL = 1, 2, 3
@@ -305,3 +307,74 @@ def test_example_invariants():
         UnpairedExample([1], [5, 2], 1)
     with pytest.raises(ValueError, match="at least one example"):
         collate_preferences([], 0)
+
+
+def test_stepwise_positions_labels_and_batch_by_hand():
+    prompt_ids = [BOS] + c("1+2*3=")
+    example = encode_steps(prompt_ids, ["2*3=6", "1+6=7"], [True, 0.25], TOK)
+    assert example.ids == prompt_ids + c("2*3=6") + [NL] + c("1+6=7") + [NL]
+    assert example.step_positions == [12, 18] and example.labels == [1.0, 0.25]  # the separators themselves
+    short = encode_steps([BOS] + c("4="), ["\\boxed{4}"], [False], TOK)
+    batch = collate_stepwise([example, short], TOK.pad_id)
+    assert batch["input_ids"][1].tolist() == [BOS] + c("4=\\boxed{4}") + [NL] + [0] * 6
+    assert batch["attention_mask"].sum(-1).tolist() == [19, 13]
+    labels = batch["step_labels"]
+    assert labels.dtype == torch.float32 and labels.shape == (2, 19)
+    assert {(i, j): labels[i, j].item() for i, j in (labels != IGNORE_INDEX).nonzero().tolist()} == \
+        {(0, 12): 1.0, (0, 18): 0.25, (1, 12): 0.0}
+    loss, stats = prm_loss(torch.zeros(2, 19, 2), labels)  # the layout prm_loss expects: one step per label
+    assert stats.num_steps.item() == 3 and loss.item() == pytest.approx(3 * math.log(2))
+    two = encode_steps(prompt_ids, ["2*3=6"], [True], TOK, separator="\n\n")
+    assert two.ids[-2:] == [NL, NL] and two.step_positions == [len(two.ids) - 1]  # the separator's last token
+
+
+STEP_ROWS = [
+    {"prompt": "1+2*3=", "completions": ["2*3=6", "1+6=7"], "labels": [True, True]},
+    {"prompt": "2*2=", "completions": ["2*2=5", "\\boxed{5}"], "labels": [False, False], "answer": 4},
+]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "datasets"])
+def test_stepwise_rows_load_alike_from_every_format(tmp_path, kind):
+    examples, stats = load_stepwise(_rows_for(kind, STEP_ROWS, tmp_path / f"s.{kind}"), TOK, 64)
+    assert examples == [encode_steps([BOS] + c(r["prompt"]), r["completions"], r["labels"], TOK) for r in STEP_ROWS]
+    assert stats.kept == 2
+
+
+def test_stepwise_soft_labels_truncation_and_template(tmp_path):
+    rows = [{"prompt": "abcdef=", "completions": ["1", "2"], "labels": [0.5, 0]}]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    (example,), stats = load_stepwise(path, TOK, 7, truncation="truncate_prompt")
+    assert example == StepwiseExample([BOS] + c("f=1") + [NL] + c("2") + [NL], [4, 6], [0.5, 0.0])
+    assert stats.truncated == 1
+    with pytest.raises(DataError, match="no usable stepwise rows"):
+        load_stepwise(path, TOK, 7)
+    (templated,), _ = load_stepwise(path, TOK, 64, template_prompts=True)
+    assert templated.ids[:templated.step_positions[0] - 1] == TOK.apply_chat_template([user("abcdef=")])
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "q", "completions": ["a", "b"], "labels": [True]},
+     r"'labels' must be a list of one label per step \(2 steps\)"),
+    ({"prompt": "q", "completions": [], "labels": []}, "'completions' must be a non-empty list of step strings"),
+    ({"prompt": "q", "completions": ["a", "b"], "labels": [True, 1.5]},
+     r"labels\[1\] must be a boolean or a number in \[0, 1\], got 1.5"),
+    ({"prompt": "q", "completions": ["a", "b"], "labels": [True, "yes"]}, r"labels\[1\] must be a boolean"),
+    ({"prompt": "q", "completions": ["a\nb"], "labels": [True]}, r"completions\[0\] contains the step separator"),
+    ({"prompt": "q", "completions": ["a", ""], "labels": [True, True]}, r"completions\[1\] must be a non-empty string"),
+    ({"prompt": [user("q")], "completions": ["a"], "labels": [True]}, "'prompt' must be a non-empty string"),
+    ({"completions": ["a"], "labels": [True]}, "a row needs 'prompt', 'completions', 'labels'; missing prompt"),
+])
+def test_bad_stepwise_row_names_file_and_line(tmp_path, row, message):
+    with pytest.raises(DataError, match=f"s.jsonl:2: {message}"):
+        load_stepwise(write_jsonl(tmp_path / "s.jsonl", [STEP_ROWS[0], row]), TOK, 64)
+
+def test_stepwise_example_invariants():
+    with pytest.raises(ValueError, match="step_positions must increase"):
+        StepwiseExample([1, 5, 3, 6, 3], [4, 2], [1.0, 0.0])
+    with pytest.raises(ValueError, match=r"must lie in \[1, 3\)"):
+        StepwiseExample([1, 5, 3], [3], [1.0])
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 1\]"):
+        StepwiseExample([1, 5, 3], [2], [2.0])
+    with pytest.raises(ValueError, match="at least one example"):
+        collate_stepwise([], 0)
