@@ -1,6 +1,25 @@
 """Data for training: tokenizers (built-in character, HF, SentencePiece), prompt, SFT, preference, unpaired and
-stepwise datasets, the prompt sampler, the arithmetic task."""
-from megalign.data.arith import ArithProblem, ArithTaskConfig, make_splits, write_jsonl
+stepwise datasets, the prompt sampler, the arithmetic tasks."""
+from megalign.data.arith import (
+    ArithChain,
+    ArithChainConfig,
+    ArithProblem,
+    ArithTaskConfig,
+    chain_steps,
+    corrupt_chain_steps,
+    make_chain_splits,
+    make_splits,
+    preference_margin,
+    preference_rows,
+    solve_chain,
+    stepwise_rows,
+    unpaired_rows,
+    write_jsonl,
+    write_preference_jsonl,
+    write_stepwise_jsonl,
+    write_unpaired_jsonl,
+    wrong_answer,
+)
 from megalign.data.preference import (
     OfflineDataStats,
     PreferenceExample,
@@ -36,7 +55,10 @@ from megalign.data.tokenizer import (
 )
 
 __all__ = [
-    "ArithProblem", "ArithTaskConfig", "make_splits", "write_jsonl",
+    "ArithChain", "ArithChainConfig", "ArithProblem", "ArithTaskConfig", "chain_steps", "corrupt_chain_steps",
+    "make_chain_splits", "make_splits", "preference_margin", "preference_rows", "solve_chain", "stepwise_rows",
+    "unpaired_rows", "write_jsonl", "write_preference_jsonl", "write_stepwise_jsonl", "write_unpaired_jsonl",
+    "wrong_answer",
     "OfflineDataStats", "PreferenceExample", "UnpairedExample", "collate_preferences", "collate_unpaired",
     "encode_prompt", "encode_prompt_and_replies", "extract_prompt", "load_preferences", "load_unpaired",
     "StepwiseExample", "collate_stepwise", "encode_steps", "load_stepwise",
