@@ -159,8 +159,9 @@ def encode_prompt_and_replies(prompt: Any, replies: dict[str, Any], tokenizer: T
         for name, reply in replies.items():
             if not isinstance(reply, str) or not reply:
                 raise ValueError(f"'{name}' must be a non-empty string like 'prompt', got {reply!r}")
-        return (encode_prompt(prompt, tokenizer, template_prompts),
-                [tokenizer.encode(reply) + [tokenizer.eos_id] for reply in replies.values()])
+        prompt_ids = encode_prompt(prompt, tokenizer, template_prompts)
+        out = [tokenizer.encode(reply) + [tokenizer.eos_id] for reply in replies.values()]
+        return _check_nonempty(prompt_ids, replies, out)
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"'prompt' must be a string or a message list, got {type(prompt).__name__}")
     _check_chat(prompt, "prompt", reply=False)
@@ -173,7 +174,18 @@ def encode_prompt_and_replies(prompt: Any, replies: dict[str, Any], tokenizer: T
     for reply in replies.values():
         ids = tokenizer.apply_chat_template(list(prompt) + list(reply), add_generation_prompt=False)
         out.append(ids[_prefix_length(tokenizer, ids, prompt, add_generation_prompt=True):])
-    return prompt_ids, out
+    return _check_nonempty(prompt_ids, replies, out)
+
+
+def _check_nonempty(prompt_ids: list[int], replies: dict[str, Any],
+                    reply_ids: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """(prompt_ids, reply_ids), or ValueError when one of them has no token (a tokenizer or template quirk)."""
+    if not prompt_ids:
+        raise ValueError("'prompt' encodes to no token: nothing would precede the reply")
+    for name, ids in zip(replies, reply_ids):
+        if not ids:
+            raise ValueError(f"'{name}' encodes to no token after the prompt")
+    return prompt_ids, reply_ids
 
 
 def _same_message(a: Any, b: Any) -> bool:

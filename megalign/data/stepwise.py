@@ -115,6 +115,8 @@ def load_stepwise(path: str | os.PathLike, tokenizer: Tokenizer, max_length: int
         if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise ValueError(f"'prompt' must be a non-empty string, got {row['prompt']!r}")
         prompt_ids = encode_prompt(row["prompt"], tokenizer, template_prompts)
+        if not prompt_ids:
+            raise ValueError("'prompt' encodes to no token")
         full = encode_steps(prompt_ids, row["completions"], row["labels"], tokenizer, separator)
         body = full.ids[len(prompt_ids):]
         offsets = [p - len(prompt_ids) for p in full.step_positions]

@@ -298,6 +298,22 @@ def test_kto_batch_mismatches_completions_as_trl_does():
     with pytest.raises(ValueError, match="kl_shift=3 is a multiple of the batch size 3"):
         collate_unpaired(examples, TOK.pad_id, kl_shift=3)
 
+class StrippingTokenizer(CharTokenizer):
+    """Drops surrounding spaces and has no BOS, as some HF tokenizers do: a blank prompt encodes to nothing."""
+
+    def encode(self, text, add_bos=False):
+        return super().encode(text.strip())
+
+
+def test_a_prompt_of_no_tokens_is_a_row_error(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "  ", "chosen": "a", "rejected": "b"}])
+    with pytest.raises(DataError, match="p.jsonl:1: 'prompt' encodes to no token"):
+        load_preferences(path, StrippingTokenizer(), 64)
+    path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "  ", "completions": ["a1"], "labels": [True]}])
+    with pytest.raises(DataError, match="s.jsonl:1: 'prompt' encodes to no token"):
+        load_stepwise(path, StrippingTokenizer(), 64)
+
+
 def test_example_invariants():
     with pytest.raises(ValueError, match="chosen and rejected are the same tokens"):
         PreferenceExample([1], [5, 2], [5, 2])
