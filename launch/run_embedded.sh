@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
 # The embedded default end to end on one machine: SFT warm start of a tiny character model on the
-# arithmetic task, then GRPO from its HF export, ending with the before/after held-out accuracy table.
-#   launch/run_embedded.sh [RUN_ROOT] [NPROC]      (defaults: runs, 2 processes; CPU gloo or GPUs NCCL)
-# Extra `key=value` overrides for GRPO go in GRPO_OVERRIDES, for SFT in SFT_OVERRIDES.
+# arithmetic task, then the chosen stage from its HF export, ending with the before/after held-out
+# accuracy table.
+#   launch/run_embedded.sh [PIPELINE] [RUN_ROOT] [NPROC]   (defaults: grpo, runs, 2 processes; CPU gloo or GPUs NCCL)
+# PIPELINE: grpo (SFT -> GRPO), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
+# losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
+# ending with held-out pairwise accuracy).
+# Extra `key=value` overrides for the second stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
+# name for grpo), for SFT in SFT_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PIPELINE=grpo
+case "${1:-}" in
+  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm) PIPELINE=$1; shift ;;
+esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
 PYTHON=${PYTHON:-python}
-"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" launch/train_sft.py --config examples/sft_arith.yaml \
-    run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}
-"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" launch/train_grpo.py --config examples/grpo_arith.yaml \
-    run_dir="$ROOT/grpo_arith" actor.path="$ROOT/sft_arith/hf" ${GRPO_OVERRIDES:-}
+run() { "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$@"; }
+run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}
+case "$PIPELINE" in
+  grpo)
+    run launch/train_grpo.py --config examples/grpo_arith.yaml run_dir="$ROOT/grpo_arith" \
+        actor.path="$ROOT/sft_arith/hf" ${GRPO_OVERRIDES:-} ${STAGE_OVERRIDES:-} ;;
+  rm)
+    run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
+        model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
+  dpo)
+    run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/dpo_arith" \
+        model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
+  *)
+    run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/${PIPELINE}_arith" \
+        model.path="$ROOT/sft_arith/hf" algo.loss="$PIPELINE" ${STAGE_OVERRIDES:-} ;;
+esac

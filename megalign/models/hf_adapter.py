@@ -128,8 +128,17 @@ def _read_local(tensor_slice, global_shape: list[int], local: torch.Tensor, shar
     return out
 
 
-def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
-    """Fill `model` (on any tp rank of its factory) from the safetensors files in checkpoint folder `path`."""
+def checkpoint_has_tensor(path: Union[str, os.PathLike], name: str) -> bool:
+    """Whether the safetensors of checkpoint folder `path` hold tensor `name` (HF naming, e.g. "score.weight")."""
+    return name in _checkpoint_index(os.fspath(path))
+
+
+def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool = False) -> None:
+    """Fill `model` (on any tp rank of its factory) from the safetensors files in checkpoint folder `path`.
+
+    `new_head`: the scalar head of a value / reward model is not read (the model keeps its own init)
+    and the checkpoint's LM head is ignored: a reward model or critic started from a policy checkpoint.
+    """
     path = os.fspath(path)
     config: ModelConfig = model.config
     factory = model.model.factory
@@ -138,10 +147,12 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike]) -> None:
     copies = _tied_copies(model)
     wanted = {}  # HF name -> (megalign name, shard_dim)
     for name, param in params.items():
+        if new_head and name.startswith("head."):
+            continue
         hf_name, shard_dim = hf_rule("model.embed.weight" if id(param) in copies else name, layer_range[0])
         wanted[hf_name] = (name, shard_dim)
     files = _checkpoint_index(path)
-    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings or new_head else set()
     ignorable |= {n for n in files if _other_stage(n, layer_range, config.num_hidden_layers)}
     missing = sorted(set(wanted) - set(files))
     unexpected = sorted(set(files) - set(wanted) - ignorable)
@@ -322,7 +333,7 @@ _KINDS = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
 def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", factory=None,
                     vocab_pad_multiple: int = 1, dtype: Optional[torch.dtype] = None,
                     activation_checkpointing: bool = False, layer_range: Optional[tuple[int, int]] = None,
-                    layout: Optional[ParallelLayout] = None) -> _Model:
+                    layout: Optional[ParallelLayout] = None, new_head: bool = False) -> _Model:
     """Build a megalign model from an HF checkpoint folder.
 
     kind: 'causal_lm' (policy / reference), 'value' (critic; reads `score.weight`, e.g. from a reward
@@ -331,7 +342,9 @@ def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", fact
     layout: build this rank's tensor-parallel shards over `layout.tp_group` (`TensorParallelFactory`,
     vocabulary padded to a multiple of lcm(vocab_pad_multiple, tp)) on `layout.device`, reading only
     this rank's slices of the checkpoint; a collective-free load, but every tp rank must call it.
-    Give either `layout` or a custom `factory`, not both.
+    Give either `layout` or a custom `factory`, not both. `new_head` (value / reward kinds): start the
+    scalar head fresh instead of reading it, e.g. a reward model from an SFT checkpoint; the caller
+    initialises it (`load_hf_weights`).
     """
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} is not one of {sorted(_KINDS)}")
@@ -346,7 +359,9 @@ def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", fact
         model.to(layout.device)
     if dtype is not None:
         model.to(dtype)
-    load_hf_weights(model, path)
+    if new_head and kind == "causal_lm":
+        raise ValueError("from_pretrained: new_head applies to the 'value' and 'reward' kinds, not 'causal_lm'")
+    load_hf_weights(model, path, new_head)
     return model
 
 

@@ -9,7 +9,7 @@ the rest, so a new objective or role never copies the plumbing:
     `RUN_FREE_KEYS` and `free_keys()` that differ are an error unless `resume_changes=allow`)
     -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
     -> every RNG seeded -> [subclass: tokenizer, data, roles, `register_state`]
-    `train()`: load the checkpoint -> evaluation before training (`eval_before`, once per run)
+    `train()`: load the checkpoint -> `on_train_start` -> evaluation before training (`eval_before`, once per run)
     -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
     `eval_every()` steps -> checkpoint every `save_every` steps and after the last } -> HF export
     -> final evaluation -> before/after table.
@@ -155,13 +155,13 @@ class MetricSums:
         return dict(zip(self._values, total.tolist()))
 
 
-def accuracy_table(before: Optional[float], after: float, steps: int, prompts: int, trained: str) -> str:
-    """The before/after held-out accuracy table printed at the end of a run."""
-    rows = [("initial policy", "-" if before is None else f"{before:6.1%}"), (f"{trained}, {steps} steps", f"{after:6.1%}")]
+def accuracy_table(before: Optional[float], after: float, steps: int, label: str, trained: str) -> str:
+    """The before/after held-out accuracy table printed at the end of a run, headed by `label`."""
+    rows = [("initial model", "-" if before is None else f"{before:6.1%}"), (f"{trained}, {steps} steps", f"{after:6.1%}")]
     if before is not None:
         rows.append(("change", f"{(after - before) * 100:+.1f} points"))
     width = max(len(name) for name, _ in rows)
-    lines = [f"held-out accuracy ({prompts} prompts, greedy)"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines = [label] + [f"  {name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines)
 
 
@@ -279,9 +279,16 @@ class Trainer:
         """How many held-out prompts `evaluate` scores (for the closing table)."""
         return 0
 
+    def eval_label(self) -> str:
+        """The heading of the closing table."""
+        return f"held-out accuracy ({self.eval_prompts()} prompts, greedy)"
+
     def export(self) -> Optional[str]:
         """Write the trained model in HF format to run_dir/hf; returns the folder."""
         return None
+
+    def on_train_start(self) -> None:
+        """After the checkpoint (if any) is loaded, before the first step: one-off work (e.g. caching reference scores)."""
 
     def prepare_checkpoint_io(self) -> None:
         """Bring everything a checkpoint reads or writes onto the device (roles with offloaded parts)."""
@@ -305,6 +312,7 @@ class Trainer:
             self.checkpoints.load(self.resume_from, self.state)
             logger.info("resumed from %s at step %d", self.resume_from, self.progress["step"])
         logger.info("%s", self.describe())
+        self.on_train_start()
         if self.eval_before and self.progress["step"] == 0:
             before = self.evaluate()
             self.progress["accuracy_before"] = -1.0 if before is None else before
@@ -336,5 +344,5 @@ class Trainer:
             log.close()
         before = self.progress["accuracy_before"] if self.progress["accuracy_before"] >= 0 else None
         if self.rank == 0 and after is not None:
-            print(accuracy_table(before, after, self.progress["step"], self.eval_prompts(), self.name), flush=True)
+            print(accuracy_table(before, after, self.progress["step"], self.eval_label(), self.name), flush=True)
         return TrainResult(self.progress["step"], history, hf_path, before, after)

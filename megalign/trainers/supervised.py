@@ -36,9 +36,10 @@ from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.data import PromptExample, PromptSampler, Tokenizer
 from megalign.models import CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, tensor_parallel_config
+from megalign.models.hf_adapter import checkpoint_has_tensor
 from megalign.parallel import MixedPrecision, ParallelLayout, tp_sharded_parameters
 from megalign.parallel.collectives import all_reduce
-from megalign.roles import DTYPES, ModelRoleConfig
+from megalign.roles import DTYPES, ModelRoleConfig, Reference
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
@@ -76,6 +77,16 @@ class PolicyModelConfig(ModelRoleConfig):
 
 
 @dataclasses.dataclass
+class ReferenceConfig(ModelRoleConfig):
+    """The frozen reference of objectives that compare with one (DPO, KTO): its weights, layout, and when it scores."""
+
+    path: Optional[str] = option(None, doc="HF checkpoint folder; null: model.path (the policy's initial weights)")
+    mode: Literal["cache", "online"] = option(
+        "cache", doc="'cache': score every training example once before training (kept in the checkpoint); "
+                     "'online': score each batch when it is used (no pass over the data; the same numbers)")
+
+
+@dataclasses.dataclass
 class SupervisedConfig(RunConfig):
     """What every supervised run has besides its data: batch, model, optimizer, evaluation."""
 
@@ -97,10 +108,27 @@ class Objective(Generic[E]):
     """What a supervised trainer is given (module doc); one subclass per objective.
 
     Built as `objective_cls(cfg, tokenizer)` once the tokenizer exists; `cfg` is the whole run config.
+    An objective that compares with a frozen reference (DPO, KTO) says so in `needs_reference` and
+    implements `scores`: the trainer then fills `batch.ref_scores` before `loss`, from a cache
+    computed once before training or from the reference role on the fly (`reference.mode`).
     """
 
     def __init__(self, cfg: Any, tokenizer: Tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
+
+    num_scores = 0
+    """k of `scores` (the reference's numbers per example), for objectives with a reference."""
+    count_name = "tokens"
+    """What `count` counts, as logged (`tokens`, `tokens_per_s`; `pairs`, `pairs_per_s`)."""
+
+    def needs_reference(self) -> bool:
+        """Whether `loss` reads `batch.ref_scores` (the reference role and its cache exist only then)."""
+        return False
+
+    def scores(self, model: CausalLM, batch, layout: ParallelLayout) -> torch.Tensor:
+        """[B, k] per-example scores the reference contributes (e.g. k = 2 summed log-probs of chosen and
+        rejected), computed without gradient by the trainer; row i belongs to the batch's example i."""
+        raise NotImplementedError
 
     def examples(self) -> tuple[Sequence[E], Optional[Sequence[PromptExample]]]:
         """(training examples, held-out prompts with answers or None)."""
@@ -129,6 +157,29 @@ class Objective(Generic[E]):
     def metrics(self, totals: dict[str, float]) -> dict[str, float]:
         """Logged metrics from the dp-reduced `stats` totals of a step."""
         return {}
+
+    model_kind = "causal_lm"
+    """What the trained model is (`megalign.models.from_pretrained` kinds): a policy, or a 'reward' model."""
+
+    def evaluate(self, trainer: "SupervisedTrainer") -> Optional[float]:
+        """Held-out score in [0, 1] (same on every rank), or None without held-out data; default: greedy
+        generation on the held-out prompts scored by `eval.metric` (`megalign.trainers.evaluation`)."""
+        cfg = self.cfg.eval
+        if not eval_count(cfg, trainer.held_out):
+            return None
+        accuracy, samples = evaluate_generation(trainer.policy.model, trainer.held_out, self.tokenizer, cfg,
+                                                self.max_length(), trainer.layout)
+        if trainer.rank == 0:
+            for prompt, response, answer in samples:
+                logger.info("held-out sample: %r -> %r (answer %s)", prompt, response, answer)
+        return accuracy
+
+    def eval_label(self, count: int) -> str:
+        """The heading of the closing table."""
+        return f"held-out accuracy ({count} prompts, greedy)"
+
+    def after_export(self, trainer: "SupervisedTrainer", path: str) -> None:
+        """Add what later stages need beside the exported weights (e.g. a reward model's reward statistics)."""
 
 
 def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
@@ -168,6 +219,7 @@ class SupervisedTrainer(Trainer):
     def __init__(self, cfg: SupervisedConfig, objective_cls: type[Objective], name: str):
         super().__init__(cfg)
         self.name = name
+        self.eval_before = cfg.model.path is not None  # a trained starting point is worth comparing with
         self.layout = layout = self.layout_for(cfg.model.tp)
         if cfg.batch_size % layout.dp:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of dp={layout.dp}")
@@ -178,16 +230,45 @@ class SupervisedTrainer(Trainer):
         self.train_set, self.held_out = self.objective.examples()
         if not self.train_set:
             raise ValueError(f"{name}: no training examples left after loading (see the data/ counts in the log)")
+        kind = self.objective.model_kind
         if cfg.model.path is None:
+            if kind != "causal_lm":
+                raise ValueError(f"model.path is required: a {kind} model starts from a checkpoint (e.g. an SFT export)")
             model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
+        elif kind == "causal_lm":
+            model = from_pretrained(cfg.model.path, layout=layout)
         else:
-            model = from_pretrained(cfg.model.path, layout=layout, dtype=None)
+            fresh = not checkpoint_has_tensor(cfg.model.path, "score.weight")
+            model = from_pretrained(cfg.model.path, kind=kind, layout=layout, new_head=fresh)
+            if fresh:  # from a policy checkpoint: a small head, the same on every rank (OpenRLHF's std 1/(H+1))
+                generator = torch.Generator().manual_seed(cfg.seed)
+                with torch.no_grad():
+                    weight = model.head.score.weight
+                    weight.copy_(torch.randn(weight.shape, generator=generator) / (model.config.hidden_size + 1))
         self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
                          self.objective.max_length(), "the objective's longest example")
         model.train()
         precision = MixedPrecision(DTYPES[cfg.model.dtype] if cfg.model.dtype != "fp32" else None)
         self.policy = TrainableRole("policy", model, layout, precision, cfg.model.offload_weights, False,
                                     build_optimizer(model, cfg.optim, layout), cfg.optim.grad_clip)
+        self.reference: Optional[Reference] = None
+        if self.objective.needs_reference():
+            ref_path = cfg.reference.path or cfg.model.path
+            if ref_path is None:
+                raise ValueError("reference.path (or model.path) is required: the objective compares with a frozen reference")
+            check_model_path(ref_path, "reference.path" if cfg.reference.path else "model.path")
+            if layout.tp % cfg.reference.tp:
+                raise ValueError(f"reference.tp={cfg.reference.tp} must divide model.tp={layout.tp}: its tp ranks "
+                                 f"must hold the same batch")
+            ref_layout = self.layout_for(cfg.reference.tp)
+            ref_model = from_pretrained(ref_path, layout=ref_layout, dtype=DTYPES[cfg.reference.dtype])
+            self.check_model(ref_model, "reference.path", ref_path, self.objective.max_length(),
+                             "the objective's longest example")
+            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
+            # one row per training example; filled before the first step (`mode: cache`) and checkpointed
+            self.ref_cache = {"scores": torch.zeros(len(self.train_set), self.objective.num_scores), "ready": False}
+            if cfg.reference.mode == "cache":
+                self.register_state("reference_cache", self.ref_cache)
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
                                      rank=layout.dp_rank, world_size=layout.dp)
         self.register_state("model", ModelState(model, layout))
@@ -195,7 +276,38 @@ class SupervisedTrainer(Trainer):
         self.register_state("sampler", self.sampler)
 
     def free_keys(self) -> tuple[str, ...]:
-        return ("model.offload_weights",)
+        keys = ("model.offload_weights",)
+        has_reference = isinstance(getattr(self.cfg, "reference", None), ReferenceConfig)  # called before the roles exist
+        return keys + (("reference.offload_weights", "reference.mode") if has_reference else ())
+
+    def _reference_scores(self, batch) -> torch.Tensor:
+        """[B, k] reference scores of `batch`, without gradient; the reference's weights come on device and go back."""
+        self.reference.need("weights")
+        with torch.no_grad(), self.reference.precision.autocast(self.reference.layout.device):
+            scores = self.objective.scores(self.reference.model, batch, self.reference.layout).float()
+        self.reference.need()
+        return scores
+
+    def on_train_start(self) -> None:
+        """With `reference.mode: cache`, score every training example once with the reference (each dp rank its
+        share, summed over dp), unless a resumed checkpoint already holds the scores."""
+        if self.reference is None or self.cfg.reference.mode != "cache" or self.ref_cache["ready"]:
+            return
+        layout, n = self.layout, len(self.train_set)
+        mine = list(range(layout.dp_rank, n, layout.dp))
+        parts = []
+        with self.timer("reference_cache"):
+            for start in range(0, len(mine), self.cfg.batch_size):
+                chunk = mine[start:start + self.cfg.batch_size]
+                batch = self.objective.collate([self.train_set[i] for i in chunk], layout.device)
+                parts.append((chunk, self._reference_scores(batch)))
+            table = torch.zeros(n, self.objective.num_scores, dtype=torch.float64)
+            for chunk, scores in parts:
+                table[chunk] = scores.double().cpu()
+            table = all_reduce(table.to(layout.device), layout.dp_group).cpu()  # each row from exactly one rank
+        self.ref_cache.update(scores=table.float(), ready=True)
+        logger.info("reference scores of %d training examples cached (%.1f s)", n,
+                    self.timer.seconds.get("reference_cache", 0.0))
 
     def describe(self) -> str:
         return (f"{self.name}: {len(self.train_set)} training examples, {len(self.held_out or [])} held-out prompts, "
@@ -209,9 +321,13 @@ class SupervisedTrainer(Trainer):
         lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
         set_lr(self.policy.optimizer, lr)
         with timer("data"):
-            examples = [self.train_set[i] for i in self.sampler.next_indices(cfg.batch_size // layout.dp)]
-            batch = self.objective.collate(examples, layout.device)
+            indices = self.sampler.next_indices(cfg.batch_size // layout.dp)
+            batch = self.objective.collate([self.train_set[i] for i in indices], layout.device)
             count = all_reduce(self.objective.count(batch), layout.dp_group)
+        if self.reference is not None:
+            with timer("reference"):
+                batch.ref_scores = (self.ref_cache["scores"][indices].to(layout.device)
+                                    if cfg.reference.mode == "cache" else self._reference_scores(batch))
         stats = MetricSums()
         with timer("forward_backward"):
             with self.policy.precision.autocast(layout.device):
@@ -225,19 +341,16 @@ class SupervisedTrainer(Trainer):
                                               f"({float(grad_norm)})")
         totals = stats.reduce(layout.dp_group, layout.device)
         elapsed = time.perf_counter() - start
-        return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), "tokens": float(count),
-                "tokens_per_s": float(count) / elapsed, **self.objective.metrics(totals),
+        name = self.objective.count_name
+        return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), name: float(count),
+                f"{name}_per_s": float(count) / elapsed, **self.objective.metrics(totals),
                 "epoch": float(self.sampler.epoch), **timer.metrics(), **memory_report()}
 
     def evaluate(self) -> Optional[float]:
-        if not eval_count(self.cfg.eval, self.held_out):
-            return None
-        accuracy, samples = evaluate_generation(self.policy.model, self.held_out, self.tokenizer, self.cfg.eval,
-                                                self.objective.max_length(), self.layout)
-        if self.rank == 0:
-            for prompt, response, answer in samples:
-                logger.info("held-out sample: %r -> %r (answer %s)", prompt, response, answer)
-        return accuracy
+        return self.objective.evaluate(self)
+
+    def eval_label(self) -> str:
+        return self.objective.eval_label(self.eval_prompts())
 
     def eval_every(self) -> int:
         return self.cfg.eval.every
@@ -246,4 +359,6 @@ class SupervisedTrainer(Trainer):
         return eval_count(self.cfg.eval, self.held_out)
 
     def export(self) -> Optional[str]:
-        return export_hf(self.policy.model, os.path.join(self.cfg.run_dir, "hf"), self.layout, tokenizer=self.tokenizer)
+        path = export_hf(self.policy.model, os.path.join(self.cfg.run_dir, "hf"), self.layout, tokenizer=self.tokenizer)
+        self.objective.after_export(self, path)
+        return path

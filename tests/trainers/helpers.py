@@ -3,8 +3,11 @@
 Every trainer promises the same thing about a numerical blow-up (a non-finite loss skips the update,
 is warned and counted, and never reaches a checkpoint), so its tests use the same tools.
 """
+import json
 import logging
+import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -39,3 +42,16 @@ def checkpoint_params(run_dir, step, role="model"):
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(f"{role}.")}
     dcp.load(state, storage_reader=reader, no_dist=True)  # only the caller reads
     return state
+
+
+def metric_rows(run_dir, volatile=("time/", "memory/", "tokens_per_s", "pairs_per_s")):
+    """The rows of run_dir/metrics.jsonl without the metrics that depend on timing or memory."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(volatile)} for line in f]
+
+
+def assert_rows_close(a, b, tol=1e-5):
+    """Two metric rows with the same keys and values equal to `tol` (relative and absolute)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), k

@@ -1,0 +1,348 @@
+"""Pairwise preference training on the supervised trainer: the DPO family, SimPO, CPO and ORPO (`train_dpo`),
+and Bradley-Terry reward models (`train_rm`).
+
+One objective covers every pairwise loss of `megalign.algos.preference`, chosen by `algo.loss`; the
+trainer (`megalign.trainers.supervised`) provides the rest of the run. A step:
+
+    B pairs from the sampler -> one concatenated forward of the B chosen and B rejected sequences
+    ([2B, T], as TRL's `concatenated_forward`) -> summed response log-probs through the
+    vocab-parallel path (no `[tokens, V]` log-softmax on one rank, no vocabulary gather at tp > 1)
+    -> the reference's summed log-probs (DPO family only: cached before training or scored on the
+    fly, `reference.mode`) -> per-pair losses summed and divided by the global pair count.
+
+Design choices:
+
+- The loss of the global batch is the mean over its pairs whatever the dp split (the trainer
+  all-reduces the pair count before the forward and sums gradients), so dp = 2 equals dp = 1.
+- Metrics are TRL's (`rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, `rewards/margins`,
+  `logps/*`, and `nll_loss` / `log_odds_*` where the loss has them), as means over the global batch.
+- The embedded task (data.path null): pairs of the arithmetic training problems, the correct
+  `\\boxed{}` answer against a wrong one near it (`megalign.data.arith`), and held-out greedy
+  accuracy on the arithmetic held-out split, so a DPO run continues the SFT warm start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Literal, Optional, Sequence
+
+import torch
+
+from megalign.algos import DPO_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
+from megalign.config import option
+from megalign.data import (PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
+                           load_prompts, make_splits, write_preference_jsonl)
+from megalign.models import CausalLM
+from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
+from megalign.trainers.base import DataConfig, MetricSums, TrainResult
+from megalign.trainers.optim import OptimConfig
+from megalign.trainers.evaluation import eval_count
+from megalign.trainers.supervised import (Objective, PolicyModelConfig, ReferenceConfig, SupervisedConfig,
+                                          SupervisedTrainer)
+
+REFERENCE_FREE = ("simpo", "cpo", "orpo")
+"""Pairwise losses without a reference model."""
+
+LOSSES = (*DPO_LOSSES, *REFERENCE_FREE)
+
+
+@dataclasses.dataclass
+class PreferenceDataConfig(DataConfig):
+    """Preference pairs: the embedded arithmetic pairs, or TRL-format files (prompt / chosen / rejected [/ margin])."""
+
+    path: Optional[str] = option(None, doc="pairs: .jsonl, .parquet or a datasets folder (explicit or implicit prompt, strings or messages); null: the arithmetic pairs")
+    max_length: int = option(64, doc="prompt + the longer response, in tokens, at most")
+    truncation: Literal["drop", "truncate_prompt"] = option(
+        "drop", doc="longer pairs: dropped, or their prompt cut from the left to fit (both counted)")
+    seed: int = option(0, doc="embedded pairs: seed of the wrong answers")
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+
+
+@dataclasses.dataclass
+class PreferenceAlgoConfig:
+    """The pairwise loss and its coefficients (defaults as in the papers and TRL)."""
+
+    loss: str = option("sigmoid", doc=f"pairwise loss: {', '.join(LOSSES)}")
+    beta: Optional[float] = option(None, doc="beta; null: 2.0 for simpo, else 0.1")
+    label_smoothing: float = option(0.0, doc="sigmoid / robust: assumed rate of flipped labels eps in [0, 0.5)")
+    nll_coef: float = option(0.0, doc="DPO family: weight of the chosen response's per-token NLL (RPO)")
+    gamma_beta_ratio: float = option(0.5, doc="simpo: target margin gamma / beta")
+    alpha: float = option(1.0, doc="cpo: weight of the chosen response's NLL")
+    lam: float = option(0.1, doc="orpo: weight of the odds-ratio term")
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
+        if self.beta is not None and not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+    @property
+    def beta_value(self) -> float:
+        return self.beta if self.beta is not None else (2.0 if self.loss == "simpo" else 0.1)
+
+
+@dataclasses.dataclass
+class DPOConfig(SupervisedConfig):
+    """One pairwise preference run (`launch/train_dpo.py --config ... key.sub=value`)."""
+
+    run_dir: str = option("runs/dpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
+    steps: int = option(200, doc="optimizer steps")
+    batch_size: int = option(32, doc="pairs per step over all dp ranks (a multiple of dp)")
+    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
+    model: PolicyModelConfig = option(PolicyModelConfig(path="runs/sft_arith/hf"), doc="the policy (an SFT export) and its layout")
+    reference: ReferenceConfig = option(ReferenceConfig(), doc="the frozen reference (DPO family only)")
+    optim: OptimConfig = option(OptimConfig(lr=5e-5, warmup_steps=10, schedule="constant"), doc="optimizer and LR schedule")
+    data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="the pairs")
+    algo: PreferenceAlgoConfig = option(PreferenceAlgoConfig(), doc="the loss")
+
+
+@dataclasses.dataclass
+class PairBatch:
+    """B pairs as one [2B, T] batch (`collate_preferences`): rows 0..B-1 prompt + chosen, rows B..2B-1
+    prompt + rejected; `response_lengths` [2B] target tokens with loss; `margin` [B];
+    `ref_scores` [B, 2] (chosen, rejected) summed reference log-probs, filled by the trainer."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    response_lengths: torch.Tensor
+    margin: torch.Tensor
+    ref_scores: Optional[torch.Tensor] = None
+
+
+def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) -> torch.Tensor:
+    """[2B] summed log-probs of the responses of `batch` (chosen rows, then rejected rows)."""
+    logits = model(batch.input_ids, batch.attention_mask)  # [2B, T, V_local]
+    logp = vocab_parallel_token_logprob(logits, batch.targets, layout.tp_group if layout.tp > 1 else None,
+                                        model.lm_head.vocab_start, vocab_size=model.config.vocab_size)
+    return logp.sum(-1)  # 0 at ignored positions
+
+
+def arith_pairs(cfg: PreferenceDataConfig, run_dir: str) -> tuple[str, str]:
+    """The embedded arithmetic pairs of the train and held-out splits, written to run_dir/data (atomic, so
+    ranks may race); returns the two paths."""
+    train, held_out = make_splits(cfg.arith)
+    paths = os.path.join(run_dir, "data", "arith_pairs.jsonl"), os.path.join(run_dir, "data", "arith_pairs_held_out.jsonl")
+    write_preference_jsonl(train, paths[0], seed=cfg.seed)
+    write_preference_jsonl(held_out, paths[1], seed=cfg.seed)
+    return paths
+
+
+class PairwiseObjective(Objective[PreferenceExample]):
+    """Every pairwise loss of `megalign.algos.preference` on a policy (module doc)."""
+
+    num_scores = 2
+    count_name = "pairs"
+
+    def needs_reference(self) -> bool:
+        return self.cfg.algo.loss not in REFERENCE_FREE
+
+    def examples(self) -> tuple[list[PreferenceExample], list[PromptExample]]:
+        data = self.cfg.data
+        path = data.path if data.path is not None else arith_pairs(data, self.cfg.run_dir)[0]
+        train, _ = load_preferences(path, self.tokenizer, data.max_length, data.truncation, data.skip_invalid,
+                                    data.template_prompts)
+        if data.eval_path is not None:
+            held_out = list(load_prompts(data.eval_path, self.tokenizer, data.max_length, data.skip_invalid,
+                                         data.template_prompts))
+        elif data.path is None:
+            _, problems = make_splits(data.arith)
+            held_out = [PromptExample(encode_sft(p.prompt, p.response, self.tokenizer, data.template_prompts).prompt_ids,
+                                      p.prompt, p.answer, {}, f"arith held-out {i}") for i, p in enumerate(problems)]
+        else:
+            held_out = []
+        return train, held_out
+
+    def max_length(self) -> int:
+        return self.cfg.data.max_length
+
+    def collate(self, examples: Sequence[PreferenceExample], device: torch.device) -> PairBatch:
+        return PairBatch(**{k: v.to(device) for k, v in collate_preferences(examples, self.tokenizer.pad_id).items()})
+
+    def count(self, batch: PairBatch) -> torch.Tensor:
+        return torch.tensor(batch.margin.numel(), device=batch.margin.device)
+
+    def scores(self, model: CausalLM, batch: PairBatch, layout: ParallelLayout) -> torch.Tensor:
+        return sequence_logps(model, batch, layout).view(2, -1).t()  # [B, 2]
+
+    def loss(self, model: CausalLM, batch: PairBatch, layout: ParallelLayout, global_count: torch.Tensor,
+             stats: MetricSums) -> torch.Tensor:
+        algo = self.cfg.algo
+        n = batch.margin.numel()
+        logps = sequence_logps(model, batch, layout)
+        chosen, rejected = logps[:n], logps[n:]
+        lengths = batch.response_lengths.float()
+        chosen_len, rejected_len = lengths[:n], lengths[n:]
+        beta = algo.beta_value
+        if algo.loss == "simpo":
+            losses, pair_stats = simpo_loss(chosen, rejected, chosen_len, rejected_len, beta=beta,
+                                            gamma_beta_ratio=algo.gamma_beta_ratio)
+        elif algo.loss == "cpo":
+            losses, pair_stats = cpo_loss(chosen, rejected, chosen_len, beta=beta, alpha=algo.alpha)
+        elif algo.loss == "orpo":
+            losses, pair_stats = orpo_loss(chosen, rejected, chosen_len, rejected_len, lam=algo.lam)
+        else:
+            losses, pair_stats = dpo_loss(chosen, rejected, batch.ref_scores[:, 0], batch.ref_scores[:, 1],
+                                          loss_type=algo.loss, beta=beta, label_smoothing=algo.label_smoothing,
+                                          nll_coef=algo.nll_coef, chosen_lengths=chosen_len,
+                                          rejected_lengths=rejected_len)
+        for name, (total, count) in pair_stats.metrics().items():
+            stats.add(f"{name}/total", total)
+            stats.add(f"{name}/count", count)
+        return losses.sum() / global_count.clamp(min=1)
+
+    def metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        names = [k[:-len("/total")] for k in totals if k.endswith("/total")]
+        return {name: totals[f"{name}/total"] / max(totals[f"{name}/count"], 1.0) for name in names}
+
+
+@dataclasses.dataclass
+class RewardAlgoConfig:
+    """The Bradley-Terry loss of a scalar reward model."""
+
+    margin: bool = option(True, doc="subtract the pairs' margin column in the loss (Llama 2); false: plain Bradley-Terry")
+    center_coef: float = option(0.0, doc="c of the centring term c (r_c + r_r)^2 (TRL's center_rewards_coefficient)")
+
+    def __post_init__(self):
+        if self.center_coef < 0:
+            raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
+
+
+@dataclasses.dataclass
+class RMConfig(SupervisedConfig):
+    """One reward-model run (`launch/train_rm.py --config ... key.sub=value`)."""
+
+    run_dir: str = option("runs/rm_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
+    steps: int = option(200, doc="optimizer steps")
+    batch_size: int = option(32, doc="pairs per step over all dp ranks (a multiple of dp)")
+    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
+    model: PolicyModelConfig = option(PolicyModelConfig(path="runs/sft_arith/hf"), doc="the starting checkpoint (an SFT export: fresh reward head; a reward model: continued) and its layout")
+    optim: OptimConfig = option(OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"), doc="optimizer and LR schedule")
+    data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="the pairs (held-out pairs: data.eval_path, or the arithmetic held-out split)")
+    algo: RewardAlgoConfig = option(RewardAlgoConfig(), doc="the loss")
+
+
+@dataclasses.dataclass
+class RewardBatch:
+    """B pairs as full sequences [2B, T] (rows 0..B-1 prompt + chosen, B..2B-1 prompt + rejected, right-padded)
+    for the reward head, which reads each row's last real token; `margin` [B]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    margin: torch.Tensor
+
+
+class RewardModelObjective(Objective[PreferenceExample]):
+    """Bradley-Terry reward model on pairs (`megalign.algos.reward_model_loss`); held-out pairwise accuracy.
+
+    At export the reward mean and std over the held-out responses (chosen and rejected) are written
+    beside the weights (`reward_stats.json`), so a later stage (PPO) can normalise the rewards, as
+    OpenRLHF stores them with its reward models.
+    """
+
+    model_kind = "reward"
+    count_name = "pairs"
+
+    def examples(self) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
+        data = self.cfg.data
+        paths = (data.path, data.eval_path) if data.path is not None else arith_pairs(data, self.cfg.run_dir)
+        load = dict(tokenizer=self.tokenizer, max_length=data.max_length, truncation=data.truncation,
+                    skip_invalid=data.skip_invalid, template_prompts=data.template_prompts)
+        train, _ = load_preferences(paths[0], **load)
+        held_out = load_preferences(paths[1], **load)[0] if paths[1] is not None else []
+        return train, held_out
+
+    def max_length(self) -> int:
+        return self.cfg.data.max_length
+
+    def collate(self, examples: Sequence[PreferenceExample], device: torch.device) -> RewardBatch:
+        rows = [e.prompt_ids + e.chosen_ids for e in examples] + [e.prompt_ids + e.rejected_ids for e in examples]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        margin = torch.tensor([float(e.margin) for e in examples])
+        return RewardBatch(ids.to(device), mask.to(device), margin.to(device))
+
+    def count(self, batch: RewardBatch) -> torch.Tensor:
+        return torch.tensor(batch.margin.numel(), device=batch.margin.device)
+
+    def rewards(self, model, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) rewards [B] each, fp32."""
+        rewards = model(batch.input_ids, batch.attention_mask).float()
+        return rewards[:batch.margin.numel()], rewards[batch.margin.numel():]
+
+    def loss(self, model, batch: RewardBatch, layout: ParallelLayout, global_count: torch.Tensor,
+             stats: MetricSums) -> torch.Tensor:
+        chosen, rejected = self.rewards(model, batch)
+        losses, pair_stats = reward_model_loss(chosen, rejected, margin=batch.margin if self.cfg.algo.margin else None,
+                                               center_coef=self.cfg.algo.center_coef)
+        for name, (total, count) in pair_stats.metrics().items():
+            stats.add(f"{name}/total", total)
+            stats.add(f"{name}/count", count)
+        return losses.sum() / global_count.clamp(min=1)
+
+    metrics = PairwiseObjective.metrics
+
+    @torch.no_grad()
+    def _held_out_sums(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:
+        """Sums over the held-out pairs (dp-split): correct pairs, pairs, reward sum and sum of squares."""
+        cfg, layout = self.cfg.eval, trainer.layout
+        n = eval_count(cfg, trainer.held_out)
+        if not n:
+            return None
+        sums = MetricSums()
+        mine = [trainer.held_out[i] for i in range(layout.dp_rank, n, layout.dp)]
+        model = trainer.policy.model
+        was_training = model.training
+        model.eval()
+        for start in range(0, max(len(mine), 1), cfg.batch_size):
+            chunk = mine[start:start + cfg.batch_size]
+            if chunk:
+                with trainer.policy.precision.autocast(layout.device):
+                    chosen, rejected = self.rewards(model, self.collate(chunk, layout.device))
+                both = torch.cat([chosen, rejected]).double()
+                values = ((chosen > rejected).sum(), len(chunk), both.sum(), (both ** 2).sum())
+            else:
+                values = (0, 0, 0.0, 0.0)
+            for name, value in zip(("correct", "pairs", "reward", "reward_sq"), values):
+                sums.add(name, value)
+        model.train(was_training)
+        return sums.reduce(layout.dp_group, layout.device)
+
+    def evaluate(self, trainer: "SupervisedTrainer") -> Optional[float]:
+        totals = self._held_out_sums(trainer)
+        return None if totals is None else totals["correct"] / max(totals["pairs"], 1.0)
+
+    def eval_label(self, count: int) -> str:
+        return f"held-out pairwise accuracy ({count} pairs, chosen scored above rejected)"
+
+    def after_export(self, trainer: "SupervisedTrainer", path: str) -> None:
+        totals = self._held_out_sums(trainer)
+        if totals is None or trainer.rank != 0:
+            return
+        n = max(2 * totals["pairs"], 1.0)
+        mean = totals["reward"] / n
+        stats = {"reward_mean": mean, "reward_std": max(totals["reward_sq"] / n - mean ** 2, 0.0) ** 0.5,
+                 "held_out_responses": int(2 * totals["pairs"])}
+        tmp = os.path.join(path, "reward_stats.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(stats, f, indent=1)
+        os.replace(tmp, os.path.join(path, "reward_stats.json"))
+
+
+def train_rm(cfg: RMConfig) -> TrainResult:
+    """Train the reward model as configured; every rank calls it after `init_distributed`."""
+    return SupervisedTrainer(cfg, RewardModelObjective, "RM").train()
+
+
+def train_dpo(cfg: DPOConfig) -> TrainResult:
+    """Run the configured pairwise preference objective; every rank calls it after `init_distributed`."""
+    return SupervisedTrainer(cfg, PairwiseObjective, cfg.algo.loss.upper() if cfg.algo.loss in REFERENCE_FREE
+                             else f"DPO ({cfg.algo.loss})").train()
