@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from data.test_prompts import write_hf_dataset, write_jsonl, write_parquet
-from data.test_sft import chatml_dir  # noqa: F401 (fixture)
+from data.test_sft_data import chatml_dir  # noqa: F401 (fixture)
 
 from megalign.algos import prm_loss
 from megalign.data import CharTokenizer, DataError, HFTokenizer
