@@ -5,14 +5,14 @@
 #   launch/run_embedded.sh [PIPELINE] [RUN_ROOT] [NPROC]   (defaults: grpo, runs, 2 processes; CPU gloo or GPUs NCCL)
 # PIPELINE: grpo (SFT -> GRPO), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
 # losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
-# ending with held-out pairwise accuracy).
+# ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows).
 # Extra `key=value` overrides for the second stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm) PIPELINE=$1; shift ;;
+  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -23,6 +23,9 @@ case "$PIPELINE" in
   grpo)
     run launch/train_grpo.py --config examples/grpo_arith.yaml run_dir="$ROOT/grpo_arith" \
         actor.path="$ROOT/sft_arith/hf" ${GRPO_OVERRIDES:-} ${STAGE_OVERRIDES:-} ;;
+  kto)
+    run launch/train_kto.py --config examples/kto_arith.yaml run_dir="$ROOT/kto_arith" \
+        model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   rm)
     run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;

@@ -175,10 +175,16 @@ def preference_rows(problems: Sequence[ArithProblem], seed: int = 0) -> list[dic
     return rows
 
 
+_UNPAIRED_STREAM = 0x4B544F  # "KTO"
+
+
 def unpaired_rows(problems: Sequence[ArithProblem], seed: int = 0) -> list[dict]:
     """One KTO row per problem: `prompt`, `completion`, `label`, `answer`; ceil(N/2) desirable (module doc)."""
     _check_seed(seed)
-    desirable = set(np.random.default_rng(seed).permutation(len(problems))[:(len(problems) + 1) // 2].tolist())
+    # a stream of its own: `PromptSampler` shuffles with default_rng(seed), and the same permutation here
+    # would put every desirable row in the first half of each epoch's order
+    rng = np.random.default_rng([seed, _UNPAIRED_STREAM])
+    desirable = set(rng.permutation(len(problems))[:(len(problems) + 1) // 2].tolist())
     return [{"prompt": p.prompt, "completion": p.response if i in desirable else _boxed(wrong_answer(p, seed)),
              "label": i in desirable, "answer": p.answer} for i, p in enumerate(problems)]
 

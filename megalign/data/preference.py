@@ -338,8 +338,9 @@ def _sequence(prompt_ids: list[int], reply_ids: list[int]) -> SFTExample:
     return SFTExample(prompt_ids + reply_ids, [False] * len(prompt_ids) + [True] * len(reply_ids))
 
 
-def _collate(prompts: Sequence[list[int]], replies: Sequence[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """`collate_sft` of prompt + reply rows, with `response_lengths` (trained tokens per row)."""
+def collate_replies(prompts: Sequence[list[int]], replies: Sequence[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """`collate_sft` of prompt i + reply i rows (right-padded, loss on the replies), with `response_lengths`
+    (trained tokens per row): the layout every offline batch here is made of."""
     batch = collate_sft([_sequence(p, r) for p, r in zip(prompts, replies)], pad_id)
     batch["response_lengths"] = torch.tensor([len(r) for r in replies], dtype=torch.long)
     return batch
@@ -356,7 +357,7 @@ def collate_preferences(examples: Sequence[PreferenceExample], pad_id: int) -> d
     if not examples:
         raise ValueError("collate_preferences needs at least one example")
     prompts = [e.prompt_ids for e in examples]
-    batch = _collate(prompts * 2, [e.chosen_ids for e in examples] + [e.rejected_ids for e in examples], pad_id)
+    batch = collate_replies(prompts * 2, [e.chosen_ids for e in examples] + [e.rejected_ids for e in examples], pad_id)
     batch["margin"] = torch.tensor([e.margin for e in examples], dtype=torch.float32)
     return batch
 
@@ -378,7 +379,7 @@ def collate_unpaired(examples: Sequence[UnpairedExample], pad_id: int, kl_shift:
     prompts = [e.prompt_ids for e in examples]
     completions = [e.completion_ids for e in examples]
     kl_completions = [completions[(i - kl_shift) % b] for i in range(b)]
-    both = _collate(prompts * 2, completions + kl_completions, pad_id)
+    both = collate_replies(prompts * 2, completions + kl_completions, pad_id)
     batch = {k: v[:b] for k, v in both.items()}
     batch.update({f"kl_{k}": v[b:] for k, v in both.items()})
     batch["labels"] = torch.tensor([e.label for e in examples], dtype=torch.bool)

@@ -147,6 +147,18 @@ class MetricSums:
         value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(())
         self._values[name] = self._values[name] + value if name in self._values else value
 
+    def add_means(self, metrics) -> None:
+        """Add {name: (total, count)} pairs (e.g. `megalign.algos` stats' `metrics()`), to log as total / count."""
+        for name, (total, count) in metrics.items():
+            self.add(f"{name}/total", total)
+            self.add(f"{name}/count", count)
+
+    @staticmethod
+    def means(totals: dict[str, float]) -> dict[str, float]:
+        """{name: total / count} of the reduced pairs `add_means` added."""
+        names = [k[:-len("/total")] for k in totals if k.endswith("/total")]
+        return {name: totals[f"{name}/total"] / max(totals[f"{name}/count"], 1.0) for name in names}
+
     def reduce(self, group: Optional[dist.ProcessGroup], device: torch.device) -> dict[str, float]:
         """{name: sum over the group's ranks}; every rank of the group must add the same names in the same order."""
         if not self._values:

@@ -132,6 +132,18 @@ def arith_pairs(cfg: PreferenceDataConfig, run_dir: str) -> tuple[str, str]:
     return paths
 
 
+def held_out_prompts(data: PreferenceDataConfig, tokenizer) -> list[PromptExample]:
+    """Held-out prompts with answers for greedy evaluation: data.eval_path, or the arithmetic held-out split when
+    the training data is the embedded task, else none."""
+    if data.eval_path is not None:
+        return list(load_prompts(data.eval_path, tokenizer, data.max_length, data.skip_invalid, data.template_prompts))
+    if data.path is None:
+        _, problems = make_splits(data.arith)
+        return [PromptExample(encode_sft(p.prompt, p.response, tokenizer, data.template_prompts).prompt_ids,
+                              p.prompt, p.answer, {}, f"arith held-out {i}") for i, p in enumerate(problems)]
+    return []
+
+
 class PairwiseObjective(Objective[PreferenceExample]):
     """Every pairwise loss of `megalign.algos.preference` on a policy (module doc)."""
 
@@ -146,16 +158,7 @@ class PairwiseObjective(Objective[PreferenceExample]):
         path = data.path if data.path is not None else arith_pairs(data, self.cfg.run_dir)[0]
         train, _ = load_preferences(path, self.tokenizer, data.max_length, data.truncation, data.skip_invalid,
                                     data.template_prompts)
-        if data.eval_path is not None:
-            held_out = list(load_prompts(data.eval_path, self.tokenizer, data.max_length, data.skip_invalid,
-                                         data.template_prompts))
-        elif data.path is None:
-            _, problems = make_splits(data.arith)
-            held_out = [PromptExample(encode_sft(p.prompt, p.response, self.tokenizer, data.template_prompts).prompt_ids,
-                                      p.prompt, p.answer, {}, f"arith held-out {i}") for i, p in enumerate(problems)]
-        else:
-            held_out = []
-        return train, held_out
+        return train, held_out_prompts(data, self.tokenizer)
 
     def max_length(self) -> int:
         return self.cfg.data.max_length
@@ -190,14 +193,8 @@ class PairwiseObjective(Objective[PreferenceExample]):
                                           loss_type=algo.loss, beta=beta, label_smoothing=algo.label_smoothing,
                                           nll_coef=algo.nll_coef, chosen_lengths=chosen_len,
                                           rejected_lengths=rejected_len)
-        for name, (total, count) in pair_stats.metrics().items():
-            stats.add(f"{name}/total", total)
-            stats.add(f"{name}/count", count)
+        stats.add_means(pair_stats.metrics())
         return losses.sum() / global_count.clamp(min=1)
-
-    def metrics(self, totals: dict[str, float]) -> dict[str, float]:
-        names = [k[:-len("/total")] for k in totals if k.endswith("/total")]
-        return {name: totals[f"{name}/total"] / max(totals[f"{name}/count"], 1.0) for name in names}
 
 
 @dataclasses.dataclass
@@ -283,12 +280,8 @@ class RewardModelObjective(Objective[PreferenceExample]):
         chosen, rejected = self.rewards(model, batch)
         losses, pair_stats = reward_model_loss(chosen, rejected, margin=batch.margin if self.cfg.algo.margin else None,
                                                center_coef=self.cfg.algo.center_coef)
-        for name, (total, count) in pair_stats.metrics().items():
-            stats.add(f"{name}/total", total)
-            stats.add(f"{name}/count", count)
+        stats.add_means(pair_stats.metrics())
         return losses.sum() / global_count.clamp(min=1)
-
-    metrics = PairwiseObjective.metrics
 
     @torch.no_grad()
     def _held_out_sums(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:

@@ -155,8 +155,8 @@ class Objective(Generic[E]):
         raise NotImplementedError
 
     def metrics(self, totals: dict[str, float]) -> dict[str, float]:
-        """Logged metrics from the dp-reduced `stats` totals of a step."""
-        return {}
+        """Logged metrics from the dp-reduced `stats` totals of a step; default: the means `stats.add_means` added."""
+        return MetricSums.means(totals)
 
     model_kind = "causal_lm"
     """What the trained model is (`megalign.models.from_pretrained` kinds): a policy, or a 'reward' model."""

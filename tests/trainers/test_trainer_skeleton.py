@@ -17,6 +17,7 @@ from trainers.test_sft import tiny_config as sft_config
 
 from megalign.config import ConfigError, load_config
 from megalign.trainers.grpo import GRPOConfig, train_grpo
+from megalign.trainers.kto import KTOConfig
 from megalign.trainers.preference import DPOConfig, RMConfig
 from megalign.trainers.sft import SFTConfig, train_sft
 
@@ -34,7 +35,8 @@ def _rows(run_dir):
 
 
 @pytest.mark.parametrize("name, config_cls", [("sft_arith.yaml", SFTConfig), ("grpo_arith.yaml", GRPOConfig),
-                                              ("dpo_arith.yaml", DPOConfig), ("rm_arith.yaml", RMConfig)])
+                                              ("dpo_arith.yaml", DPOConfig), ("rm_arith.yaml", RMConfig),
+                                              ("kto_arith.yaml", KTOConfig)])
 def test_examples_load(name, config_cls):
     # config drift shows here, not at launch
     cfg = load_config(config_cls, os.path.join(ROOT, "examples", name), [])
