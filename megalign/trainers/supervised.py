@@ -1,11 +1,14 @@
-"""The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT now; RM, DPO, KTO... next).
+"""The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT, the pairwise
+preference losses and the reward model in `preference`, KTO; PRM next).
 
-`SupervisedTrainer(cfg, objective_cls)` builds the tokenizer, the trained model as a `TrainableRole`
-(ZeRO-1 AdamW, bf16 autocast when `model.dtype` is bf16) over the `model.tp` x dp layout, asks the
-objective for its data, and runs the `Trainer` lifecycle with this step:
+`SupervisedTrainer(cfg, objective_cls, name)` builds the tokenizer, the trained model (a policy, or a
+reward model: `Objective.model_kind`) as a `TrainableRole` (ZeRO-1 AdamW, bf16 autocast when
+`model.dtype` is bf16) over the `model.tp` x dp layout, the frozen reference when the objective
+needs one, asks the objective for its data, and runs the `Trainer` lifecycle with this step:
 
     lr -> batch_size / dp examples from the sampler -> objective.collate -> the objective's
-    normaliser count all-reduced over dp -> objective.loss (this rank's share) -> backward
+    normaliser count all-reduced over dp -> [reference scores: from the cache, or the reference
+    role] -> objective.loss (this rank's share) -> backward
     -> role.optimizer_step (gradients summed over dp, global-norm clip, skipped when non-finite)
     -> loss and the objective's statistics reduced over dp (`MetricSums`).
 
