@@ -52,17 +52,18 @@ def save_tokenizer_files(tokenizer: Tokenizer, path: str) -> None:
 
 
 def export_hf(model, path: Union[str, os.PathLike], layout: Optional[ParallelLayout] = None,
-              tokenizer: Optional[Tokenizer] = None) -> str:
+              tokenizer: Optional[Tokenizer] = None, architecture: Optional[str] = None) -> str:
     """Write `model` (a whole-model `CausalLM` / `ValueModel` / `RewardModel`, tp-sharded or not) to `path`.
 
-    With `tokenizer`, also its files and generation_config.json (module doc). Collective when a
+    With `tokenizer`, also its files and generation_config.json (module doc). `architecture` as in
+    `save_hf_checkpoint` (e.g. a critic's `LlamaForTokenClassification`). Collective when a
     process group exists: every rank calls it. Returns `path`.
     """
     if layout is not None and layout.pp > 1:
         raise ValueError("export_hf: pipeline-parallel models are exported stage by stage, which is not supported; "
                          f"got pp={layout.pp}")
     if layout is None or layout.dp_rank == 0:
-        save_hf_checkpoint(model, path)
+        save_hf_checkpoint(model, path, architecture)
         if tokenizer is not None and model.model.factory.tp_rank == 0:  # the rank that wrote the weights
             save_tokenizer_files(tokenizer, os.fspath(path))
     if dist.is_available() and dist.is_initialized():

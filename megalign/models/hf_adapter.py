@@ -192,6 +192,9 @@ def _hf_config(model: _Model, architecture: Optional[str]) -> dict:
         for key in ("id2label", "label2id"):
             hf_config.pop(key, None)
         hf_config["num_labels"] = 1
+    if hf_config["architectures"][0].endswith("ForTokenClassification"):
+        # transformers' token-classification head has a bias unless told otherwise; ours has none
+        hf_config["token_classification_bias"] = False
     return hf_config
 
 
@@ -363,6 +366,26 @@ def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", fact
         raise ValueError("from_pretrained: new_head applies to the 'value' and 'reward' kinds, not 'causal_lm'")
     load_hf_weights(model, path, new_head)
     return model
+
+
+def scalar_head_from_pretrained(path: Union[str, os.PathLike], kind: str, layout: ParallelLayout, seed: int,
+                                dtype: Optional[torch.dtype] = None) -> tuple[Union[ValueModel, RewardModel], bool]:
+    """(model, fresh): a value / reward model from `path`, with its scalar head read when the checkpoint has one.
+
+    From a policy checkpoint (no `score.weight`, e.g. an SFT export) the head starts fresh (`fresh`
+    True): a small normal init with std 1/(H+1) (OpenRLHF's), drawn from `seed` on the host, so it
+    is the same on every rank and every tp size. From a reward model (or critic) export it is read.
+    """
+    if kind not in ("value", "reward"):
+        raise ValueError(f"scalar_head_from_pretrained: kind must be 'value' or 'reward', got {kind!r}")
+    fresh = not checkpoint_has_tensor(path, "score.weight")
+    model = from_pretrained(path, kind=kind, layout=layout, dtype=dtype, new_head=fresh)
+    if fresh:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            weight = model.head.score.weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) / (model.config.hidden_size + 1))
+    return model, fresh
 
 
 def stage_from_pretrained(path: Union[str, os.PathLike], layout: ParallelLayout, kind: str = "causal_lm",

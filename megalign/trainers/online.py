@@ -1,4 +1,4 @@
-"""The online (RL) family on the trainer skeleton: colocated roles, rollouts and scoring; GRPO plugs in here, PPO next.
+"""The online (RL) family on the trainer skeleton: colocated roles, rollouts and scoring; GRPO and PPO plug in here.
 
 `OnlineTrainer` builds the actor (trained, and generating with its own tp weights), the frozen
 reference (only when the algorithm needs one) and the reward role, the prompt data and the rollout
@@ -10,7 +10,8 @@ generator, and gives subclasses the pieces of an RL step:
     more rounds] -> a `RolloutBatch` of whole groups
     `score_logprobs(role, batch)`: no-grad log-probs of the responses under a role, in micro-batches
 
-The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`.
+The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`; a subclass
+may add roles (PPO's critic, `megalign.trainers.ppo`) to `self.roles`, and phases then place them too.
 
 Design choices:
 
@@ -238,6 +239,7 @@ class OnlineTrainer(Trainer):
             if eval_longest > longest:
                 longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
 
+        self.longest = (longest, what)  # for roles a subclass adds (the PPO critic): `check_model`'s length
         model = from_pretrained(cfg.actor.path, layout=self.layout)
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)

@@ -39,7 +39,7 @@ from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.data import PromptExample, PromptSampler, Tokenizer
 from megalign.models import CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, tensor_parallel_config
-from megalign.models.hf_adapter import checkpoint_has_tensor
+from megalign.models.hf_adapter import scalar_head_from_pretrained
 from megalign.parallel import MixedPrecision, ParallelLayout, tp_sharded_parameters
 from megalign.parallel.collectives import all_reduce
 from megalign.roles import DTYPES, ModelRoleConfig, Reference
@@ -241,13 +241,7 @@ class SupervisedTrainer(Trainer):
         elif kind == "causal_lm":
             model = from_pretrained(cfg.model.path, layout=layout)
         else:
-            fresh = not checkpoint_has_tensor(cfg.model.path, "score.weight")
-            model = from_pretrained(cfg.model.path, kind=kind, layout=layout, new_head=fresh)
-            if fresh:  # from a policy checkpoint: a small head, the same on every rank (OpenRLHF's std 1/(H+1))
-                generator = torch.Generator().manual_seed(cfg.seed)
-                with torch.no_grad():
-                    weight = model.head.score.weight
-                    weight.copy_(torch.randn(weight.shape, generator=generator) / (model.config.hidden_size + 1))
+            model, _ = scalar_head_from_pretrained(cfg.model.path, kind, layout, cfg.seed)
         self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
                          self.objective.max_length(), "the objective's longest example")
         model.train()

@@ -1,0 +1,70 @@
+"""The PPO critic: a decoder with a scalar value per token, trained beside the actor on the same ranks.
+
+Design choices:
+
+- The critic is a `ValueModel` (`megalign.models.heads`: the decoder trunk and a bias-free
+  `score` head) on its own `ParallelLayout`, dtype, optimizer, learning rate, gradient clip and
+  offload switches (`megalign.trainers.ppo.CriticConfig`: the actor's section plus its own `optim`). It
+  is a `TrainableRole`, so gradient sync over dp, global-norm clipping, skipped non-finite updates
+  and the "weights" / "optimizer" offload parts are the actor's.
+- Initialisation: from a reward-model export (`*ForSequenceClassification`, OpenRLHF's default)
+  its head is read; from a policy (SFT) export the head starts fresh, small and identical on every
+  rank (`megalign.models.scalar_head_from_pretrained`).
+- Which positions: V(s_t) for the state before response token t, i.e. the hidden state of the
+  position that predicts token t (`hidden[:, P-1 : P+R-1]`), the same slice the actor's log-probs use
+  (verl's `values[:, -response_length - 1:-1]`), so values, log-probs and rewards line up [B, R].
+- Export (`TOKEN_CLASSIFICATION` names the architecture; the trainer writes it with
+  `megalign.checkpoint.export_hf`): HF `*ForTokenClassification` with one label and no bias
+  (`token_classification_bias: false`), which is what verl's critic loads; transformers' logits
+  `[B, T, 1]` are this model's values at every position.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megalign.models import ValueModel
+from megalign.parallel import MixedPrecision, ParallelLayout
+from megalign.roles.actor import TrainableRole
+
+TOKEN_CLASSIFICATION = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
+                        "mistral": "MistralForTokenClassification"}
+
+
+def response_values(model: ValueModel, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                    response_len: int) -> torch.Tensor:
+    """Values V(s_t) [B, R] fp32 of the states before each response token (module doc).
+
+    Args:
+        sequences / attention_mask: [B, P + R] left-padded prompts then right-padded responses.
+        response_len: R, the response columns at the end of `sequences`.
+    Padding positions give finite values that the caller masks out.
+    """
+    hidden = model.model(sequences, attention_mask)
+    return model.head(hidden[:, -response_len - 1:-1]).float()
+
+
+class Critic(TrainableRole):
+    """The value model of PPO (module doc): `values` for GAE, `values_with_grad` for the value loss."""
+
+    def __init__(self, model: ValueModel, layout: ParallelLayout, precision: MixedPrecision, offload_weights: bool,
+                 offload_optimizer: bool, optimizer: torch.optim.Optimizer, grad_clip: Optional[float]):
+        if not isinstance(model, ValueModel) or type(model).head_cls is not ValueModel.head_cls:
+            raise TypeError(f"Critic needs a per-token ValueModel, got {type(model).__name__}")
+        model.train()
+        super().__init__("critic", model, layout, precision, offload_weights, offload_optimizer, optimizer, grad_clip)
+
+    @torch.no_grad()
+    def values(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+        """[B, R] fp32 values without gradient (the old values of GAE and the value clip)."""
+        with self.precision.autocast(self.layout.device):
+            return response_values(self.model, sequences, attention_mask, response_len)
+
+    def values_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+        """[B, R] fp32 values with gradient, for the value loss."""
+        with self.precision.autocast(self.layout.device):
+            return response_values(self.model, sequences, attention_mask, response_len)
+
+
+__all__ = ["Critic", "TOKEN_CLASSIFICATION", "response_values"]

@@ -1,0 +1,352 @@
+"""PPO with four colocated roles (actor, critic, reference, reward) on the online trainer: `train_ppo(cfg)`.
+
+One step (every rank, after `megalign.trainers.cli.init_distributed`):
+
+    sample prompts -> actor generates G responses each -> reward role scores them (verifiers and / or
+    a reward model; [RM score normalised with its stored mean / std, then clipped]) -> old log-probs
+    (rollout or recomputed) -> reference log-probs (when a KL term is on) -> critic values [N, R] ->
+    per-token rewards (score at the last response token, [-beta * KL_t]) -> GAE -> advantages whitened
+    over the whole batch of every dp rank -> critic update (ppo_epochs x mini-batches of the clipped
+    value loss) -> actor update (clipped policy loss [+ beta * KL_t] [- entropy bonus]; skipped during
+    the critic warm-up) -> KL coefficient update (fixed, or Ziegler et al.'s adaptive controller).
+
+The pure pieces are in `megalign.algos.ppo`; roles in `megalign.roles` (the critic in
+`megalign.roles.critic`).
+
+Design choices:
+
+- Placement: all four roles live on every rank (colocated), and each phase (`generate`, `reward`,
+  `old_logprobs`, `reference`, `values`, `critic_update`, `update`) brings in only what it uses; with
+  the offload switches on, the rest waits in host memory. Memory per role and phase is logged
+  (`memory/<phase>/<role>_mib`). Offload moves storage only, so results are identical on and off.
+- The critic's update runs before the actor's, one after the other on the same ranks (as verl's
+  colocated workers do): it costs the critic's forward + backward per mini-batch on top of the
+  actor's, and with offload each update phase also pays the copies of its role's weights and
+  optimizer state (measured in BENCHMARKS.md). The two updates are independent (both read only the
+  rollout's old values, advantages and returns), so their order does not change the result.
+- Losses use the GRPO family's aggregation with global counts (`megalign.algos.grpo.loss_normalizer`)
+  and summed gradients over dp, for both roles; each role clips its own gradient norm.
+- The KL coefficient is checkpointed with the run, so a resumed adaptive controller goes on where it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Callable, Literal, Optional
+
+import torch
+
+from megalign.algos.grpo import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizer
+from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
+                                token_rewards, value_loss, whiten)
+from megalign.checkpoint import ModelState, OptimizerState, export_hf
+from megalign.config import option
+from megalign.models import scalar_head_from_pretrained
+from megalign.ops.kl_penalty import kl_penalty
+from megalign.ops.policy_loss import policy_loss
+from megalign.parallel import MixedPrecision
+from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig, TrainableRole
+from megalign.trainers.base import MetricSums, TrainResult, check_model_path
+from megalign.trainers.logging import memory_report
+from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, _check_role_tp
+from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
+
+logger = logging.getLogger(__name__)
+
+KL_IN_LOSS = ("k3", "low_var_kl")
+
+
+@dataclasses.dataclass
+class CriticConfig(ModelRoleConfig):
+    """The critic: its checkpoint, layout, dtype, offload switches and its own optimizer (`megalign.roles.critic`)."""
+
+    path: Optional[str] = option(
+        None, doc="HF checkpoint folder: a reward-model export (head read) or a policy export (head fresh); "
+                  "null: reward.model.path when the reward has a model, else actor.path")
+    offload_optimizer: bool = option(False, doc="move the optimizer state to host memory outside the critic update")
+    optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0),
+                                doc="the critic's AdamW, learning-rate schedule (per step) and gradient clip")
+
+
+@dataclasses.dataclass
+class PPOAlgoConfig:
+    """The objective: rewards, KL, GAE, clipping, entropy bonus, warm-up, epochs."""
+
+    gamma: float = option(1.0, doc="GAE discount")
+    lam: float = option(0.95, doc="GAE lambda (InstructGPT / TRL; verl and OpenRLHF now default 1.0)")
+    whiten_advantages: bool = option(True, doc="whiten the advantages over the whole batch of every dp rank")
+    eps_low: float = option(0.2, doc="policy clip: ratio >= 1 - eps_low")
+    eps_high: Optional[float] = option(None, doc="upper policy clip (clip-higher); null: eps_low")
+    dual_clip: Optional[float] = option(None, doc="dual-clip bound c > 1 for negative advantages; null: off")
+    cliprange_value: Optional[float] = option(0.2, doc="value clip around the old values; null: unclipped value loss")
+    entropy_coef: float = option(0.0, doc="entropy bonus: loss -= entropy_coef * entropy per token")
+    kl_coef: float = option(0.05, doc="beta: initial KL coefficient; 0 with no kl_target: no KL and no reference role")
+    kl_target: Optional[float] = option(None, doc="adaptive KL controller target (Ziegler et al. 2019); null: fixed beta")
+    kl_horizon: float = option(10000.0, doc="adaptive KL controller horizon (samples)")
+    kl_in: Literal["reward", "loss"] = option("reward", doc="KL penalty in the per-token reward or as a loss term")
+    kl_estimator: str = option("k1", doc=f"reward: one of {KL_IN_REWARD}; loss: one of {KL_IN_LOSS}")
+    reward_normalize: bool = option(False, doc="normalise the reward model's score with its reward_stats.json")
+    reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
+    critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
+    loss_agg: str = option("token-mean", doc=f"loss aggregation of both roles: {', '.join(LOSS_AGGREGATIONS)}")
+    mini_batches: int = option(1, doc="optimizer updates per epoch over the step's responses (each role)")
+    ppo_epochs: int = option(1, doc="passes over the step's responses")
+    micro_batch_size: int = option(64, doc="responses per forward on each rank (gradient accumulation)")
+
+    def __post_init__(self):
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg must be one of {list(LOSS_AGGREGATIONS)}, got {self.loss_agg!r}")
+        allowed = KL_IN_REWARD if self.kl_in == "reward" else KL_IN_LOSS
+        if self.kl_estimator not in allowed:
+            raise ValueError(f"kl_estimator must be one of {list(allowed)} with kl_in={self.kl_in!r}, got {self.kl_estimator!r}")
+        for name in ("kl_coef", "eps_low", "entropy_coef", "critic_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.eps_high is not None and self.eps_high < 0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.cliprange_value is not None and not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0 or null, got {self.cliprange_value}")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            raise ValueError(f"reward_clip must be > 0 or null, got {self.reward_clip}")
+        if self.kl_target is not None and not self.kl_target > 0:
+            raise ValueError(f"kl_target must be > 0 or null, got {self.kl_target}")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        for name in ("mini_batches", "ppo_epochs", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def uses_kl(self) -> bool:
+        return self.kl_coef > 0 or self.kl_target is not None
+
+
+@dataclasses.dataclass
+class PPOConfig(OnlineConfig):
+    """One PPO run (`launch/train_ppo.py --config ... key.sub=value`)."""
+
+    run_dir: str = option("runs/ppo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/, critic_hf/")
+    steps: int = option(60, doc="training steps (one rollout + the critic's and the actor's updates each)")
+    save_every: int = option(20, doc="checkpoint every N steps (and after the last); 0: only after the last")
+    critic: CriticConfig = option(CriticConfig(), doc="the value model")
+    algo: PPOAlgoConfig = option(PPOAlgoConfig(), doc="objective")
+
+
+def reward_stats(path: str) -> tuple[float, float]:
+    """(mean, std) from a reward-model export's reward_stats.json (`megalign.trainers.preference`)."""
+    file = os.path.join(path, "reward_stats.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"algo.reward_normalize=true needs {file} (written by the RM trainer's export); "
+                                f"train the RM with megalign or set algo.reward_normalize=false")
+    with open(file) as f:
+        stats = json.load(f)
+    if not stats.get("reward_std", 0) > 0:
+        raise ValueError(f"{file}: reward_std must be > 0, got {stats.get('reward_std')!r}")
+    return float(stats["reward_mean"]), float(stats["reward_std"])
+
+
+class PPOTrainer(OnlineTrainer):
+    """PPO on the online trainer with a critic (module doc)."""
+
+    name = "PPO"
+    ACTOR_STATS = ("clipped", "approx_kl", "kl", "entropy", "tokens")
+    CRITIC_STATS = ("clipped", "value", "tokens")
+
+    def needs_reference(self) -> bool:
+        return self.cfg.algo.uses_kl
+
+    def free_keys(self) -> tuple[str, ...]:
+        return super().free_keys() + ("critic.offload_weights", "critic.offload_optimizer")
+
+    def __init__(self, cfg: PPOConfig):
+        algo = cfg.algo
+        if algo.reward_normalize and cfg.reward.model is None:
+            raise ValueError("algo.reward_normalize=true needs a reward model (reward.model)")
+        self.score_stats = reward_stats(cfg.reward.model.path) if algo.reward_normalize else None
+        super().__init__(cfg)
+        _check_role_tp("critic", cfg.critic.tp, cfg.actor.tp)
+        path = cfg.critic.path or (cfg.reward.model.path if cfg.reward.model is not None else cfg.actor.path)
+        check_model_path(path, "critic.path")
+        layout = self.layout_for(cfg.critic.tp)
+        model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed)
+        self.check_model(model, "critic.path", path, *self.longest)
+        precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
+        self.critic = Critic(model, layout, precision, cfg.critic.offload_weights, cfg.critic.offload_optimizer,
+                             build_optimizer(model, cfg.critic.optim, layout), cfg.critic.optim.grad_clip)
+        logger.info("critic from %s (%s head)", path, "fresh" if fresh else "its")
+        self.roles.append(self.critic)
+        self.kl = AdaptiveKL(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+        self.register_state("critic", ModelState(model, layout))
+        self.register_state("critic_optim", OptimizerState(model, self.critic.optimizer, layout))
+        self.register_state("kl_controller", self.kl.state)
+
+    def prepare_checkpoint_io(self) -> None:
+        self.place("checkpoint", actor=("weights", "optimizer"), critic=("weights", "optimizer"))
+
+    def shape_rewards(self, batch: RolloutBatch) -> None:
+        """The sequence score PPO trains on: the RM's share normalised (when on), then the total clipped."""
+        algo = self.cfg.algo
+        if self.score_stats is not None:
+            raw = batch.terms["reward_model"].to(batch.rewards.device)
+            batch.rewards = batch.rewards + self.cfg.reward.model_weight * (normalize_scores(raw, *self.score_stats) - raw)
+        if algo.reward_clip is not None:
+            batch.rewards = normalize_scores(batch.rewards, clip=algo.reward_clip)
+
+    def _values(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N, R] no-grad critic values of the batch, in micro-batches."""
+        step = self.cfg.algo.micro_batch_size
+        parts = [self.critic.values(*self.logprob_inputs(batch, slice(s, s + step))) for s in range(0, len(batch), step)]
+        return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(batch.rollout_logp.shape)
+
+    def _train_role(self, role: TrainableRole, lr: float, batch: RolloutBatch, names: tuple[str, ...],
+                    micro_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]],
+                    sums: MetricSums, prefix: str) -> list[torch.Tensor]:
+        """ppo_epochs x mini_batches updates of `role`; `micro_loss(rows)` gives the per-token loss [b, R] and
+        the sums named `names`, added to `sums` under `prefix/` with the loss; returns the gradient norms."""
+        algo, dp = self.cfg.algo, self.layout.dp_group
+        set_lr(role.optimizer, lr)
+        local = torch.zeros(len(names), dtype=torch.float64)
+        loss_sum, norms = 0.0, []
+        for _ in range(algo.ppo_epochs):
+            order = torch.randperm(len(batch), generator=self.generator, device=self.generator.device)
+            for rows in torch.tensor_split(order, algo.mini_batches):
+                normalizer = loss_normalizer(batch.response_mask[rows], algo.loss_agg, dp)
+                mini_loss = torch.zeros((), device=self.layout.device)
+                for micro in torch.split(rows, algo.micro_batch_size):
+                    if micro.numel() == 0:
+                        continue
+                    loss, stats = micro_loss(micro)
+                    share = aggregate_loss(loss, batch.response_mask[micro], algo.loss_agg, normalizer,
+                                           self.cfg.rollout.max_response_length)
+                    share.backward()
+                    mini_loss = mini_loss + share.detach()
+                    local += torch.stack([s.detach().double().cpu() for s in stats])
+                stepped, norm = role.optimizer_step(mini_loss)
+                loss_sum += float(mini_loss)
+                norms.append(norm)
+                if not stepped:
+                    self.skip_update("nan_skips", f"{role.name}: non-finite loss or gradient norm")
+        sums.add(f"{prefix}/loss", loss_sum)
+        for name, value in zip(names, local):
+            sums.add(f"{prefix}/{name}", value)
+        return norms
+
+    def train_step(self) -> dict[str, float]:
+        """One PPO step (module doc); returns its metrics, reduced over ranks."""
+        cfg, algo, dp = self.cfg, self.cfg.algo, self.layout.dp_group
+        self.timer.reset()
+        self.memory.clear()
+        start = time.perf_counter()
+        step = self.progress["step"]
+        batch, generated, _ = self.collect()
+        mask = batch.response_mask
+        if cfg.rollout.old_logprobs == "recompute":
+            with self.phase("old_logprobs", actor=("weights",)):
+                batch.old_logp = self.score_logprobs(self.actor, batch, algo.micro_batch_size)
+        else:
+            batch.old_logp = batch.rollout_logp
+        if self.reference is not None:
+            with self.phase("reference", reference=("weights",)):
+                batch.ref_logp = self.score_logprobs(self.reference, batch, algo.micro_batch_size)
+        with self.phase("values", critic=("weights",)):
+            old_values = self._values(batch)
+        beta = self.kl.beta
+        kl = torch.zeros_like(mask)
+        if self.reference is not None:
+            kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_estimator).float() * mask
+        in_reward = algo.kl_in == "reward" and self.reference is not None
+        rewards, _ = token_rewards(batch.rewards, mask, batch.old_logp if in_reward else None,
+                                   batch.ref_logp if in_reward else None, beta, algo.kl_estimator)
+        advantages, returns = advantages_and_returns(rewards, old_values, mask, algo.gamma, algo.lam)
+        batch.advantages = whiten(advantages, mask, dp) if algo.whiten_advantages else advantages
+
+        def critic_loss(rows):
+            values = self.critic.values_with_grad(*self.logprob_inputs(batch, rows))
+            loss, stats = value_loss(values, old_values[rows], returns[rows], mask[rows], algo.cliprange_value)
+            return loss, [stats.clipped, (values.detach() * mask[rows]).sum(), stats.count]
+
+        def actor_loss(rows):
+            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature)
+            m = mask[rows]
+            loss, stats = policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], m, algo.eps_low,
+                                      algo.eps_high, algo.dual_clip)
+            kl_now = torch.zeros((), device=logp.device)
+            if algo.kl_in == "loss" and self.reference is not None:
+                kl_tok = kl_penalty(logp, batch.ref_logp[rows], algo.kl_estimator) * m
+                loss = loss + beta * kl_tok
+                kl_now = kl_tok.detach().sum()
+            if algo.entropy_coef:
+                loss = loss - algo.entropy_coef * entropy * m
+            count = stats.count
+            return loss, [stats.clip_frac * count, stats.approx_kl * count, kl_now, (entropy.detach() * m).sum(), count]
+
+        sums = MetricSums()
+        with self.phase("critic_update", critic=("weights", "optimizer")):
+            critic_norms = self._train_role(self.critic, lr_at(cfg.critic.optim, step, cfg.steps), batch,
+                                            self.CRITIC_STATS, critic_loss, sums, "critic")
+        lr = lr_at(cfg.optim, step, cfg.steps)
+        if step >= algo.critic_warmup:
+            with self.phase("update", actor=("weights", "optimizer")):
+                actor_norms = self._train_role(self.actor, lr, batch, self.ACTOR_STATS, actor_loss, sums, "actor")
+        else:
+            sums.add("actor/loss", 0.0)
+            for name in self.ACTOR_STATS:
+                sums.add(f"actor/{name}", 0.0)
+            actor_norms = [torch.zeros(())]
+        rollout_kl = sequence_mean_kl(kl, mask, dp)
+        self.kl.update(float(rollout_kl), cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+
+        valid = mask.double()
+        for name, value in (("reward", generated.rewards.double().sum()), ("length", generated.lengths.sum()),
+                            ("responses", len(generated)), ("return", (returns.double() * valid).sum()),
+                            ("old_value", (old_values.double() * valid).sum()),
+                            ("kl_tokens", (kl.double() * valid).sum()), ("valid_tokens", valid.sum())):
+            sums.add(name, value)
+        for name, values in generated.terms.items():
+            sums.add(f"term/{name}", values.double().sum())
+        total = sums.reduce(dp, self.layout.device)
+        n, tokens = max(total["responses"], 1.0), max(total["valid_tokens"], 1.0)
+        actor_tokens, critic_tokens = max(total["actor/tokens"], 1.0), max(total["critic/tokens"], 1.0)
+        updates = algo.ppo_epochs * algo.mini_batches
+        metrics = {
+            "reward/mean": total["reward"] / n,
+            **{f"reward/{name}/mean": total[f"term/{name}"] / n for name in generated.terms},
+            "response_length/mean": total["length"] / n,
+            "actor/loss": total["actor/loss"] / updates, "actor/clip_frac": total["actor/clipped"] / actor_tokens,
+            "actor/approx_kl": total["actor/approx_kl"] / actor_tokens,
+            "actor/entropy": total["actor/entropy"] / actor_tokens,
+            "actor/grad_norm": torch.stack(actor_norms).mean(), "actor/lr": lr,
+            "actor/kl_coef": beta, "actor/rollout_kl": float(rollout_kl), "actor/token_kl": total["kl_tokens"] / tokens,
+            "critic/loss": total["critic/loss"] / updates, "critic/clip_frac": total["critic/clipped"] / critic_tokens,
+            "critic/value_mean": total["critic/value"] / critic_tokens, "critic/old_value_mean": total["old_value"] / tokens,
+            "critic/return_mean": total["return"] / tokens, "critic/grad_norm": torch.stack(critic_norms).mean(),
+            "critic/lr": lr_at(cfg.critic.optim, step, cfg.steps),
+            "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
+            "time/step": time.perf_counter() - start,
+        }
+        if algo.kl_in == "loss":
+            metrics["actor/loss_kl"] = total["actor/kl"] / actor_tokens
+        if cfg.eval.metric in generated.terms:
+            metrics["accuracy"] = metrics[f"reward/{cfg.eval.metric}/mean"]
+        metrics.update(self.train_set.stats.as_dict())
+        metrics.update(self.timer.metrics())
+        metrics.update(self.memory)
+        metrics.update(memory_report())
+        return {k: float(v) for k, v in metrics.items()}
+
+    def export(self) -> Optional[str]:
+        path = super().export()
+        self.critic.need("weights")
+        export_hf(self.critic.model, os.path.join(self.cfg.run_dir, "critic_hf"), self.critic.layout,
+                  tokenizer=self.tokenizer, architecture=TOKEN_CLASSIFICATION[self.critic.model.config.model_type])
+        return path
+
+
+def train_ppo(cfg: PPOConfig) -> TrainResult:
+    """Run PPO as configured; every rank calls it after `init_distributed`."""
+    return PPOTrainer(cfg).train()

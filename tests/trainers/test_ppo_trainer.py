@@ -1,0 +1,129 @@
+"""PPO end to end on a tiny random policy with four roles: learning at dp=2, offload on/off identical, exact
+resume (critic, its optimizer and the KL controller included), critic warm-up, the critic's HF export, start-up checks."""
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from parallel.dist_utils import RankFailure, run_distributed
+from trainers.grpo_helpers import HERE, tiny_policy
+from trainers.helpers import checkpoint_params, metric_rows
+
+from megalign.config import load_config
+from megalign.models import from_pretrained
+from megalign.trainers.ppo import PPOConfig, train_ppo
+
+
+def tiny_ppo_config(policy, run_dir, *overrides):
+    """A PPO config that runs a step in about a second on the tiny policy, rewarding digits."""
+    return load_config(PPOConfig, None, [
+        f"run_dir={run_dir}", f"actor.path={policy}", "steps=2", "seed=0", "device=cpu", "tensorboard=false",
+        f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]",
+        "data.arith.max_operand=4", "data.arith.ops=['+']", "rollout.group_size=4", "rollout.prompts_per_step=4",
+        "rollout.max_response_length=8", "algo.mini_batches=2", "optim.lr=0.01", "optim.warmup_steps=0",
+        "critic.optim.lr=0.01", "eval.max_samples=0", "save_every=0", *overrides])
+
+
+def _train(policy, run_dir, *overrides):
+    train_ppo(tiny_ppo_config(policy, run_dir, *overrides))
+
+
+def _rows(run_dir):
+    return {row["step"]: row for row in metric_rows(run_dir) if "reward/mean" in row}
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return tiny_policy(tmp_path_factory.mktemp("policy") / "hf")
+
+
+def test_reward_rises_two_ranks_and_critic_exports(policy, tmp_path):
+    # dp=2 (gloo), 16 prompts x G=4 per step, adaptive KL in the reward; the digit fraction starts near 0.1
+    run_distributed(_train, policy, str(tmp_path), "steps=12", "rollout.prompts_per_step=16",
+                    "algo.kl_coef=0.01", "algo.kl_target=0.5", "algo.kl_horizon=100", timeout_s=300)
+    rows = _rows(str(tmp_path))
+    rewards = [rows[s]["reward/mean"] for s in sorted(rows)]
+    assert len(rewards) == 12
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
+    # the adaptive controller moved beta by its formula from the logged KL of each step
+    beta = 0.01
+    for s in sorted(rows)[:-1]:
+        assert rows[s]["actor/kl_coef"] == pytest.approx(beta, rel=1e-9)
+        e = min(max(rows[s]["actor/rollout_kl"] / 0.5 - 1, -0.2), 0.2)
+        beta *= 1 + e * 64 / 100
+    assert rows[12]["actor/kl_coef"] == pytest.approx(beta, rel=1e-9)
+    assert rows[12]["actor/kl_coef"] != 0.01
+    # the critic learned something: its values track the returns better than the fresh head did
+    assert rows[12]["critic/loss"] < rows[1]["critic/loss"]
+    # per-phase memory of every role, and the critic's export loads in transformers with the same values
+    with open(tmp_path / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert {"memory/values/critic_mib", "memory/critic_update/critic_mib", "memory/update/actor_mib",
+            "memory/reference/reference_mib", "memory/generate/critic_mib"} <= first.keys()
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "critic_hf").eval()
+    ours = from_pretrained(tmp_path / "critic_hf", kind="value")
+    ids = torch.randint(3, ours.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits[..., 0], ours(ids), rtol=1e-5, atol=1e-5)
+    assert os.path.isfile(tmp_path / "hf" / "config.json")  # the actor too
+
+
+def _offload_pair(policy, root):
+    common = ("algo.kl_coef=0.05", "algo.ppo_epochs=2", "rollout.old_logprobs=recompute", "export_hf=false")
+    _train(policy, f"{root}/resident", *common)
+    _train(policy, f"{root}/offloaded", *common, "actor.offload_weights=true", "actor.offload_optimizer=true",
+           "reference.offload_weights=true", "critic.offload_weights=true", "critic.offload_optimizer=true")
+
+
+def test_offload_gives_identical_results_with_four_roles(policy, tmp_path):
+    run_distributed(_offload_pair, policy, str(tmp_path), world_size=1)
+    resident, offloaded = _rows(f"{tmp_path}/resident"), _rows(f"{tmp_path}/offloaded")
+    assert resident == offloaded and resident[2]["actor/token_kl"] != 0
+    with open(os.path.join(tmp_path, "offloaded", "metrics.jsonl")) as f:
+        row = json.loads(f.readline())
+    # idle roles hold nothing: the critic while the actor generates and updates, the actor in the critic update
+    assert row["memory/generate/critic_mib"] == 0 and row["memory/update/critic_mib"] == 0
+    assert row["memory/critic_update/actor_mib"] == 0 and row["memory/critic_update/critic_mib"] > 0
+    assert row["memory/values/reference_mib"] == 0 and row["memory/values/critic_mib"] > 0
+
+
+def _straight_then_resumed(policy, root):
+    common = ("algo.kl_coef=0.05", "algo.kl_target=1.0", "algo.kl_horizon=50", "export_hf=false")
+    _train(policy, f"{root}/straight", "steps=4", *common)
+    _train(policy, f"{root}/resumed", "steps=2", *common)
+    _train(policy, f"{root}/resumed", "steps=4", *common)
+
+
+def test_resume_is_exact_with_four_roles(policy, tmp_path):
+    run_distributed(_straight_then_resumed, policy, str(tmp_path))
+    straight, resumed = _rows(f"{tmp_path}/straight"), _rows(f"{tmp_path}/resumed")
+    assert sorted(straight) == sorted(resumed) == [1, 2, 3, 4]
+    assert straight == resumed
+    assert straight[3]["actor/kl_coef"] != 0.05  # the adaptive beta came back from the checkpoint
+
+
+def test_critic_warmup_leaves_the_actor_alone(policy, tmp_path):
+    run_distributed(_train, policy, str(tmp_path), "steps=3", "algo.critic_warmup=2", "save_every=1", "keep_last=3",
+                    "export_hf=false", world_size=1)
+    actor = {s: checkpoint_params(str(tmp_path), s, role="actor") for s in (1, 2, 3)}
+    critic = {s: checkpoint_params(str(tmp_path), s, role="critic") for s in (1, 2)}
+    initial = dict(from_pretrained(policy).named_parameters())
+    for key, value in actor[2].items():
+        torch.testing.assert_close(value, initial[key.split(".", 2)[2]].detach(), rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(actor[1][key], value, rtol=0, atol=0)
+    assert any(not torch.equal(actor[3][k], actor[2][k]) for k in actor[2])  # step 3 trains the actor
+    assert any(not torch.equal(critic[2][k], critic[1][k]) for k in critic[1])  # the critic trained meanwhile
+    rows = _rows(str(tmp_path))
+    assert rows[1]["actor/loss"] == 0 and rows[3]["actor/loss"] != 0
+
+
+def test_start_up_checks(policy, tmp_path):
+    # a critic built for another tokenizer (fewer embedding rows than the tokenizer has ids) fails before training
+    other = tiny_policy(tmp_path / "other", vocab_size=20)
+    with pytest.raises(RankFailure, match="critic.path"):
+        run_distributed(_train, policy, str(tmp_path / "run"), f"critic.path={other}", world_size=1)
+    with pytest.raises(ValueError, match="reward_normalize=true needs a reward model"):
+        train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true"))
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        tiny_ppo_config(policy, str(tmp_path / "run"), "algo.kl_in=loss", "algo.kl_estimator=k1")
