@@ -5,14 +5,16 @@
 #   launch/run_embedded.sh [PIPELINE] [RUN_ROOT] [NPROC]   (defaults: grpo, runs, 2 processes; CPU gloo or GPUs NCCL)
 # PIPELINE: grpo (SFT -> GRPO), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
 # losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
-# ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows).
-# Extra `key=value` overrides for the second stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
-# name for grpo), for SFT in SFT_OVERRIDES.
+# ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows), or ppo (the
+# classic three stages: SFT -> RM on the pairs -> PPO whose only reward is that RM, the critic started
+# from the RM; ends with PPO's before/after held-out accuracy table).
+# Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
+# name for grpo), for SFT in SFT_OVERRIDES, for ppo's RM stage in RM_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto) PIPELINE=$1; shift ;;
+  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|ppo) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -29,6 +31,12 @@ case "$PIPELINE" in
   rm)
     run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
+  ppo)
+    run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
+        model.path="$ROOT/sft_arith/hf" ${RM_OVERRIDES:-}
+    run launch/train_ppo.py --config examples/ppo_arith.yaml run_dir="$ROOT/ppo_arith" \
+        actor.path="$ROOT/sft_arith/hf" critic.path="$ROOT/rm_arith/hf" reward.model.path="$ROOT/rm_arith/hf" \
+        ${STAGE_OVERRIDES:-} ;;
   dpo)
     run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/dpo_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;

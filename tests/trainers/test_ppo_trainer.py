@@ -127,3 +127,25 @@ def test_start_up_checks(policy, tmp_path):
         train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true"))
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
         tiny_ppo_config(policy, str(tmp_path / "run"), "algo.kl_in=loss", "algo.kl_estimator=k1")
+
+
+def _loss_terms(policy, other, root):
+    common = ("steps=1", "algo.mini_batches=1", "export_hf=false")
+    _train(policy, f"{root}/plain", *common, "algo.kl_coef=0")
+    _train(policy, f"{root}/entropy", *common, "algo.kl_coef=0", "algo.entropy_coef=0.01")
+    _train(policy, f"{root}/kl_loss", *common, "algo.kl_in=loss", "algo.kl_estimator=k3", "algo.kl_coef=0.1",
+           f"reference.path={other}")
+
+
+def test_entropy_bonus_and_kl_loss_term(policy, tmp_path):
+    # step 1 samples the same responses in all three runs (a KL in the loss changes no reward), so with one
+    # update the losses differ by exactly the added terms at the same weights
+    other = tiny_policy(tmp_path / "other_ref", seed=1)
+    run_distributed(_loss_terms, policy, other, str(tmp_path), world_size=1)
+    plain, entropy, kl = (_rows(f"{tmp_path}/{name}")[1] for name in ("plain", "entropy", "kl_loss"))
+    assert plain["reward/mean"] == entropy["reward/mean"] == kl["reward/mean"]
+    assert entropy["actor/loss"] - plain["actor/loss"] == pytest.approx(-0.01 * plain["actor/entropy"], rel=1e-4)
+    assert kl["actor/loss_kl"] > 0.01
+    assert kl["actor/loss"] - plain["actor/loss"] == pytest.approx(0.1 * kl["actor/loss_kl"], rel=1e-4)
+    # the KL of the update's forward is the rollout's (same weights at step 1), measured on another path
+    assert kl["actor/loss_kl"] == pytest.approx(kl["actor/token_kl"], rel=1e-4)
