@@ -49,6 +49,25 @@ def eval_count(cfg: EvalConfig, examples: Optional[Sequence[PromptExample]]) -> 
 
 
 @torch.no_grad()
+def generate_responses(model, examples: Sequence[PromptExample], tokenizer: Tokenizer, params: SamplingParams,
+                       device, generator: Optional[torch.Generator] = None) -> tuple[list[str], list[bool]]:
+    """(decoded responses, whether each ended with EOS) of one generation batch of `examples`' prompts.
+
+    Prompts are left-padded so every row's next token lands in the same column; `model` is this
+    rank's (tp shard of the) `CausalLM`, in whatever mode the caller set.
+    """
+    width = max(len(e.prompt_ids) for e in examples)
+    ids = torch.full((len(examples), width), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+        mask[i, width - len(e.prompt_ids):] = 1
+    out = generate(model, ids.to(device), mask.to(device), params, generator)
+    rows = out.sequences[:, width:].tolist()
+    return [tokenizer.decode(row) for row in rows], [tokenizer.eos_id in row for row in rows]
+
+
+@torch.no_grad()
 def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tokenizer, cfg: EvalConfig,
                         max_new_tokens: int, layout: ParallelLayout) -> tuple[float, list[tuple[str, str, Any]]]:
     """(mean `cfg.metric` score over the held-out prompts, a few (prompt, response, answer) samples).
@@ -65,14 +84,7 @@ def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tok
     model.eval()
     for start in range(0, len(mine), cfg.batch_size):
         chunk = mine[start:start + cfg.batch_size]
-        width = max(len(e.prompt_ids) for e in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, e in enumerate(chunk):  # left padding: every row's next token lands in the same column
-            ids[i, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
-            mask[i, width - len(e.prompt_ids):] = 1
-        out = generate(model, ids.to(layout.device), mask.to(layout.device), params)
-        responses = [tokenizer.decode(row) for row in out.sequences[:, width:].tolist()]
+        responses, _ = generate_responses(model, chunk, tokenizer, params, layout.device)
         score += sum(metric([e.prompt_text for e in chunk], responses, [e.answer for e in chunk],
                             [e.metadata for e in chunk]))
         samples += [(e.prompt_text, r, e.answer) for e, r in zip(chunk, responses)][:5 - len(samples)]

@@ -1,0 +1,59 @@
+"""Verifier-labelled pairs from a policy's own samples: the pairing rule by hand, and a 2-rank run whose
+files the RM loader reads, every pair ordered by the verifier."""
+import json
+import os
+import random
+
+import pytest
+import torch.distributed as dist
+from parallel.dist_utils import run_distributed
+from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
+
+from megalign.config import load_config
+from megalign.data import CharTokenizer, PromptExample, load_preferences
+from megalign.trainers.self_pairs import SelfPairsConfig, pairs_of, sample_pairs
+
+
+def test_pairs_of_by_hand():
+    example = PromptExample([1, 2], "1+1=", 2, {}, "x")
+    responses = ["a", "b", "c", "d", "a", ""]
+    finished = [True, True, False, True, True, True]
+    scores = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    # passing: "a" (twice: once); "c" is cut off; failing: "b", "d" ("" is no response)
+    rows = pairs_of(example, responses, finished, scores, 1.0, 5, random.Random(0))
+    assert sorted((r["chosen"], r["rejected"]) for r in rows) == [("a", "b"), ("a", "d")]
+    assert all(r["prompt"] == "1+1=" and r["answer"] == 2 for r in rows)
+    assert len(pairs_of(example, responses, finished, scores, 1.0, 1, random.Random(0))) == 1
+    assert pairs_of(example, ["a", "b"], [True, True], [1.0, 1.0], 1.0, 5, random.Random(0)) == []
+
+
+def _sample(policy, out):
+    cfg = load_config(SelfPairsConfig, None, [
+        f"model_path={policy}", f"out_dir={out}", "device=cpu", "data.arith.max_operand=4", "data.arith.ops=['+']",
+        "samples_per_prompt=4", "pairs_per_prompt=2", "max_new_tokens=8", f"metric={HERE}/grpo_helpers.py:digit_fraction",
+        "threshold=0.2", "batch_size=16",
+        "drop_unfinished=false"])  # a random policy rarely samples EOS in 8 tokens
+    report = sample_pairs(cfg)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "report.json"), "w") as f:
+            json.dump(report, f)
+
+
+def test_sample_pairs_two_ranks(tmp_path):
+    policy = tiny_policy(tmp_path / "policy")
+    out = tmp_path / "pairs"
+    run_distributed(_sample, policy, str(out))
+    report = json.loads((out / "report.json").read_text())
+    tok = CharTokenizer()
+    for split, name in (("train", "pairs.jsonl"), ("held_out", "pairs_held_out.jsonl")):
+        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        assert len(rows) == report[split]["pairs"]
+        assert report[split]["responses"] == 4 * report[split]["prompts"]
+        assert report[split]["paired_prompts"] <= report[split]["prompts"]
+        for row in rows:  # the verifier, called again here, orders every pair
+            assert digit_fraction(row["prompt"], row["chosen"], row["answer"], {}) >= 0.2
+            assert digit_fraction(row["prompt"], row["rejected"], row["answer"], {}) < 0.2
+        if rows:  # the RM loader reads every row back
+            examples, _ = load_preferences(out / name, tokenizer=tok, max_length=64)
+            assert len(examples) == len(rows)
+    assert report["train"]["pairs"] > 0  # 20 training prompts: some have a passing and a failing sample
