@@ -13,7 +13,7 @@ are medians of the rest:
 - offloaded: every offload switch on (actor weights and optimizer, reference, reward model, critic
   weights and optimizer), so each phase holds only its own role.
 
-Reported per phase: median seconds (`time/<phase>` metrics of the trainer) and the share of the step;
+One torch thread by default (`--threads`), as each rank of a `torchrun` run has. Reported per phase: median seconds (`time/<phase>` metrics of the trainer) and the share of the step;
 the critic's update against the actor's (the cost of running it after the actor's on the same ranks,
 rather than beside it on other devices); and the resident MiB of each role in each phase
 (`memory/<phase>/<role>_mib`).
@@ -77,7 +77,11 @@ def _run(policy: str, rm: str, run_dir: str, steps: int, prompts: int, group: in
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps instead of 3 rounds of 5")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1, as torchrun's OMP_NUM_THREADS: on a shared, oversubscribed CPU more "
+                             "threads spin in OpenMP barriers)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     rounds, steps = (2, 3) if args.quick else (3, 5)
     prompts, group, length, hidden, layers = 32, 4, 16, 256, 4
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='ppo-bench-')}", rank=0,

@@ -6,10 +6,12 @@
 # PIPELINE: grpo (SFT -> GRPO), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
 # losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
 # ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows), or ppo (the
-# classic three stages: SFT -> RM on the pairs -> PPO whose only reward is that RM, the critic started
-# from the RM; ends with PPO's before/after held-out accuracy table).
+# classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
+# (launch/sample_pairs.py) -> PPO whose only reward is that RM, the critic started from the RM; ends
+# with PPO's before/after held-out accuracy table).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
-# name for grpo), for SFT in SFT_OVERRIDES, for ppo's RM stage in RM_OVERRIDES.
+# name for grpo), for SFT in SFT_OVERRIDES, for ppo's pair sampling in PAIRS_OVERRIDES and its RM stage
+# in RM_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
@@ -32,10 +34,13 @@ case "$PIPELINE" in
     run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   ppo)
-    run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
-        model.path="$ROOT/sft_arith/hf" ${RM_OVERRIDES:-}
+    run launch/sample_pairs.py model_path="$ROOT/sft_arith/hf" out_dir="$ROOT/self_pairs" \
+        samples_per_prompt=16 pairs_per_prompt=4 ${PAIRS_OVERRIDES:-}
+    run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_self" \
+        model.path="$ROOT/sft_arith/hf" data.path="$ROOT/self_pairs/pairs.jsonl" \
+        data.eval_path="$ROOT/self_pairs/pairs_held_out.jsonl" algo.margin=false ${RM_OVERRIDES:-}
     run launch/train_ppo.py --config examples/ppo_arith.yaml run_dir="$ROOT/ppo_arith" \
-        actor.path="$ROOT/sft_arith/hf" critic.path="$ROOT/rm_arith/hf" reward.model.path="$ROOT/rm_arith/hf" \
+        actor.path="$ROOT/sft_arith/hf" critic.path="$ROOT/rm_self/hf" reward.model.path="$ROOT/rm_self/hf" \
         ${STAGE_OVERRIDES:-} ;;
   dpo)
     run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/dpo_arith" \
