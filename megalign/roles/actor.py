@@ -11,7 +11,7 @@ Design choices:
   temperature divides the logits exactly as during sampling, so on-policy ratios start at 1.
 - Precision: the actor keeps fp32 master weights and computes in bf16 under autocast when its dtype
   is bf16 (`megalign.parallel.MixedPrecision`); the frozen reference simply stores bf16 weights.
-- `TrainableRole` is what a PPO critic will reuse: a model, a ZeRO-1 AdamW whose state is the
+- `TrainableRole` is what the PPO critic (`megalign.roles.critic`) reuses: a model, a ZeRO-1 AdamW whose state is the
   "optimizer" offload part, gradient sync over dp, global-norm clipping and a skipped update when
   anything is non-finite.
 """
@@ -71,7 +71,7 @@ class Reference(PolicyRole):
 
 
 class TrainableRole(PolicyRole):
-    """A role that trains its model: the actor now, the critic later (PPO).
+    """A role that trains its model: the actor, and the PPO critic (`megalign.roles.critic`).
 
     The optimizer is given (the trainers build AdamW with ZeRO-1 over dp, `megalign.trainers.optim`,
     and set its learning rate); its local state (the shard of a ZeRO-1 optimizer) is the
