@@ -49,6 +49,18 @@ def eval_count(cfg: EvalConfig, examples: Optional[Sequence[PromptExample]]) -> 
 
 
 @torch.no_grad()
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`input_ids`, `attention_mask`) [B, P] of B prompts padded on the left, as `generate` takes them (every
+    row's next token lands in the same column)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tokenizer, cfg: EvalConfig,
                         max_new_tokens: int, layout: ParallelLayout) -> tuple[float, list[tuple[str, str, Any]]]:
     """(mean `cfg.metric` score over the held-out prompts, a few (prompt, response, answer) samples).
@@ -65,13 +77,9 @@ def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tok
     model.eval()
     for start in range(0, len(mine), cfg.batch_size):
         chunk = mine[start:start + cfg.batch_size]
-        width = max(len(e.prompt_ids) for e in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, e in enumerate(chunk):  # left padding: every row's next token lands in the same column
-            ids[i, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
-            mask[i, width - len(e.prompt_ids):] = 1
-        out = generate(model, ids.to(layout.device), mask.to(layout.device), params)
+        ids, mask = left_pad([e.prompt_ids for e in chunk], tokenizer.pad_id, layout.device)
+        width = ids.shape[1]
+        out = generate(model, ids, mask, params)
         responses = [tokenizer.decode(row) for row in out.sequences[:, width:].tolist()]
         score += sum(metric([e.prompt_text for e in chunk], responses, [e.answer for e in chunk],
                             [e.metadata for e in chunk]))

@@ -1,5 +1,5 @@
 """The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT, the pairwise
-preference losses and the reward model in `preference`, KTO; PRM next).
+preference losses and the reward model in `preference`, KTO in `kto`, the process reward model in `prm`).
 
 `SupervisedTrainer(cfg, objective_cls, name)` builds the tokenizer, the trained model (a policy, or a
 reward model: `Objective.model_kind`) as a `TrainableRole` (ZeRO-1 AdamW, bf16 autocast when
