@@ -1,13 +1,14 @@
 """A megalign run config (examples/*.yaml of the trainers) read as a `PlanConfig`: take what the trainer has.
 
-Which trainer: `actor` at the top level is the online family (GRPO; a `critic` section, PPO's, is
-read when present); otherwise the supervised family, told apart by `algo`: `loss` -> DPO,
-`margin` -> reward model, `beta` alone with a `reference` -> KTO, no `algo` -> SFT. The file is then
-loaded with that trainer's own config class, so its checks and error messages (file, line, key) apply.
+Which trainer: `actor` at the top level is the online family (GRPO; with a `critic` section PPO,
+read with `megalign.trainers.ppo.PPOConfig` where that trainer exists); otherwise the supervised
+family, told apart by `algo`: `loss` -> DPO, `margin` -> reward model, `beta` alone with a
+`reference` -> KTO, no `algo` -> SFT. The file is then loaded with that trainer's own config class,
+so its checks and error messages (file, line, key) apply.
 
 What maps: role tp / dtype / offload switches (pp is not a trainer key yet: 1), the reference only
-when the trainer builds one (GRPO: algo.beta > 0; DPO: always; KTO: always), the reward model when
-`reward.model` is set, prompts and responses (online: data.max_prompt_length and
+when the trainer builds one (GRPO: algo.beta > 0; PPO: algo.kl_coef > 0 or a kl_target; DPO and
+KTO: always), the reward model when `reward.model` is set, prompts and responses (online: data.max_prompt_length and
 rollout.max_response_length; supervised: data.max_length, all of it scored), G, prompts per step,
 mini-batches, the micro-batch (GRPO: algo.micro_batch_size; supervised: batch_size / dp in one
 forward), old-log-prob recomputation. megalign's recipe throughout: fp32 master weights, ZeRO-1,
@@ -45,9 +46,16 @@ def detect_trainer(path: str) -> str:
 
 
 def _config_class(trainer: str):
-    if trainer in ("grpo", "ppo"):
+    if trainer == "grpo":
         from megalign.trainers.grpo import GRPOConfig
         return GRPOConfig
+    if trainer == "ppo":
+        try:
+            from megalign.trainers.ppo import PPOConfig
+        except ImportError as e:
+            raise ConfigError("a run config with a `critic` section needs the PPO trainer (megalign.trainers.ppo), "
+                              "which this checkout lacks; describe the run in a planner file instead") from e
+        return PPOConfig
     if trainer == "sft":
         from megalign.trainers.sft import SFTConfig
         return SFTConfig
@@ -58,9 +66,8 @@ def _config_class(trainer: str):
     return DPOConfig if trainer == "dpo" else RMConfig
 
 
-def _role(cfg, offload_optimizer: bool = False, pool_dtype: Optional[str] = None) -> RolePlan:
-    return RolePlan(tp=cfg.tp, dtype=pool_dtype or cfg.dtype, offload_weights=cfg.offload_weights,
-                    offload_optimizer=offload_optimizer)
+def _role(cfg, offload_optimizer: bool = False) -> RolePlan:
+    return RolePlan(tp=cfg.tp, dtype=cfg.dtype, offload_weights=cfg.offload_weights, offload_optimizer=offload_optimizer)
 
 
 def _model(path: Optional[str], key: str, model: Optional[str]) -> str:
@@ -82,17 +89,17 @@ def plan_from_run_config(path: str, gpus: int, model: Optional[str] = None, trai
     cfg = load_config(_config_class(trainer), path, overrides)
     if trainer in ("grpo", "ppo"):
         actor = cfg.actor
-        fields = dict(algorithm="ppo" if getattr(cfg, "critic", None) is not None else "grpo",
+        kl_on = cfg.algo.beta > 0 if trainer == "grpo" else (cfg.algo.kl_coef > 0 or cfg.algo.kl_target is not None)
+        fields = dict(algorithm=trainer,
                       prompt_length=cfg.data.max_prompt_length, response_length=cfg.rollout.max_response_length,
                       group_size=cfg.rollout.group_size, prompts_per_step=cfg.rollout.prompts_per_step,
                       mini_batches=cfg.algo.mini_batches, micro_batch_size=cfg.algo.micro_batch_size,
                       recompute_old_logprobs=cfg.rollout.old_logprobs == "recompute",
                       actor=_role(actor, actor.offload_optimizer),
-                      reference=_role(cfg.reference) if cfg.algo.beta > 0 else None,
+                      reference=_role(cfg.reference) if kl_on else None,
                       reward=_role(cfg.reward.model) if cfg.reward.model is not None else None)
-        critic = getattr(cfg, "critic", None)
-        if critic is not None:
-            fields["critic"] = _role(critic, getattr(critic, "offload_optimizer", False))
+        if trainer == "ppo":
+            fields["critic"] = _role(cfg.critic, cfg.critic.offload_optimizer)
         arch = _model(actor.path, "actor.path", model)
     else:
         length = cfg.data.max_length

@@ -1,5 +1,6 @@
 """The planner's command line: the 70B examples and their recorded reports, run configs, JSON, bad input."""
 import glob
+import importlib.util
 import json
 import os
 
@@ -64,3 +65,15 @@ def test_bad_input_names_the_problem(tmp_path, capsys):
     assert main(["--config", str(bad).replace("bad", "missing")]) == 2
     assert main(["--run-config", os.path.join(ROOT, "examples", "grpo_arith.yaml"), "--gpus", "2"]) == 2
     assert "actor.path" in capsys.readouterr().err
+
+
+def test_a_critic_section_is_read_as_ppo_where_the_trainer_exists(tmp_path, capsys):
+    path = tmp_path / "ppo.yaml"
+    path.write_text("actor: {path: /none, tp: 1}\ncritic: {path: /none, tp: 1}\n")
+    assert detect_trainer(str(path)) == "ppo"
+    rc = main(["--run-config", str(path), "--gpus", "8", "--model", "llama3-8b", "--json"])
+    out = capsys.readouterr()
+    if importlib.util.find_spec("megalign.trainers.ppo") is None:  # the PPO trainer is on another branch
+        assert rc == 2 and "PPO trainer" in out.err
+    else:
+        assert json.loads(out.out)["layout"]["critic"]["dp"] == 8
