@@ -9,12 +9,14 @@
 - Parameter counts of the presets against the published counts (the models' safetensors index sizes).
 - 1F1B in-flight micro-batches (Narayanan et al. 2021): stage s of pp keeps pp - s.
 """
+import json
+
 import pytest
 
 from megalign.models import CausalLM, ModelConfig
 from megalign.plan.formulas import (MEGATRON, MEGATRON_BF16_GRADS, ZERO, korthikanti_layer_bytes, pipeline_in_flight,
                                     state_bytes_per_param)
-from megalign.plan.model import PRESETS, stage_params, total_params
+from megalign.plan.model import PRESETS, load_model, stage_params, total_params
 
 
 @pytest.mark.parametrize("dtype, plain, sharded", [("fp16", 20, lambda d: 4 + 16 / d), ("bf16", 18, lambda d: 6 + 12 / d),
@@ -110,3 +112,13 @@ def test_bad_sizes_name_the_argument():
         stage_params(PRESETS["llama3-70b"], 8, 3, 0)
     with pytest.raises(ValueError, match="num_key_value_heads"):
         stage_params(PRESETS["llama3-70b"], 16, 1, 0)
+
+
+def test_hf_config_json_reads_like_the_preset(tmp_path):
+    cfg = PRESETS["qwen2.5-7b"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_hf()))
+    for spec in (str(path), str(tmp_path)):
+        assert total_params(load_model(spec)) == PUBLISHED["qwen2.5-7b"]
+    with pytest.raises(FileNotFoundError, match="preset"):
+        load_model(str(tmp_path / "nowhere"))

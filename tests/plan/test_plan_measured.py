@@ -100,6 +100,17 @@ def test_layer_count_equals_saved_tensors(dtype, attention):
     assert saved[1] - saved[0] == megalign_layer_bytes(s, b, 48, 4, 2, 160, 1, e, attention)
 
 
+def test_kv_cache_bytes_equal_the_allocated_cache():
+    # the rollout's cache: megalign allocates it in the weights' dtype (the actor's fp32 master weights)
+    cfg = ModelConfig("llama", vocab_size=98, hidden_size=48, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64)
+    plan = PlanConfig(model="small", algorithm="grpo", gpus=1, prompt_length=20, response_length=12, group_size=4,
+                      prompts_per_step=3, actor=RolePlan(dtype="bf16"))
+    cache = CausalLM(cfg).model.new_kv_cache(12, 32)
+    allocated = sum(t.nbytes for t in [*cache.k, *cache.v])
+    assert Planner(plan, cfg).role_bytes("actor", Step("rollout", "actor", "rollout"), 0).kv_cache == allocated
+
+
 def _small_model(path):
     config = ModelConfig("llama", vocab_size=98, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
