@@ -266,7 +266,7 @@ class Planner:
         out.grads = grads if (step.kind == "update" or persistent_grads) else 0.0
         casts = CAST_COPY_BYTES * n if (name in TRAINED and role.recipe == "megalign" and role.dtype == "bf16") else 0.0
         gathered = 2 * 2 * layer_params(cfg, role.tp) if role.zero_stage == 3 else 0.0  # ZeRO-3: two layers gathered
-        last, first = stage == role.pp - 1, stage == 0
+        first, last = stage == 0, stage == role.pp - 1
         if step.kind == "update":
             b = plan.micro_batch_size * self.rows
             n_micro = max(1, ceil_div(self.rows_per_rank(name), plan.mini_batches * b))
@@ -277,11 +277,11 @@ class Planner:
             if role.activation_checkpointing == "full":  # the layer being recomputed holds its whole activations
                 acts += self.layer_activation_bytes(name, b, recompute="none")
             tokens = b * self.seq
-            if first:
-                acts += in_flight * tokens * (8 + 4 * cfg.head_dim)  # token ids, RoPE cos / sin
-            if last:
-                acts += tokens * (8 * cfg.hidden_size + 4)  # final RMSNorm: fp32 input and normalised value
-                acts += b * self.scored_positions() * cfg.hidden_size * (4 if self.compute_bytes(name) == 4 else 2)
+            acts += in_flight * tokens * (4 * cfg.head_dim + (8 if first else 0))  # RoPE cos / sin; token ids
+            if last:  # the final norm (megalign: fp32 input and normalised value) and the head's input
+                own = role.recipe == "megalign"
+                acts += tokens * (8 * cfg.hidden_size + 4 if own else 2 * cfg.hidden_size)
+                acts += b * self.scored_positions() * cfg.hidden_size * (self.compute_bytes(name) if own else 2)
                 out.logits = self.logits_bytes(name, b, grad=True)
             out.activations = acts + casts + gathered
         elif step.kind == "score":
