@@ -185,9 +185,9 @@ class Objective(Generic[E]):
         """Add what later stages need beside the exported weights (e.g. a reward model's reward statistics)."""
 
 
-def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
-    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp (module doc)."""
-    config = ModelConfig(
+def scratch_config(cfg: PolicyModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The `ModelConfig` of a from-scratch model for `tokenizer` (also read by `megalign.plan`)."""
+    return ModelConfig(
         model_type=cfg.model_type, vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -195,7 +195,11 @@ def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: Parallel
         max_position_embeddings=cfg.max_position_embeddings, pad_token_id=tokenizer.pad_id,
         extra_hf={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
     )
-    config = tensor_parallel_config(config, layout.tp)
+
+
+def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
+    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp (module doc)."""
+    config = tensor_parallel_config(scratch_config(cfg, tokenizer), layout.tp)
     generator = torch.Generator().manual_seed(seed)
     dense = CausalLM(config)
     with torch.no_grad():
