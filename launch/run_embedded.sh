@@ -5,7 +5,9 @@
 #   launch/run_embedded.sh [PIPELINE] [RUN_ROOT] [NPROC]   (defaults: grpo, runs, 2 processes; CPU gloo or GPUs NCCL)
 # PIPELINE: grpo (SFT -> GRPO), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
 # losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
-# ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows), or ppo (the
+# ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows), or prm (SFT on
+# the multi-step chains -> Monte-Carlo step labels of its own samples -> a process RM and an outcome RM on
+# them -> held-out best-of-16 reranked by each, ending with the PRM's change over greedy), or ppo (the
 # classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
 # (launch/sample_pairs.py) -> PPO whose only reward is that RM, the critic started from the RM; ends
 # with PPO's before/after held-out accuracy table).
@@ -16,12 +18,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|ppo) PIPELINE=$1; shift ;;
+  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
 PYTHON=${PYTHON:-python}
 run() { "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$@"; }
+if [ "$PIPELINE" = prm ]; then
+  DATA="$ROOT/prm_data"
+  run launch/prm_tools.py data out_dir="$DATA"
+  run launch/train_sft.py --config examples/sft_chain.yaml run_dir="$ROOT/sft_chain" \
+      data.path="$DATA/chain_train.jsonl" data.eval_path="$DATA/chain_held_out.jsonl" ${SFT_OVERRIDES:-}
+  run launch/prm_tools.py label policy="$ROOT/sft_chain/hf" out="$DATA/mc_steps.jsonl"
+  for SUPERVISE in steps outcome; do
+    NAME=$([ "$SUPERVISE" = steps ] && echo prm || echo orm)
+    run launch/train_prm.py --config examples/prm_chain.yaml run_dir="$ROOT/${NAME}_chain" \
+        model.path="$ROOT/sft_chain/hf" data.path="$DATA/mc_steps.jsonl" algo.supervise="$SUPERVISE" ${STAGE_OVERRIDES:-}
+  done
+  run launch/prm_tools.py best_of_n policy="$ROOT/sft_chain/hf" \
+      prm="$ROOT/prm_chain/hf" orm="$ROOT/orm_chain/hf" out="$ROOT/best_of_n.json"
+  exit 0
+fi
 run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}
 case "$PIPELINE" in
   grpo)

@@ -144,7 +144,8 @@ class MetricSums:
         self._values: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, value) -> None:
-        value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(())
+        """Accumulate `value` (a number or a 0-d / 1-element tensor, left on its device: no host sync)."""
+        value = torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
         self._values[name] = self._values[name] + value if name in self._values else value
 
     def add_means(self, metrics) -> None:
@@ -163,7 +164,7 @@ class MetricSums:
         """{name: sum over the group's ranks}; every rank of the group must add the same names in the same order."""
         if not self._values:
             return {}
-        total = all_reduce(torch.stack(list(self._values.values())).to(device), group).cpu()
+        total = all_reduce(torch.stack([v.to(device) for v in self._values.values()]), group).cpu()
         return dict(zip(self._values, total.tolist()))
 
 

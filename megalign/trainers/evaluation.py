@@ -49,21 +49,26 @@ def eval_count(cfg: EvalConfig, examples: Optional[Sequence[PromptExample]]) -> 
 
 
 @torch.no_grad()
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`input_ids`, `attention_mask`) [B, P] of B prompts padded on the left, as `generate` takes them (every
+    row's next token lands in the same column)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
 def generate_responses(model, examples: Sequence[PromptExample], tokenizer: Tokenizer, params: SamplingParams,
                        device, generator: Optional[torch.Generator] = None) -> tuple[list[str], list[bool]]:
-    """(decoded responses, whether each ended with EOS) of one generation batch of `examples`' prompts.
-
-    Prompts are left-padded so every row's next token lands in the same column; `model` is this
-    rank's (tp shard of the) `CausalLM`, in whatever mode the caller set.
-    """
-    width = max(len(e.prompt_ids) for e in examples)
-    ids = torch.full((len(examples), width), tokenizer.pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        ids[i, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
-        mask[i, width - len(e.prompt_ids):] = 1
-    out = generate(model, ids.to(device), mask.to(device), params, generator)
-    rows = out.sequences[:, width:].tolist()
+    """(decoded responses, whether each ended with EOS) of one generation batch of `examples`' prompts
+    (`left_pad`ded); `model` is this rank's (tp shard of the) `CausalLM`, in whatever mode the caller set."""
+    ids, mask = left_pad([e.prompt_ids for e in examples], tokenizer.pad_id, device)
+    out = generate(model, ids, mask, params, generator)
+    rows = out.sequences[:, ids.shape[1]:].tolist()
     return [tokenizer.decode(row) for row in rows], [tokenizer.eos_id in row for row in rows]
 
 

@@ -283,9 +283,18 @@ class RewardModelObjective(Objective[PreferenceExample]):
         stats.add_means(pair_stats.metrics())
         return losses.sum() / global_count.clamp(min=1)
 
+    _scored: Optional[tuple[int, Optional[dict[str, float]]]] = None
+    """(step, sums) of the last held-out pass: the export and the closing evaluation at the same step share it."""
+
     @torch.no_grad()
     def _held_out_sums(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:
         """Sums over the held-out pairs (dp-split): correct pairs, pairs, reward sum and sum of squares."""
+        step = trainer.progress["step"]
+        if self._scored is None or self._scored[0] != step:
+            self._scored = (step, self._score_held_out(trainer))
+        return self._scored[1]
+
+    def _score_held_out(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:
         cfg, layout = self.cfg.eval, trainer.layout
         n = eval_count(cfg, trainer.held_out)
         if not n:

@@ -1,5 +1,5 @@
 """The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT, the pairwise
-preference losses and the reward model in `preference`, KTO; PRM next).
+preference losses and the reward model in `preference`, KTO in `kto`, the process reward model in `prm`).
 
 `SupervisedTrainer(cfg, objective_cls, name)` builds the tokenizer, the trained model (a policy, or a
 reward model: `Objective.model_kind`) as a `TrainableRole` (ZeRO-1 AdamW, bf16 autocast when
@@ -185,9 +185,9 @@ class Objective(Generic[E]):
         """Add what later stages need beside the exported weights (e.g. a reward model's reward statistics)."""
 
 
-def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
-    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp (module doc)."""
-    config = ModelConfig(
+def scratch_config(cfg: PolicyModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The `ModelConfig` of a from-scratch model for `tokenizer` (also read by `megalign.plan`)."""
+    return ModelConfig(
         model_type=cfg.model_type, vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -195,7 +195,11 @@ def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: Parallel
         max_position_embeddings=cfg.max_position_embeddings, pad_token_id=tokenizer.pad_id,
         extra_hf={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
     )
-    config = tensor_parallel_config(config, layout.tp)
+
+
+def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
+    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp (module doc)."""
+    config = tensor_parallel_config(scratch_config(cfg, tokenizer), layout.tp)
     generator = torch.Generator().manual_seed(seed)
     dense = CausalLM(config)
     with torch.no_grad():

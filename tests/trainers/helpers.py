@@ -44,7 +44,8 @@ def checkpoint_params(run_dir, step, role="model"):
     return state
 
 
-def metric_rows(run_dir, volatile=("time/", "memory/", "tokens_per_s", "pairs_per_s", "examples_per_s")):
+def metric_rows(run_dir, volatile=("time/", "memory/", "tokens_per_s", "pairs_per_s", "examples_per_s",
+                                     "step_labels_per_s")):
     """The rows of run_dir/metrics.jsonl without the metrics that depend on timing or memory."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items() if not k.startswith(volatile)} for line in f]

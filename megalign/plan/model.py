@@ -1,0 +1,121 @@
+"""The model side of the planner: published architectures (presets), HF config.json, and parameter counts per rank.
+
+A model is a `megalign.models.ModelConfig` (the same object the decoders are built from), so a preset,
+an HF `config.json` and a megalign checkpoint are read one way. Parameter counts follow megalign's
+decoder exactly (`megalign.models.decoder`): per layer the q/k/v/o projections (GQA: k and v have
+num_key_value_heads heads of head_dim), the three SwiGLU matrices h x f, two RMSNorm gains, and the
+biases the family has (Qwen2: q/k/v); the embedding and the LM head are padded_vocab x h each (one
+matrix when tied), the final norm h. Under tensor parallelism a rank holds 1/t of every projection,
+of the vocabulary rows and of the column-parallel biases, and whole copies of the norms and of the
+row-parallel biases. A pipeline stage holds its layers, the embedding on the first stage, the final
+norm and the head on the last (a tied head is a copy on the last stage when pp > 1, as Megatron).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Union
+
+from megalign.models.config import ModelConfig
+from megalign.models.parallelize import tensor_parallel_config
+
+# The published architectures (the config.json of each checkpoint on the Hugging Face hub).
+PRESETS: dict[str, ModelConfig] = {
+    "llama2-7b": ModelConfig("llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5,
+                             max_position_embeddings=4096),
+    "llama2-13b": ModelConfig("llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                              num_attention_heads=40, num_key_value_heads=40, head_dim=128, rms_norm_eps=1e-5,
+                              max_position_embeddings=4096),
+    "llama2-70b": ModelConfig("llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                              num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                              max_position_embeddings=4096),
+    "llama3-8b": ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                             rope_theta=500000.0, max_position_embeddings=8192),
+    "llama3-70b": ModelConfig("llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                              num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                              rope_theta=500000.0, max_position_embeddings=8192),
+    "qwen2.5-7b": ModelConfig("qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                              num_attention_heads=28, num_key_value_heads=4, head_dim=128, qkv_bias=True,
+                              rope_theta=1000000.0, max_position_embeddings=32768),
+    "qwen2.5-72b": ModelConfig("qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                               num_attention_heads=64, num_key_value_heads=8, head_dim=128, qkv_bias=True,
+                               rope_theta=1000000.0, max_position_embeddings=32768),
+}
+
+
+def load_model(spec: Union[str, os.PathLike, dict]) -> ModelConfig:
+    """A preset name (`PRESETS`), an HF config dict, a config.json path or a checkpoint folder holding one."""
+    if isinstance(spec, dict):
+        return ModelConfig.from_hf(spec)
+    key = str(spec).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                                f"config.json or checkpoint folder")
+    return ModelConfig.from_hf(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank holds for one pipeline stage at tensor-parallel size tp (counts, not bytes)."""
+
+    layers: int
+    """decoder layers on this stage"""
+    layer_params: int
+    """this rank's parameters of those layers"""
+    embedding: int
+    """this rank's embedding rows x h (first stage only)"""
+    head: int
+    """this rank's LM-head rows x h plus the final norm (last stage only; 0 for a tied head at pp = 1, counted in embedding)"""
+
+    @property
+    def total(self) -> int:
+        return self.layer_params + self.embedding + self.head
+
+
+def layer_params(cfg: ModelConfig, tp: int) -> int:
+    """One decoder layer's parameters on one tensor-parallel rank (see the module docstring)."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    column = h * (q + 2 * kv) + 2 * h * f + (q + 2 * kv if cfg.qkv_bias else 0) + (2 * f if cfg.mlp_bias else 0)
+    row = q * h + f * h
+    replicated = 2 * h + (h if cfg.o_bias else 0) + (h if cfg.mlp_bias else 0)
+    return (column + row) // tp + replicated
+
+
+def padded_vocab(cfg: ModelConfig, tp: int) -> int:
+    """Rows of the embedding and the head: the vocabulary padded to lcm(vocab_pad_multiple, tp) (`tensor_parallel_config`)."""
+    return tensor_parallel_config(cfg, tp).padded_vocab_size
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage: L / pp each (megalign's default split, `megalign.parallel.pipeline.stage_layer_range`)."""
+    if num_layers % pp:
+        raise ValueError(f"num_hidden_layers ({num_layers}) must be divisible by pp ({pp})")
+    return [num_layers // pp] * pp
+
+
+def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, head: bool = True) -> StageParams:
+    """This rank's parameters on pipeline stage `stage` (0-based); `head=False` for a trunk with a scalar head
+    (value or reward model: the head is h x 1, counted, instead of the LM head)."""
+    tensor_parallel_config(cfg, tp)  # heads, kv heads and SwiGLU width must divide tp (raises naming them)
+    layers = stage_layers(cfg.num_hidden_layers, pp)[stage]
+    rows = padded_vocab(cfg, tp) // tp
+    embedding = rows * cfg.hidden_size if stage == 0 else 0
+    last = stage == pp - 1
+    if not last:
+        head_params = 0
+    elif not head:
+        head_params = cfg.hidden_size + cfg.hidden_size
+    else:
+        tied_here = cfg.tie_word_embeddings and pp == 1
+        head_params = cfg.hidden_size + (0 if tied_here else rows * cfg.hidden_size)
+    return StageParams(layers, layers * layer_params(cfg, tp), embedding, head_params)
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """All parameters of the unsharded model (the count a model card gives)."""
+    return stage_params(cfg, 1, 1, 0).total
