@@ -133,7 +133,8 @@ def apply_megalign_kernels_to_trl(lm_head: bool = True, policy_loss: bool = True
     """
     global _ACTIVE
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"apply_megalign_kernels_to_trl: chunk_size must be a positive int or None, got {chunk_size!r}")
+        raise ValueError(f"apply_megalign_kernels_to_trl: chunk_size must be a positive int or None, "
+                         f"got {chunk_size!r}")
     utils_module, grpo_module, dpo_module = _import_trl()
     unpatch_trl()
     if lm_head:
@@ -357,9 +358,12 @@ def _grpo_compute_loss(trainer, trl_compute_loss: Callable, model, inputs):
     high = ((ratio > 1 + trainer.epsilon_high) & (advantages > 0)).float()
     for name, clipped in (("low", low), ("high", high), ("region", torch.maximum(low, high))):
         metrics[f"clip_ratio/{name}_mean"].append(global_mean((clipped * maskf).sum(), maskf.sum()))
-    metrics["clip_ratio/low_min"].append(nanmin(trainer.accelerator.gather((low * maskf).sum(-1) / maskf.sum(-1))).item())
-    metrics["clip_ratio/high_max"].append(
-        nanmax(trainer.accelerator.gather((high * maskf).sum(-1) / maskf.sum(-1))).item())
+
+    def seq_means(x: torch.Tensor) -> torch.Tensor:  # per-sequence masked means, from every process
+        return trainer.accelerator.gather((x * maskf).sum(-1) / maskf.sum(-1))
+
+    metrics["clip_ratio/low_min"].append(nanmin(seq_means(low)).item())
+    metrics["clip_ratio/high_max"].append(nanmax(seq_means(high)).item())
     return loss
 
 
@@ -386,8 +390,8 @@ def _selective_log_softmax_and_entropy(originals: dict, logits: torch.Tensor, in
     if temperature <= 0:
         raise ValueError("temperature must be positive")
     if index.ndim != logits.ndim - 1 or logits.dtype not in FLOAT_DTYPES:
-        return originals["selective_log_softmax_and_entropy"](logits, index, entropy_requires_grad=entropy_requires_grad,
-                                                              temperature=temperature, row_mask=row_mask)
+        return originals["selective_log_softmax_and_entropy"](
+            logits, index, entropy_requires_grad=entropy_requires_grad, temperature=temperature, row_mask=row_mask)
     logp, entropy = token_logprob(logits, _targets(index, row_mask), temperature=temperature, return_entropy=True)
     return logp, entropy if entropy_requires_grad else entropy.detach()
 

@@ -225,6 +225,36 @@ def test_dpo_update_matches_trl(model_dir, tmp_path, calls, loss_type):
     _assert_same_update(patched, stock)
 
 
+def test_dpo_head_metrics_match_trl(model_dir, tmp_path, calls):
+    """mean_logits and is_top1 (DPO's logits/* and token-accuracy metrics) on targets half of which
+    are the model's argmax, so that is_top1 is not trivially all False."""
+    apply_megalign_kernels_to_trl(chunk_size=3)
+    data = datasets.Dataset.from_dict({"prompt": ["t3"], "chosen": [" t9"], "rejected": [" t15"]})
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", bf16=False)
+    model = trl.DPOTrainer(model=model_dir, args=args, train_dataset=data, processing_class=_tokenizer(model_dir)).model
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=g)
+    with torch.no_grad():
+        top = model(input_ids=ids).logits.argmax(-1)  # TRL's forward without fused_lm_head: the model's own
+    labels = torch.randint(3, VOCAB, (2, 9), generator=g)
+    labels[:, 1::2] = top[:, :-1:2]
+    labels[0, :3] = -100
+
+    def run():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True)
+
+    out = run()
+    assert calls["head"] == 1
+    unpatch_trl()
+    ref = run()
+    assert ref.is_top1.sum() >= 7
+    assert torch.equal(out.is_top1, ref.is_top1) and torch.equal(out.label_mask, ref.label_mask)
+    torch.testing.assert_close(out.mean_logits, ref.mean_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-6)
+
+
 def test_dpo_wpo_weighting_falls_back_to_trl(model_dir, tmp_path, calls):
     apply_megalign_kernels_to_trl()
     data = datasets.Dataset.from_dict({"prompt": ["t3 t4"], "chosen": [" t9 t10"], "rejected": [" t15"]})
