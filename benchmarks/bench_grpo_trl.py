@@ -2,7 +2,7 @@
 
     python benchmarks/bench_grpo_trl.py [--quick]
 
-TRL is a benchmark-only dependency (`pip install trl`, not in pyproject); without it the TRL rows
+TRL is a test / benchmark extra (`pip install -e ".[trl]"`, also in `[test]`); without it the TRL rows
 are skipped with a message and only megalign is measured.
 
 The same work on both sides, per step:
