@@ -1,6 +1,6 @@
 """DPO and reward-model step throughput and peak memory: megalign vs TRL's `DPOTrainer` / `RewardTrainer`.
 
-    python benchmarks/bench_dpo_trl.py [--quick] [--threads N] [--json PATH]
+    python benchmarks/bench_dpo_trl.py [--quick] [--cases dpo-online,dpo-cache,rm] [--threads N] [--json PATH]
 
 TRL is a benchmark-only dependency (`pip install trl`, not in pyproject); without it the TRL rows
 are skipped with a message and only megalign is measured.
