@@ -2,7 +2,7 @@
 
     python benchmarks/bench_grpo_trl.py [--quick]
 
-TRL is a benchmark-only dependency (`pip install trl`, not in pyproject); without it the TRL rows
+TRL is a test / benchmark extra (`pip install -e ".[trl]"`, also in `[test]`); without it the TRL rows
 are skipped with a message and only megalign is measured.
 
 The same work on both sides, per step:
@@ -52,31 +52,23 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
-import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import Row, format_table  # noqa: E402
+from harness import Row, build_model_dir, print_report, quiet, trl_available  # noqa: E402
 
 from megalign.data import ArithTaskConfig, TokenizerConfig, make_splits  # noqa: E402
 from megalign.rewards.math import math_accuracy  # noqa: E402
 
 PHASES = ("generate", "score", "reference", "update", "other")
-SPECIALS = ("<pad>", "<bos>", "<eos>")
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-
-
 @dataclasses.dataclass
 class Setup:
     prompts: int
@@ -87,34 +79,6 @@ class Setup:
     cases: tuple[tuple[int, float], ...]  # (vocab size, beta)
     lr: float = 1e-4
     seed: int = 0
-
-
-def build_model_dir(path: str, vocab_size: int) -> None:
-    """Random 4-layer Llama and a char-level PreTrainedTokenizerFast, saved together in `path`.
-
-    The tokenizer encodes printable ASCII one character a token; `vocab_size` above the 99 real
-    tokens is filled with placeholder words `<tN>` that encoding never produces but a random model
-    may sample (they decode to their own text), to give the model a realistic LM-head size.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    chars = "\n" + "".join(chr(c) for c in range(32, 127))
-    tokens = SPECIALS + tuple(chars)
-    tokens += tuple(f"<t{i}>" for i in range(len(tokens), vocab_size))
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
-    hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path)
 
 
 # ----- megalign side
@@ -160,15 +124,6 @@ class MegalignSide:
 
 
 # ----- TRL side
-
-def trl_available() -> str | None:
-    """TRL's version, or None when it is not installed."""
-    try:
-        import trl
-    except ImportError:
-        return None
-    return trl.__version__
-
 
 def _math_accuracy_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """megalign's `math_accuracy` as a TRL reward function (the `answer` column comes as a kwarg)."""
@@ -301,21 +256,13 @@ def summarise(records: dict[str, list[dict[str, float]]], case: str) -> tuple[li
     return rows, lines
 
 
-def _quiet():
-    logging.getLogger().setLevel(logging.WARNING)
-    for name in ("megalign", "transformers", "trl", "accelerate", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 def run(quick: bool = False, threads: int = 1) -> list[Row]:
     rows, _ = _run(quick, threads)
     return rows
 
 
 def _run(quick: bool, threads: int = 1) -> tuple[list[Row], list[str]]:
-    _quiet()
+    quiet()
     torch.set_num_threads(threads)
     s = Setup(prompts=4, group=4, max_new=16, rounds=2, steps=2, cases=((99, 0.0),)) if quick else \
         Setup(prompts=16, group=8, max_new=24, rounds=3, steps=3, cases=((99, 0.0), (99, 0.04), (32000, 0.0)))
@@ -348,15 +295,8 @@ def main():
 
     t0 = time.perf_counter()
     rows, lines = _run(args.quick, args.threads)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_available() or '-'}, "
-          f"{torch.get_num_threads()} threads")
-    print(format_table(rows))
-    print()
-    print("\n".join(lines))
-    print(f"\n({time.perf_counter() - t0:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": [dataclasses.asdict(r) for r in rows], "lines": lines}, f, indent=1)
+    print_report(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_available() or '-'}, "
+                 f"{torch.get_num_threads()} threads", rows, lines, time.perf_counter() - t0, args.json)
 
 
 if __name__ == "__main__":

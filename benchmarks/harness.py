@@ -8,15 +8,25 @@ builds the inputs and returns a zero-argument callable; the child then resets th
 peak-RSS counter (/proc/self/clear_refs), runs the callable once and reports VmHWM minus the RSS
 before the run: the memory the computation needed beyond its inputs. glibc is told to serve
 every allocation above 64 KiB with mmap so freed buffers leave RSS and cannot hide in the heap.
-On CUDA it uses torch.cuda.max_memory_allocated in the same way.
+On CUDA it uses torch.cuda.max_memory_allocated in the same way. The pieces are public for
+measurements inside a longer run (a trainer's step in its own loop): `in_fresh_process(fn, *args)`
+runs fn in such a process and returns its result, `reset_peak_rss()` / `peak_rss_since(base)` mark
+and read the high-water mark.
+
+Side-by-side trainer benchmarks (bench_grpo_trl, bench_dpo_trl) share `build_model_dir` (the same
+random Llama and char-level HF tokenizer saved for both frameworks), `trl_available` and `quiet`.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,38 +74,57 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _child(queue, factory, args, device):
-    try:
-        run = factory(*args)
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            run()
-            torch.cuda.synchronize()
-            queue.put(torch.cuda.max_memory_allocated() - base)
-            return
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_kib("VmRSS")
+def reset_peak_rss() -> int:
+    """Reset this process's peak-RSS counter (VmHWM := VmRSS) and return the RSS now, in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_since(base: int) -> int:
+    """Bytes the RSS rose to above `base` (a `reset_peak_rss` value) since that reset."""
+    return _status_kib("VmHWM") * 1024 - base
+
+
+def _measure(factory, args, device):
+    run = factory(*args)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         run()
-        queue.put((_status_kib("VmHWM") - base) * 1024)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    base = reset_peak_rss()
+    run()
+    return peak_rss_since(base)
+
+
+def _child(queue, fn, args):
+    try:
+        queue.put(fn(*args))
     except BaseException as exc:  # report to the parent instead of hanging it
         queue.put(exc)
 
 
-def peak_memory(factory: Callable, *args, device: str = "cpu") -> int:
-    """Bytes of memory `factory(*args)()` needed beyond its inputs, measured in a fresh process."""
+def in_fresh_process(fn: Callable, *args):
+    """`fn(*args)` in a freshly spawned process (fn and args picklable), with glibc's mmap threshold at
+    64 KiB (module doc); returns its result or raises its exception."""
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, factory, args, device))
+    proc = ctx.Process(target=_child, args=(queue, fn, args))
     proc.start()
     result = queue.get()
     proc.join()
     if isinstance(result, BaseException):
         raise result
-    return int(result)
+    return result
+
+
+def peak_memory(factory: Callable, *args, device: str = "cpu") -> int:
+    """Bytes of memory `factory(*args)()` needed beyond its inputs, measured in a fresh process."""
+    return int(in_fresh_process(_measure, factory, args, device))
 
 
 def cpu_model() -> str:
@@ -121,6 +150,57 @@ def machine_line() -> str:
             f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads")
 
 
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def build_model_dir(path: str, vocab_size: int) -> None:
+    """Random 4-layer Llama and a char-level PreTrainedTokenizerFast, saved together in `path`.
+
+    The tokenizer encodes printable ASCII one character a token; `vocab_size` above the 99 real
+    tokens is filled with placeholder words `<tN>` that encoding never produces but a random model
+    may sample (they decode to their own text), to give the model a realistic LM-head size.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    chars = "\n" + "".join(chr(c) for c in range(32, 127))
+    tokens = SPECIALS + tuple(chars)
+    tokens += tuple(f"<t{i}>" for i in range(len(tokens), vocab_size))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def trl_available() -> str | None:
+    """TRL's version, or None when it is not installed."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    return trl.__version__
+
+
+def quiet():
+    """Silence the frameworks' info logs and warnings, so a benchmark prints only its table."""
+    logging.getLogger().setLevel(logging.WARNING)
+    for name in ("megalign", "transformers", "trl", "accelerate", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 @dataclass
 class Row:
     """One measured implementation of one case; ratios are relative to megalign in the same case."""
@@ -130,6 +210,19 @@ class Row:
     impl: str
     seconds: float
     peak_bytes: int | None = None
+
+
+def print_report(header: str, rows: list[Row], lines: list[str], seconds: float, json_path: str | None) -> None:
+    """Print a side-by-side benchmark's header, table (`format_table`), summary lines and run time; with
+    `json_path`, also write the rows and lines there."""
+    print(header)
+    print(format_table(rows))
+    print()
+    print("\n".join(lines))
+    print(f"\n({seconds:.0f} s)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": [dataclasses.asdict(r) for r in rows], "lines": lines}, f, indent=1)
 
 
 def format_table(rows: list[Row], ours: str = "megalign") -> str:

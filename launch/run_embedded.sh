@@ -26,10 +26,11 @@ PYTHON=${PYTHON:-python}
 run() { "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$@"; }
 if [ "$PIPELINE" = prm ]; then
   DATA="$ROOT/prm_data"
-  run launch/prm_tools.py data out_dir="$DATA"
+  # SFT on the first 800 training chains; the PRM's data are the policy's samples of the other 800
+  run launch/prm_tools.py data out_dir="$DATA" sft_prompts=800
   run launch/train_sft.py --config examples/sft_chain.yaml run_dir="$ROOT/sft_chain" \
       data.path="$DATA/chain_train.jsonl" data.eval_path="$DATA/chain_held_out.jsonl" ${SFT_OVERRIDES:-}
-  run launch/prm_tools.py label policy="$ROOT/sft_chain/hf" out="$DATA/mc_steps.jsonl"
+  run launch/prm_tools.py label policy="$ROOT/sft_chain/hf" out="$DATA/mc_steps.jsonl" first_prompt=800
   for SUPERVISE in steps outcome; do
     NAME=$([ "$SUPERVISE" = steps ] && echo prm || echo orm)
     run launch/train_prm.py --config examples/prm_chain.yaml run_dir="$ROOT/${NAME}_chain" \

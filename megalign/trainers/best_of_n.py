@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from megalign.algos import IGNORE_INDEX, math_shepherd_labels
 from megalign.config import atomic_write_text, option
-from megalign.data import (ArithChainConfig, build_tokenizer, collate_stepwise, encode_steps, make_chain_splits,
-                           write_jsonl)
+from megalign.data import (ArithChain, ArithChainConfig, build_tokenizer, collate_stepwise, encode_steps,
+                           make_chain_splits, write_jsonl)
 from megalign.data.preference import encode_prompt
 from megalign.data.tokenizer import Tokenizer, TokenizerConfig
 from megalign.models import from_pretrained
@@ -74,7 +74,8 @@ class PolicySamplesConfig:
 
     policy: str = option("runs/sft_chain/hf", doc="HF folder of the policy that samples (e.g. an SFT export)")
     chain: ArithChainConfig = option(ArithChainConfig(), doc="the multi-step arithmetic task (label: its train split; best_of_n: its held-out split)")
-    num_prompts: int = option(0, doc="the first N prompts of the split; 0: all")
+    first_prompt: int = option(0, doc="start at this prompt of the split (e.g. past the prompts the policy was SFT-trained on)")
+    num_prompts: int = option(0, doc="this many prompts from first_prompt; 0: all the rest")
     separator: str = option("\n", doc="the text between steps")
     sampling: SamplingConfig = option(SamplingConfig(), doc="sampling")
     tokenizer: TokenizerConfig = option(TokenizerConfig(), doc="tokenizer (default: the policy folder's own)")
@@ -82,8 +83,15 @@ class PolicySamplesConfig:
     device: str = option("auto", doc="auto, cpu or cuda")
 
     def __post_init__(self):
-        if self.num_prompts < 0:
-            raise ValueError(f"num_prompts must be >= 0, got {self.num_prompts}")
+        if self.num_prompts < 0 or self.first_prompt < 0:
+            raise ValueError(f"first_prompt and num_prompts must be >= 0, got {self.first_prompt}, {self.num_prompts}")
+
+    def prompts(self, chains: Sequence[ArithChain]) -> list[ArithChain]:
+        """The chosen prompts of a split; an error when none is left."""
+        chosen = list(chains[self.first_prompt:self.first_prompt + self.num_prompts if self.num_prompts else None])
+        if not chosen:
+            raise ValueError(f"first_prompt={self.first_prompt} leaves no prompt of the {len(chains)} in the split")
+        return chosen
 
 
 @dataclasses.dataclass
@@ -122,6 +130,8 @@ class ChainDataConfig:
     """The chains' SFT rows (`launch/prm_tools.py data`; the policy that samples is SFT-trained on them)."""
 
     out_dir: str = option("runs/prm_data", doc="folder of chain_train.jsonl (prompt / response / answer) and chain_held_out.jsonl")
+    sft_prompts: int = option(0, doc="chain_train.jsonl holds the first N training chains; 0: all. Label the rest "
+                                     "(label.first_prompt=N): samples of prompts the policy was trained on are almost all right")
     chain: ArithChainConfig = option(ArithChainConfig(), doc="the multi-step arithmetic task")
     device: str = option("auto", doc="auto, cpu or cuda (process group only)")
 
@@ -129,6 +139,7 @@ class ChainDataConfig:
 def write_chain_data(cfg: ChainDataConfig) -> tuple[str, str]:
     """Write the train and held-out chains as SFT / prompt rows (`megalign.data.write_jsonl`); returns the paths."""
     train, held_out = make_chain_splits(cfg.chain)
+    train = train[:cfg.sft_prompts or None]
     paths = os.path.join(cfg.out_dir, "chain_train.jsonl"), os.path.join(cfg.out_dir, "chain_held_out.jsonl")
     if dist.get_rank() == 0:
         write_jsonl(train, paths[0])
@@ -189,8 +200,7 @@ def label_steps(cfg: LabelStepsConfig) -> dict:
     layout = _layout(cfg.device)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.policy)
     model = _load_policy(cfg.policy, "policy", layout)
-    train, _ = make_chain_splits(cfg.chain)
-    chains = train[:cfg.num_prompts or None]
+    chains = cfg.prompts(make_chain_splits(cfg.chain)[0])
     mine = list(range(layout.dp_rank, len(chains), layout.dp))
     generator = torch.Generator(layout.device).manual_seed(cfg.seed * 1009 + layout.dp_rank)
     params = _params(cfg.sampling, tokenizer)
@@ -282,8 +292,7 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
             check_model_path(getattr(cfg, key), key)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.policy)
     policy = _load_policy(cfg.policy, "policy", layout)
-    _, held_out = make_chain_splits(cfg.chain)
-    chains = held_out[:cfg.num_prompts or None]
+    chains = cfg.prompts(make_chain_splits(cfg.chain)[1])
     mine = list(range(layout.dp_rank, len(chains), layout.dp))
     generator = torch.Generator(layout.device).manual_seed(cfg.seed * 1009 + layout.dp_rank)
     prompt_ids = [encode_prompt(chains[i].prompt, tokenizer) for i in mine]

@@ -5,8 +5,9 @@ One objective covers every pairwise loss of `megalign.algos.preference`, chosen 
 trainer (`megalign.trainers.supervised`) provides the rest of the run. A step:
 
     B pairs from the sampler -> one concatenated forward of the B chosen and B rejected sequences
-    ([2B, T], as TRL's `concatenated_forward`) -> summed response log-probs through the
-    vocab-parallel path (no `[tokens, V]` log-softmax on one rank, no vocabulary gather at tp > 1)
+    ([2B, T], as TRL's `concatenated_forward`) -> summed response log-probs through the fused
+    vocab-parallel LM head on the response positions only (`sequence_logps`: no `[tokens, V]` logits,
+    no vocabulary gather at tp > 1, no head matmul on prompt or padding positions)
     -> the reference's summed log-probs (DPO family only: cached before training or scored on the
     fly, `reference.mode`) -> per-pair losses summed and divided by the global pair count.
 
@@ -31,10 +32,10 @@ import torch
 
 from megalign.algos import DPO_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
 from megalign.config import option
-from megalign.data import (PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
+from megalign.data import (IGNORE_INDEX, PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
                            load_prompts, make_splits, write_preference_jsonl)
 from megalign.models import CausalLM
-from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
+from megalign.parallel import ParallelLayout, fused_linear_token_logprob
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.evaluation import eval_count
@@ -115,11 +116,25 @@ class PairBatch:
 
 
 def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) -> torch.Tensor:
-    """[2B] summed log-probs of the responses of `batch` (chosen rows, then rejected rows)."""
-    logits = model(batch.input_ids, batch.attention_mask)  # [2B, T, V_local]
-    logp = vocab_parallel_token_logprob(logits, batch.targets, layout.tp_group if layout.tp > 1 else None,
-                                        model.lm_head.vocab_start, vocab_size=model.config.vocab_size)
-    return logp.sum(-1)  # 0 at ignored positions
+    """[R] summed log-probs of the response tokens of each row of `batch` (R = 2B: chosen rows, then rejected rows).
+
+    Only the positions with a target (the response tokens; no prompt, no padding) go through the LM
+    head: their final hidden states are gathered into [N, H] (N = the batch's response tokens) and
+    `fused_linear_token_logprob` projects them chunk by chunk onto this rank's vocabulary shard, so
+    no [R, T, V] (nor [N, V]) logits exist and the head's matmuls cost N rows instead of R x T.
+    log p(y) = sum over the row's response tokens of log softmax(h_t W^T)[y_t] (DPO's summed
+    log-probs, Rafailov et al. eq. 7), the same sum as the full-logits path in another order.
+    Under autocast the head runs in the autocast dtype, as `F.linear` would.
+    """
+    hidden = model.model(batch.input_ids, batch.attention_mask)  # [R, T, H]
+    rows, cols = (batch.targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    logp = fused_linear_token_logprob(hidden[rows, cols].to(dtype), model.lm_head.proj.weight.to(dtype),
+                                      batch.targets[rows, cols],
+                                      layout.tp_group if layout.tp > 1 else None, model.lm_head.vocab_start,
+                                      vocab_size=model.config.vocab_size)  # [N] fp32
+    return logp.new_zeros(batch.targets.shape[0]).index_add(0, rows, logp)
 
 
 def arith_pairs(cfg: PreferenceDataConfig, run_dir: str) -> tuple[str, str]:

@@ -125,6 +125,14 @@ def test_load_prm_info_names_the_missing_file(tmp_path):
         load_prm_info(str(tmp_path))
 
 
+def test_prompt_window_of_the_tools():
+    cfg = load_config(LabelStepsConfig, None, ["first_prompt=2", "num_prompts=3"])
+    assert cfg.prompts(list("abcdef")) == ["c", "d", "e"]
+    assert load_config(LabelStepsConfig, None, ["first_prompt=4"]).prompts(list("abcdef")) == ["e", "f"]
+    with pytest.raises(ValueError, match="first_prompt=6 leaves no prompt of the 6"):
+        load_config(LabelStepsConfig, None, ["first_prompt=6"]).prompts(list("abcdef"))
+
+
 def test_split_steps_and_vote():
     assert split_steps("1+2=3\n\\boxed{3}", "\n") == ["1+2=3", "\\boxed{3}"]
     assert split_steps("1+2=3\n\n\\boxed{3}", "\n") is None
