@@ -7,10 +7,12 @@ Exit statuses: `--help` prints the usage and every config key of the trainer's c
 default, doc; `megalign.config.config_help`) on stdout and exits 0. A bad command line, or a
 `ConfigError` (unknown key, bad type, failed check, a refused resume with a changed config) prints one
 line `error: ...` on stderr, naming the file and line or the override and the dotted key, and exits 2
-(argparse's status for usage errors) instead of a traceback; any other failure raises as usual.
+(argparse's status for usage errors) instead of a traceback; so does a `LaunchError` (a launcher
+variable missing or contradicting another, named in the line). Any other failure raises as usual.
 
-Design choice: a process group always exists. Under `torchrun` (WORLD_SIZE set) it is the usual
-env:// group; under plain `python` it is a one-rank group on a file store in a temporary folder. So
+Design choice: a process group always exists. Under a launcher (torchrun, `srun` one task per GPU,
+`mpirun` with mpi4py; `megalign.parallel.launch` reads and checks their variables) it is an env://
+group; under plain `python` it is a one-rank group on a file store in a temporary folder. So
 the trainers have one code path (a `ParallelLayout`, ZeRO-1, DCP, collectives that return early on
 one rank) whether they run on 1 process or 64, and nothing branches on "distributed or not".
 Backend: gloo on CPU; on GPUs NCCL for CUDA tensors with gloo beside it for CPU tensors
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megalign.config import ConfigError, config_help, load_config
+from megalign.parallel.launch import LaunchError, cuda_device_index, resolve_launch
 
 C = TypeVar("C")
 
@@ -86,24 +89,31 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[O
 def init_distributed(device: str = "auto") -> str:
     """Initialise the default process group (module doc) and return the device type, "cpu" or "cuda".
 
-    `device`: "auto" (CUDA when available), "cpu" or "cuda". On CUDA the current device becomes
-    LOCAL_RANK. Does nothing but report the device type when a group already exists.
+    `device`: "auto" (CUDA when available), "cpu" or "cuda". The launcher's environment is resolved
+    and checked first (`resolve_launch`; a missing or contradictory variable is a `LaunchError` naming
+    it); under Slurm or MPI its rank, world size, local rank and rendezvous are then exported as the
+    torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so env:// and any code
+    reading them see one launch. On CUDA the current device becomes the local rank (`cuda_device_index`).
+    Does nothing but report the device type when a group already exists.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but CUDA is not available")
+    launch = resolve_launch(os.environ)
+    if launch.launcher in ("slurm", "mpi"):
+        os.environ.update(launch.torchrun_env())
     if device_type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' but CUDA is not available")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(cuda_device_index(launch, torch.cuda.device_count()))
     if dist.is_initialized():
         return device_type
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
+    if launch.launcher == "single":
         store = os.path.join(tempfile.mkdtemp(prefix="megalign-pg-"), "store")
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     return device_type
 
 
@@ -129,7 +139,10 @@ def main(config_cls: type[C], train_fn: Callable[[C], Any], argv: Sequence[str])
         cfg = load_config(config_cls, config_path, overrides)
     except ConfigError as exc:
         _fail(str(exc))
-    init_distributed(cfg.device)
+    try:
+        init_distributed(cfg.device)
+    except LaunchError as exc:
+        _fail(str(exc))
     setup_logging(dist.get_rank())
     try:
         return train_fn(cfg)

@@ -41,14 +41,19 @@ def tiny_policy(path, seed=0, vocab_size=None):
     return str(path)
 
 
-def tiny_config(policy, run_dir, *overrides):
-    """A GRPO config that runs a step in well under a second on the tiny policy, rewarding digits."""
-    return load_config(GRPOConfig, None, [
+def tiny_overrides(policy, run_dir, *overrides):
+    """The `key=value` overrides of `tiny_config` (also the command line of `launch/train_grpo.py` for it)."""
+    return [
         f"run_dir={run_dir}", f"actor.path={policy}", "steps=2", "seed=0", "device=cpu", "tensorboard=false",
         f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]",
         "data.arith.max_operand=4", "data.arith.ops=['+']", "rollout.group_size=4", "rollout.prompts_per_step=4",
         "rollout.max_response_length=8", "algo.mini_batches=2", "optim.lr=0.01", "optim.warmup_steps=0",
-        "eval.max_samples=0", "save_every=0", *overrides])
+        "eval.max_samples=0", "save_every=0", *overrides]
+
+
+def tiny_config(policy, run_dir, *overrides):
+    """A GRPO config that runs a step in well under a second on the tiny policy, rewarding digits."""
+    return load_config(GRPOConfig, None, tiny_overrides(policy, run_dir, *overrides))
 
 
 def write_rows(path, rows):
