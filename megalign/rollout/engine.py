@@ -334,11 +334,6 @@ class _Rollout:
         self._admit(list(range(self.slots)), pending)
         host_cols = self.cache.columns.tolist()  # host copy of each row's column: the eager window, no sync
         while True:
-            for _ in range(cfg.sync_every):
-                self.cache.window = self.max_len if cfg.static else min(self.max_len, max(host_cols[:batch]) + 1)
-                (self._graph_step if cfg.cuda_graphs else self._step)(batch)
-                host_cols[:batch] = [c + 1 for c in host_cols[:batch]]
-                self.stats.decode_steps += 1
             done = state.done[:batch].tolist()  # the host sync, once per sync_every steps
             finished = [r for r, d in enumerate(done) if d]
             if finished:
@@ -348,19 +343,24 @@ class _Rollout:
                 cols = self.cache.columns[torch.tensor(finished, device=self.device)].tolist()
                 for r, c in zip(finished, cols):
                     host_cols[r] = c
-                continue
-            live = [r for r, d in enumerate(done) if not d]
-            if not live:
-                break
-            new_batch = _bucket(len(live), self.slots, cfg.static)
-            if new_batch < batch:
-                keep = torch.tensor(live, device=self.device)
-                self.cache.compact(keep)
-                state.compact(keep)
-                host_cols[:len(live)] = [host_cols[r] for r in live]
-                state.done[len(live):new_batch] = True  # bucket padding rows ride along finished
-                state.sample[len(live):new_batch] = state.trash
-                batch = new_batch
+            else:
+                live = [r for r, d in enumerate(done) if not d]
+                if not live:
+                    break
+                new_batch = _bucket(len(live), self.slots, cfg.static)
+                if new_batch < batch:
+                    keep = torch.tensor(live, device=self.device)
+                    self.cache.compact(keep)
+                    state.compact(keep)
+                    host_cols[:len(live)] = [host_cols[r] for r in live]
+                    state.done[len(live):new_batch] = True  # bucket padding rows ride along finished
+                    state.sample[len(live):new_batch] = state.trash
+                    batch = new_batch
+            for _ in range(cfg.sync_every):
+                self.cache.window = self.max_len if cfg.static else min(self.max_len, max(host_cols[:batch]) + 1)
+                (self._graph_step if cfg.cuda_graphs else self._step)(batch)
+                host_cols[:batch] = [c + 1 for c in host_cols[:batch]]
+                self.stats.decode_steps += 1
         _sync(self.device)
         self.stats.decode_s = time.perf_counter() - t0 - self.stats.prefill_s
         self.stats.decode_tokens = int(state.out_lengths[:self.n_samples].sum())

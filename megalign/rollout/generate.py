@@ -1,4 +1,7 @@
-"""Incremental decoding with a KV cache on the training weights (rollouts for GRPO / PPO).
+"""Incremental decoding with a KV cache on the training weights: the simple loop, and the sampling rules.
+
+The trainers roll out with `megalign.rollout.engine.rollout` (shared-prompt prefill, continuous batching);
+`generate` here is the textbook loop it is checked against, and `pipeline_generate` its pp > 1 form.
 
 Design choices:
 - The policy's own modules run the decode (no weight copy, no second engine): one prefill forward over
