@@ -162,9 +162,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--prompts", type=int, help="U (full mode 32)")
+    parser.add_argument("--max-new", type=int, help="R (full mode 256)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     u, group, shortest, longest, max_new = (8, 4, 16, 64, 64) if args.quick else (32, 8, 64, 256, 256)
+    u, max_new = args.prompts or u, args.max_new or max_new
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         hf, ours = build(tmp, args.layers, args.hidden)
