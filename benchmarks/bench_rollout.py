@@ -1,6 +1,6 @@
 """A GRPO-shaped rollout: megalign's engine vs transformers `generate` vs megalign's simple loop, side by side.
 
-    python benchmarks/bench_rollout.py [--quick] [--threads N] [--layers L --hidden H]
+    python benchmarks/bench_rollout.py [--quick] [--threads N] [--repeats K] [--layers L --hidden H] [--prompts U --max-new R]
 
 The same work on every side, in one process:
 
