@@ -21,7 +21,7 @@ from megalign.data import PromptExample, Tokenizer
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import get_reward
-from megalign.rollout import SamplingParams, rollout
+from megalign.rollout.generate import SamplingParams, generate
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tok
         for i, e in enumerate(chunk):  # left padding: every row's next token lands in the same column
             ids[i, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
             mask[i, width - len(e.prompt_ids):] = 1
-        out, _ = rollout(model, ids.to(layout.device), mask.to(layout.device), 1, params)
+        out = generate(model, ids.to(layout.device), mask.to(layout.device), params)
         responses = [tokenizer.decode(row) for row in out.sequences[:, width:].tolist()]
         score += sum(metric([e.prompt_text for e in chunk], responses, [e.answer for e in chunk],
                             [e.metadata for e in chunk]))
