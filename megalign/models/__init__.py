@@ -5,15 +5,15 @@ from an HF folder; `save_hf_checkpoint` writes one back. `LayerFactory` is where
 `TensorParallelFactory` (parallelize.py) is the tensor-parallel one (`from_pretrained(path, layout=...)`).
 """
 from .config import ModelConfig, RopeScaling
-from .decoder import Decoder, KVCache, LayerFactory
+from .decoder import Decoder, KVCache, LayerFactory, SlotKVCache
 from .heads import CausalLM, LMHead, RewardHead, RewardModel, ValueHead, ValueModel
 from .hf_adapter import (from_pretrained, load_hf_weights, save_hf_checkpoint, scalar_head_from_pretrained,
                          stage_from_pretrained)
 from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 __all__ = [
-    "ModelConfig", "RopeScaling", "Decoder", "KVCache", "LayerFactory", "CausalLM", "LMHead", "RewardHead",
-    "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
+    "ModelConfig", "RopeScaling", "Decoder", "KVCache", "SlotKVCache", "LayerFactory", "CausalLM", "LMHead",
+    "RewardHead", "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
     "scalar_head_from_pretrained", "stage_from_pretrained",
     "TensorParallelFactory", "tensor_parallel_config",
 ]

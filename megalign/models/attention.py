@@ -38,6 +38,7 @@ ATTENTION_ENV = "MEGALIGN_ATTENTION"
 _MODES = ("auto", "sdpa")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256  # the largest head size flash-attn 2 has kernels for
+_UNSET = object()  # a cached AttentionBatch field not built yet
 
 
 def attention_mode() -> str:
@@ -58,24 +59,29 @@ def flash_attn_module() -> Optional[ModuleType]:
 
 
 def attention_mask_4d(q_len: int, kv_len: int, key_valid: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
-                      sliding_window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
+                      sliding_window: Optional[int], device: torch.device,
+                      query_slots: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Boolean SDPA mask `[B or 1, 1, q_len, kv_len]` (True = may attend), or None when plain causal suffices.
 
-    Queries are the last `q_len` of `kv_len` slots. A query at slot i sees key slot j when
-    j <= i, key_valid[j], (sliding window) i - j < sliding_window, and (packing) doc_ids[i] == doc_ids[j].
+    Queries are the last `q_len` of `kv_len` slots, or, with `query_slots` `[B, q_len]`, each row's queries
+    sit at its own slots (rows of a continuous-batching cache decode at different columns,
+    `decoder.SlotKVCache`). A query at slot i sees key slot j when j <= i, key_valid[j], (sliding window)
+    i - j < sliding_window, and (packing) doc_ids[i] == doc_ids[j].
     Every query also sees itself, so a padding query never has an all-False row (SDPA would give NaN,
     and NaN times a zero gradient is still NaN); its output is padding and is ignored downstream.
     key_valid: `[B, kv_len]` bool; doc_ids: `[B, kv_len]` (only without a cache, so q_len == kv_len).
     """
     windowed = sliding_window is not None and kv_len > sliding_window
-    if key_valid is None and doc_ids is None and q_len == kv_len and not windowed:
+    if key_valid is None and doc_ids is None and q_len == kv_len and not windowed and query_slots is None:
         return None
-    q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    k_idx = torch.arange(kv_len, device=device)[None, :]
+    if query_slots is None:
+        q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[None, None, :, None]
+    else:
+        q_idx = query_slots[:, None, :, None]
+    k_idx = torch.arange(kv_len, device=device)
     allowed = k_idx <= q_idx
     if windowed:
         allowed = allowed & (q_idx - k_idx < sliding_window)
-    allowed = allowed[None, None]
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, None, :]
     if doc_ids is not None:
@@ -107,7 +113,8 @@ class AttentionBatch:
 
     The mask SDPA needs and the variable-length layout flash needs are each built on first use and then
     reused by every layer (and by activation-checkpoint recomputation), so a forward pays for at most one
-    of each and a flash forward never builds the O(T^2) mask.
+    of each and a flash forward never builds the O(T^2) mask. (A hand-written cache, not
+    `functools.cached_property`: on Python 3.11 that takes a lock, which torch.compile cannot trace.)
 
     Args:
         q_len, kv_len: new tokens T and keys S (S = cache length + T with a KV cache, else T).
@@ -116,25 +123,37 @@ class AttentionBatch:
             boundaries (already validated by the caller); both None when not packed.
         sliding_window: Mistral's window (keys with i - j < sliding_window), or None.
         has_kv_cache: the forward reads or fills a KV cache.
+        query_slots: `[B, T]` the cache slot of each query when rows sit at different columns of the cache
+            (`decoder.SlotKVCache`); None: the queries are the last T of the S slots.
     """
 
     def __init__(self, q_len: int, kv_len: int, key_valid: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
                  cu_seqlens: Optional[torch.Tensor], sliding_window: Optional[int], has_kv_cache: bool,
-                 device: torch.device):
+                 device: torch.device, query_slots: Optional[torch.Tensor] = None):
         self.q_len, self.kv_len = q_len, kv_len
+        self.query_slots = query_slots
         self.key_valid, self.doc_ids, self.cu_seqlens = key_valid, doc_ids, cu_seqlens
         self.sliding_window = sliding_window
         self.has_kv_cache = has_kv_cache
         self.device = device
+        self._sdpa_mask = self._varlen = _UNSET
 
-    @functools.cached_property
+    @property
     def sdpa_mask(self) -> Optional[torch.Tensor]:
         """`attention_mask_4d` of this batch."""
-        return attention_mask_4d(self.q_len, self.kv_len, self.key_valid, self.doc_ids, self.sliding_window,
-                                 self.device)
+        if self._sdpa_mask is _UNSET:
+            self._sdpa_mask = attention_mask_4d(self.q_len, self.kv_len, self.key_valid, self.doc_ids,
+                                                self.sliding_window, self.device, self.query_slots)
+        return self._sdpa_mask
 
-    @functools.cached_property
+    @property
     def varlen(self) -> Optional[Varlen]:
+        """`_build_varlen`, built once."""
+        if self._varlen is _UNSET:
+            self._varlen = self._build_varlen()
+        return self._varlen
+
+    def _build_varlen(self) -> Optional[Varlen]:
         """The variable-length layout of a padded or packed batch (no KV cache); None for a plain batch.
 
         One host sync per forward (max_seqlen and the gap check; the unpadding gather's nonzero), as in

@@ -166,6 +166,73 @@ class KVCache:
         self.length += num_tokens
 
 
+class SlotKVCache:
+    """Keys and values of `slots` independent sequences, each decoding at its own column: continuous batching.
+
+    `k[l]`, `v[l]`: `[slots, n_kv_heads_local, max_len, head_dim]`, `valid` `[slots, max_len]` bool (the keys
+    each row may attend) and `columns` `[slots]` int64 (the slot each row's next token is written to) are
+    allocated once and only ever written in place, so a decode step over them has fixed shapes and reads
+    no host value: the condition for CUDA-graph capture. A forward decodes one token for the first B rows
+    (`B <= slots`; the caller keeps its live rows in a prefix, `compact`): it marks `valid` at `columns`,
+    writes the new key/value there, attends the first `window` slots (a host int: `max_len` for a static
+    step, or the caller's bound on the live columns to save work in eager mode) and `advance` moves
+    `columns` on by one. A write past `max_len` (a row that finished but still rides along until the
+    caller's next check) lands on the last slot, which that row never reads again before it is refilled.
+    Slot index = token index of the row's sequence (prompts start at slot 0, no padding inside a row),
+    so sliding windows measure the same distances as transformers.
+    """
+
+    def __init__(self, num_layers: int, slots: int, n_kv_heads_local: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (slots, n_kv_heads_local, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.valid = torch.zeros(slots, max_len, dtype=torch.bool, device=device)
+        self.columns = torch.zeros(slots, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.window = max_len
+
+    @property
+    def length(self) -> int:
+        """Keys before the new token in the attended window (`Decoder.forward`'s offset)."""
+        return self.window - 1
+
+    def prepare(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mark the first `batch` rows' new slots valid; (key_valid `[batch, window]`, query slots `[batch, 1]`)."""
+        rows = torch.arange(batch, device=self.columns.device)
+        self.valid[rows, self.columns[:batch].clamp(max=self.max_len - 1)] = True
+        return self.valid[:batch, :self.window], self.columns[:batch, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one new key/value `[B, h, 1, D]` per row at its column; return the window `[B, h, window, D]`."""
+        b = k.shape[0]
+        rows = torch.arange(b, device=k.device)
+        cols = self.columns[:b].clamp(max=self.max_len - 1)
+        self.k[layer][rows, :, cols] = k[:, :, 0]
+        self.v[layer][rows, :, cols] = v[:, :, 0]
+        return self.k[layer][:b, :, :self.window], self.v[layer][:b, :, :self.window]
+
+    def advance(self, num_tokens: int) -> None:
+        self.columns += num_tokens
+
+    def fill(self, rows: torch.Tensor, source: "KVCache", source_rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """Rows `rows` `[m]` start from `source`'s rows `source_rows` `[m]` (a prefill cache of W slots, sequences
+        starting at slot 0), `valid` `[m, W]` their real tokens; each row's next token goes after its last one."""
+        width = valid.shape[1]
+        for k, v, src_k, src_v in zip(self.k, self.v, source.k, source.v):
+            k[rows, :, :width] = src_k[source_rows, :, :width]
+            v[rows, :, :width] = src_v[source_rows, :, :width]
+        self.valid[rows] = False
+        self.valid[rows, :width] = valid
+        self.columns[rows] = valid.sum(-1)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move rows `keep` `[n]` (live rows, ascending) to rows `[0, n)`; the rows after them are free."""
+        n = keep.numel()
+        for tensor in (*self.k, *self.v, self.valid, self.columns):
+            tensor[:n] = tensor[keep]
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped kv heads (GQA) and RoPE on q and k.
 
@@ -279,12 +346,14 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if end == config.num_hidden_layers else None
         self.rope = RotaryEmbedding(config)
 
-    def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
-        """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated), in this rank's heads."""
+    def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
+                     slotted: bool = False) -> KVCache | SlotKVCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated), in this rank's heads;
+        `slotted`: a `SlotKVCache` (rows at their own columns) instead of a `KVCache` (rows aligned)."""
         attn = self.layers[0].attn
         weight = attn.o_proj.weight
-        return KVCache(len(self.layers), batch, attn.n_kv_heads_local, max_len, attn.head_dim,
-                       dtype or weight.dtype, weight.device)
+        return (SlotKVCache if slotted else KVCache)(len(self.layers), batch, attn.n_kv_heads_local, max_len,
+                                                     attn.head_dim, dtype or weight.dtype, weight.device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
@@ -298,14 +367,21 @@ class Decoder(nn.Module):
             position_ids: `[B, T]`; default: running count of real tokens (cumsum(mask) - 1), packed:
                 restart at each document, cache: continue from the cache length.
             cu_seqlens: `[n_docs + 1]` document boundaries of a packed batch (B must be 1; no cache).
-            kv_cache: filled with this call's keys/values and advanced by T.
+            kv_cache: filled with this call's keys/values and advanced by T. A `SlotKVCache` (continuous
+                batching) takes one token per row, position_ids and no attention_mask.
         """
         if input_ids.dim() != (2 if self.embed is not None else 3):
             expected = "[batch, seq]" if self.embed is not None else "hidden states [batch, seq, hidden]"
             raise ValueError(f"input_ids must be {expected}, got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
-        if kv_cache is not None and offset + t > kv_cache.max_len:
+        query_slots = None
+        if isinstance(kv_cache, SlotKVCache):
+            if t != 1 or attention_mask is not None or position_ids is None:
+                raise ValueError("a SlotKVCache decodes one token per row: input_ids [B, 1] with position_ids [B, 1] "
+                                 "and no attention_mask (the cache holds each row's)")
+            attention_mask, query_slots = kv_cache.prepare(b)
+        elif kv_cache is not None and offset + t > kv_cache.max_len:
             raise ValueError(f"kv_cache holds {kv_cache.max_len} tokens; {offset} cached + {t} new do not fit")
         if attention_mask is not None and attention_mask.shape != (b, offset + t):
             raise ValueError(f"attention_mask must have shape {(b, offset + t)}, got {tuple(attention_mask.shape)}")
@@ -322,7 +398,7 @@ class Decoder(nn.Module):
             else:
                 position_ids = torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
         batch = AttentionBatch(t, offset + t, key_valid, doc_ids, cu_seqlens, self.config.sliding_window,
-                               kv_cache is not None, input_ids.device)
+                               kv_cache is not None, input_ids.device, query_slots)
 
         x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)

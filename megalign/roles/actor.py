@@ -2,9 +2,9 @@
 
 Design choices:
 
-- Hybrid engine: the actor's rollout runs `megalign.rollout.generate` on the very modules it trains
-  (KV-cache decode on the tp shards), so there is no inference copy of the weights to refresh
-  after each update and no weight-sync step.
+- Hybrid engine: the actor's rollout runs `megalign.rollout.rollout` (shared-prompt prefill, continuous
+  batching) on the very modules it trains (KV-cache decode on the tp shards), so there is no inference
+  copy of the weights to refresh after each update and no weight-sync step.
 - Log-probs of response tokens come from one forward over prompt + response, the LM head applied
   only to the positions that predict response tokens, and the vocab-parallel log-prob
   (`megalign.parallel.vocab_parallel_token_logprob`), which never gathers `[tokens, V]`. The
@@ -26,7 +26,7 @@ from megalign.models import CausalLM
 from megalign.parallel import (MixedPrecision, ParallelLayout, all_finite, allreduce_gradients, clip_grad_norm_,
                                vocab_parallel_token_logprob)
 from megalign.roles.base import ModelRole, optimizer_slots
-from megalign.rollout import GenerationOutput, SamplingParams, generate
+from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, rollout
 
 
 def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -114,11 +114,14 @@ class Actor(TrainableRole):
         super().__init__("actor", *args, **kwargs)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator) -> GenerationOutput:
-        """Sample continuations of left-padded prompts [B, P] with the training weights (eval mode, no dropout)."""
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int, params: SamplingParams,
+                 generator: torch.Generator, engine: EngineConfig) -> tuple[GenerationOutput, RolloutStats]:
+        """`group_size` samples of each left-padded prompt [U, P] with the training weights (eval mode, no dropout):
+        [U * G] rows, a prompt's samples adjacent. The rollout's seed is drawn from `generator` (checkpointed by the
+        trainer), so a resumed run samples the same."""
+        seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device))
         with self.precision.autocast(self.layout.device):
-            return generate(self.model, input_ids, attention_mask, params, generator)
+            return rollout(self.model, input_ids, attention_mask, group_size, params, seed, engine)
 
     def logprobs_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,7 @@
-"""Incremental decoding with a KV cache on the training weights (rollouts for GRPO / PPO).
+"""Incremental decoding with a KV cache on the training weights: the simple loop, and the sampling rules.
+
+The trainers roll out with `megalign.rollout.engine.rollout` (shared-prompt prefill, continuous batching);
+`generate` here is the textbook loop it is checked against, and `pipeline_generate` its pp > 1 form.
 
 Design choices:
 - The policy's own modules run the decode (no weight copy, no second engine): one prefill forward over
@@ -45,6 +48,12 @@ import torch.distributed as dist
 
 from megalign.models import CausalLM
 from megalign.parallel.layout import ParallelLayout
+
+
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits `[B, V]` fp32, output rows `[B]` int64, tokens generated so far `[B]` int64) -> logits `[B, V]`: edits a
+step's logits before temperature and sampling (so the recorded log-probs are of the edited distribution), like
+a transformers `LogitsProcessor`; device ops only (the rollout engine's decode step must not sync)."""
 
 
 @dataclass
@@ -140,11 +149,14 @@ def _check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
 @torch.no_grad()
 def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-             generator: Optional[torch.Generator] = None) -> GenerationOutput:
+             generator: Optional[torch.Generator] = None,
+             logits_processor: Optional[LogitsProcessor] = None) -> GenerationOutput:
     """Continue each left-padded prompt of `input_ids` `[B, P]` (mask `attention_mask` `[B, P]`) with `model`.
 
     Every row must hold at least one real token and be padded on the left only. With a tensor-parallel
-    `model`, every tp rank calls it with the same prompts and gets the same output.
+    `model`, every tp rank calls it with the same prompts and gets the same output. The simple loop
+    (every row decodes until the last one stops, one host sync per token): the reference that the fast
+    engine (`megalign.rollout.rollout`) is tested against.
     """
     mask = _check_prompts(input_ids, attention_mask)
     batch, prompt_len = input_ids.shape
@@ -154,8 +166,11 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
     hidden = model.model(input_ids, mask, kv_cache=cache)
     tokens, logprobs = [], []
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    rows = torch.arange(batch, device=input_ids.device)
     for step in range(params.max_new_tokens):
         logits = model.lm_head.gather_logits(model.lm_head(hidden[:, -1]))  # [B, V], same on every tp rank
+        if logits_processor is not None:
+            logits = logits_processor(logits.float(), rows, torch.full_like(rows, step))
         token, logprob = sample_next(logits, params, generator, agree=model.model.factory.broadcast_from_first)
         token = token.masked_fill(finished, params.pad_token_id)
         tokens.append(token)

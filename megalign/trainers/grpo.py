@@ -208,6 +208,7 @@ class GRPOTrainer(OnlineTrainer):
         metrics.update(self.train_set.stats.as_dict())  # rows left out at load (invalid, too long), every step
         metrics.update(self.timer.metrics())
         metrics.update(self.memory)
+        metrics.update(self.rollout_metrics)
         metrics.update(memory_report())
         return {k: float(v) for k, v in metrics.items()}
 

@@ -24,7 +24,11 @@ Design choices:
   positions stay aligned: a rank that already has its groups still advances its sampler but
   generates nothing. Ranks may then hold different numbers of samples.
 - Randomness of rollouts comes from one `torch.Generator` per rank seeded with (seed, dp rank) and
-  checkpointed with the step, the sampler position and the reward error counters.
+  checkpointed with the step, the sampler position and the reward error counters; each rollout draws
+  its engine seed from it (`megalign.rollout.rollout`: one counter-based stream per sample).
+- Rollouts go through `megalign.rollout.rollout`: each prompt is prefilled once for its G samples and
+  finished rows leave the decode batch (`rollout.engine`); `rollout_metrics` holds the step's prefill
+  and decode throughputs (this rank's) for the algorithm's metrics.
 - Placement: every role lives on every rank; before each phase every role is told which of its parts
   the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
   and phase is logged as `memory/<phase>/<role>_mib`.
@@ -45,7 +49,7 @@ from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts,
 from megalign.models import from_pretrained
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role
-from megalign.rollout import SamplingParams
+from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
 from megalign.trainers.base import DataConfig, RunConfig, Trainer, check_model_path
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
 from megalign.trainers.optim import OptimConfig, build_optimizer
@@ -89,6 +93,8 @@ class RolloutConfig:
     max_response_length: int = option(24, doc="generated tokens per response at most")
     old_logprobs: Literal["rollout", "recompute"] = option(
         "rollout", doc="old log-probs of the ratio: those recorded while sampling, or a fresh forward after it")
+    engine: EngineConfig = option(EngineConfig(), doc="how the rollout engine batches (max_batch, sync_every, static, "
+                                                      "cuda_graphs); it never changes the samples")
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -271,6 +277,7 @@ class OnlineTrainer(Trainer):
         self.register_state("sampler", self.sampler)
         self.register_state("trainer", _RankState(self.rank, self.generator, self.reward))
         self.memory: dict[str, float] = {}
+        self.rollout_stats, self.rollout_metrics = RolloutStats(), {}
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
@@ -306,14 +313,18 @@ class OnlineTrainer(Trainer):
     def rollout(self, indices: list[int]) -> RolloutBatch:
         """G responses for each prompt of `indices`, scored (N = len(indices) * G rows)."""
         cfg, tok, device = self.cfg, self.tokenizer, self.layout.device
-        examples = [self.train_set[i] for i in indices for _ in range(cfg.rollout.group_size)]
-        ids = torch.full((len(examples), self.prompt_width), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, e in enumerate(examples):
-            ids[row, self.prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
-            mask[row, self.prompt_width - len(e.prompt_ids):] = 1
+        prompts = [self.train_set[i] for i in indices]
+        examples = [e for e in prompts for _ in range(cfg.rollout.group_size)]
+        prompt_ids = torch.full((len(prompts), self.prompt_width), tok.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros_like(prompt_ids)
+        for row, e in enumerate(prompts):
+            prompt_ids[row, self.prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+            prompt_mask[row, self.prompt_width - len(e.prompt_ids):] = 1
         with self.phase("generate", actor=("weights",)):
-            out = self.actor.generate(ids.to(device), mask.to(device), self.params, self.generator)
+            out, stats = self.actor.generate(prompt_ids.to(device), prompt_mask.to(device), cfg.rollout.group_size,
+                                             self.params, self.generator, cfg.rollout.engine)
+        self.rollout_stats += stats
+        ids, mask = out.sequences[:, :self.prompt_width], out.attention_mask[:, :self.prompt_width]
         pad = cfg.rollout.max_response_length - out.logprobs.shape[1]
         response = torch.nn.functional.pad(out.sequences[:, self.prompt_width:], (0, pad), value=tok.pad_id)
         response_mask = torch.nn.functional.pad(out.attention_mask[:, self.prompt_width:], (0, pad))
@@ -321,8 +332,8 @@ class OnlineTrainer(Trainer):
         last = response.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
         finished = (lengths > 0) & (last == tok.eos_id)
         texts = [tok.decode(row[:n]) for row, n in zip(response.tolist(), lengths.tolist())]
-        sequences = torch.cat([ids.to(device), response], 1)
-        attention = torch.cat([mask.to(device), response_mask], 1)
+        sequences = torch.cat([ids, response], 1)
+        attention = torch.cat([mask, response_mask], 1)
         with self.phase("reward", reward=("weights",)):
             rewards, terms = self.reward.score([e.prompt_text for e in examples], texts, [e.answer for e in examples],
                                                [e.metadata for e in examples], sequences, attention)
@@ -341,6 +352,7 @@ class OnlineTrainer(Trainer):
         cfg = self.cfg
         per_rank, group = cfg.rollout.prompts_per_step // self.layout.dp, cfg.rollout.group_size
         counters = self.reward.counters()
+        self.rollout_stats = RolloutStats()
         kept: list[RolloutBatch] = []
         generated: list[RolloutBatch] = []
         have, rounds, dropped, rounds_allowed = 0, 0, 0, self.sampling_rounds()
@@ -359,6 +371,7 @@ class OnlineTrainer(Trainer):
             if done.item():
                 break
         self.reward.check_failures(counters, self.layout.dp_group, self.layout.device)
+        self.rollout_metrics = self.rollout_stats.metrics()
         train = RolloutBatch.concat(kept).select(slice(0, per_rank * group))
         return train, RolloutBatch.concat(generated), {"rounds": rounds, "dropped_groups": dropped,
                                                        "kept_groups": len(train) // group}

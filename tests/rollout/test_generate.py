@@ -1,23 +1,12 @@
 """KV-cache generation vs transformers `generate`, and log-probs vs a fresh forward of the same model."""
 import pytest
 import torch
-from models.hf_fixtures import VOCAB, make_causal_lm, random_ids
+from models.hf_fixtures import VOCAB, make_causal_lm
+from rollout_helpers import PAD, fresh_log_softmax as _fresh_log_softmax, left_padded as _left_padded
 from transformers import GenerationConfig
 
 from megalign.models import from_pretrained
 from megalign.rollout import SamplingParams, generate
-
-PAD = 0
-
-
-def _left_padded(lengths, seed=0):
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = random_ids(1, n, seed=seed + row)[0]
-        mask[row, width - n:] = 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +38,6 @@ def test_greedy_equals_transformers(tmp_path, family):
     assert torch.equal(out.sequences, ref)
     # row 0 stopped early: either the batch ended sooner or row 0 was padded
     assert out.sequences.shape[1] < free.shape[1] or (out.attention_mask[0, 9:] == 0).any()
-
-
-def _fresh_log_softmax(model, out, temperature):
-    """`[B, N, V]` log softmax(logits / T) at the positions that predicted each generated token, in one forward."""
-    prompt_len = out.sequences.shape[1] - out.logprobs.shape[1]
-    with torch.no_grad():
-        logits = model(out.sequences, attention_mask=out.attention_mask)[:, prompt_len - 1:-1].float()
-    return (logits / temperature).log_softmax(-1)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
