@@ -59,7 +59,7 @@ class SamplingConfig:
 
     temperature: float = option(1.0, doc="sampling temperature (> 0)")
     max_new_tokens: int = option(48, doc="longest solution, in tokens")
-    batch_size: int = option(256, doc="sequences decoded together")
+    batch_size: int = option(1024, doc="sequences decoded together")
 
     def __post_init__(self):
         if not self.temperature > 0:
