@@ -69,13 +69,14 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any],
 
 
 def check_resume_config(saved: Optional[Mapping[str, Any]], current: Mapping[str, Any], free_keys: Collection[str],
-                        allow: bool, *, checkpoint: str = "the checkpoint", allow_key: str = "resume_changes") -> list[str]:
+                        allow: bool, *, checkpoint: str = "the checkpoint",
+                        allow_key: str = "resume_changes=allow") -> list[str]:
     """The dotted keys whose values differ between the checkpoint's config and this run's (module doc).
 
     saved: the checkpoint's config (`CheckpointManager.saved_config`), None when it has none;
     current: `to_dict(cfg)` of this run; free_keys: dotted prefixes that may change; allow: resume
     despite changes (they are logged as a warning and returned). Raises ConfigError naming every
-    changed key with its old and new value, and `allow_key` (the config key that allows it), when
+    changed key with its old and new value, and `allow_key` (the setting that allows it), when
     there are changes and not `allow`. Call it on every rank (they all read the same file, so they
     all raise together).
     """
@@ -89,9 +90,9 @@ def check_resume_config(saved: Optional[Mapping[str, Any]], current: Mapping[str
     listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
     if not allow:
         raise ConfigError(f"resume from {checkpoint}: the config differs from the one it was written with: {listed} "
-                          f"(set {allow_key}=true to resume with these changes, or resume=none to start afresh)",
+                          f"(set {allow_key} to resume with these changes, or resume=none to start afresh)",
                           key=changes[0][0])
-    logger.warning("resuming from %s with a changed config (%s=true): %s", checkpoint, allow_key, listed)
+    logger.warning("resuming from %s with a changed config (%s): %s", checkpoint, allow_key, listed)
     return [key for key, _, _ in changes]
 
 

@@ -48,7 +48,7 @@ def test_check_refuses_a_changed_config_naming_old_and_new_values():
     assert check_resume_config(SAVED, changed(run_dir="elsewhere"), FREE, allow=False) == []
     with pytest.raises(ConfigError, match=r"^resume from ckpt/step_00000004: the config differs from the one it was "
                                           r"written with: steps: 10 -> 20; optim\.lr: 0\.001 -> 0\.002 "
-                                          r"\(set resume_changes=true to resume") as err:
+                                          r"\(set resume_changes=allow to resume") as err:
         check_resume_config(SAVED, changed(steps=20, optim__lr=0.002), FREE, allow=False, checkpoint="ckpt/step_00000004")
     assert err.value.key == "steps"
 
@@ -57,7 +57,7 @@ def test_check_allowed_returns_the_keys_and_warns(caplog):
     with caplog.at_level(logging.WARNING, "megalign.checkpoint.resume"):
         keys = check_resume_config(SAVED, changed(steps=20, optim__lr=0.002), FREE, allow=True)
     assert keys == ["steps", "optim.lr"]
-    assert "with a changed config (resume_changes=true): steps: 10 -> 20; optim.lr: 0.001 -> 0.002" in caplog.text
+    assert "with a changed config (resume_changes=allow): steps: 10 -> 20; optim.lr: 0.001 -> 0.002" in caplog.text
 
 
 def test_check_of_a_checkpoint_without_config_warns_and_passes(caplog):
