@@ -12,8 +12,6 @@ import importlib
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import format_table, machine_line  # noqa: E402

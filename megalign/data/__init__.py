@@ -36,7 +36,6 @@ from megalign.data.preference import (
 from megalign.data.prompts import (
     DataError,
     DatasetStats,
-    PromptDataConfig,
     PromptDataset,
     PromptExample,
     PromptSampler,
@@ -63,7 +62,7 @@ __all__ = [
     "OfflineDataStats", "PreferenceExample", "UnpairedExample", "collate_preferences", "collate_replies", "collate_unpaired",
     "encode_prompt", "encode_prompt_and_replies", "extract_prompt", "load_preferences", "load_unpaired",
     "StepwiseExample", "collate_stepwise", "encode_steps", "load_stepwise",
-    "DataError", "DatasetStats", "PromptDataConfig", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
+    "DataError", "DatasetStats", "PromptDataset", "PromptExample", "PromptSampler", "load_prompts",
     "read_rows", "IGNORE_INDEX", "SFTExample", "collate_sft", "encode_messages", "encode_sft", "load_sft",
     "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerConfig", "build_tokenizer",
     "check_vocab",

@@ -35,7 +35,6 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megalign.config import option
 from megalign.data.tokenizer import Tokenizer, check_messages
 
 logger = logging.getLogger(__name__)
@@ -213,25 +212,6 @@ def load_prompts(
     if not examples:
         raise DataError(f"{path}: no usable prompts ({stats})")
     return PromptDataset(examples, stats, path)
-
-
-@dataclasses.dataclass
-class PromptDataConfig:
-    """Where the prompts come from and how they are filtered and ordered."""
-
-    path: str = option(doc="prompt file, .jsonl or .parquet, or a datasets save_to_disk folder (rows: prompt or "
-                           "messages, answer, extra metadata)")
-    max_prompt_length: int = option(256, doc="prompts with more tokens are dropped (and counted), never truncated")
-    skip_invalid: bool = option(False, doc="skip and count malformed rows instead of failing on the first")
-    template_prompts: bool = option(False, doc="wrap `prompt` strings as a user message and apply the chat template")
-    shuffle: bool = option(True, doc="shuffle the prompts each epoch (seeded by seed and epoch)")
-    seed: int = option(0, doc="seed of the per-epoch shuffles")
-
-    def __post_init__(self):
-        if self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {self.max_prompt_length}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
 class PromptSampler:

@@ -29,6 +29,22 @@ from megalign.roles.base import ModelRole, optimizer_slots
 from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, rollout
 
 
+def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor, targets: torch.Tensor,
+                  temperature: float, with_entropy: bool = False):
+    """log p(target) [B, R] fp32 (and entropy [B, R]) from the final hidden states that predict `targets`.
+
+    Args:
+        hidden: [B, R, H] the trunk's output at the positions predicting each target (response
+            position t - 1 for response token t); on a pipeline, the last stage's output.
+        targets: [B, R] int64 token ids.
+    The LM head of `model` (vocab-sharded over `layout.tp_group`) then the vocab-parallel log-prob.
+    """
+    logits = model.lm_head(hidden)
+    return vocab_parallel_token_logprob(logits, targets, layout.tp_group, model.lm_head.vocab_start,
+                                        temperature=temperature, return_entropy=with_entropy,
+                                        vocab_size=model.config.vocab_size)
+
+
 def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       response_len: int, temperature: float, with_entropy: bool = False):
     """log p(response token) [B, R] fp32 (and entropy [B, R]) under softmax(logits / temperature).
@@ -40,10 +56,8 @@ def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.
     Positions that are padding give finite values that the caller masks out.
     """
     hidden = model.model(sequences, attention_mask)
-    logits = model.lm_head(hidden[:, -response_len - 1:-1])
-    return vocab_parallel_token_logprob(logits, sequences[:, -response_len:], layout.tp_group,
-                                        model.lm_head.vocab_start, temperature=temperature,
-                                        return_entropy=with_entropy, vocab_size=model.config.vocab_size)
+    return head_logprobs(model, layout, hidden[:, -response_len - 1:-1], sequences[:, -response_len:], temperature,
+                         with_entropy)
 
 
 class PolicyRole(ModelRole):

@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-
 import torch.distributed as dist
 
 from megalign.models import CausalLM

@@ -336,7 +336,7 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
 def best_of_n_table(summary: dict) -> str:
     """The closing table: each selection rule's held-out accuracy, then the PRM's change over greedy."""
     n = summary["n"]
-    lines = [(f"greedy", summary["greedy"]), (f"sample (mean of {n})", summary["sample_mean"]),
+    lines = [("greedy", summary["greedy"]), (f"sample (mean of {n})", summary["sample_mean"]),
              (f"majority vote of {n}", summary["vote"])]
     if "orm" in summary:
         lines.append((f"best-of-{n}, outcome RM", summary["orm"]))

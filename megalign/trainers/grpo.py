@@ -29,7 +29,7 @@ from typing import Literal, Optional
 
 import torch
 
-from megalign.algos.grpo import (LOSS_AGGREGATIONS, aggregate_loss, informative_groups, loss_normalizer,
+from megalign.algos.grpo import (LOSS_AGGREGATIONS, informative_groups,
                                  overlong_mask, overlong_penalty, response_advantages)
 from megalign.config import option
 from megalign.ops.policy_loss import policy_loss
@@ -37,7 +37,7 @@ from megalign.parallel.collectives import all_reduce
 from megalign.trainers.base import MetricSums, TrainResult
 from megalign.trainers.logging import memory_report
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
-from megalign.trainers.optim import lr_at, set_lr
+from megalign.trainers.optim import lr_at
 
 logger = logging.getLogger(__name__)
 
@@ -105,42 +105,22 @@ class GRPOTrainer(OnlineTrainer):
     def sampling_rounds(self) -> int:
         return self.cfg.algo.max_sampling_rounds if self.cfg.algo.dynamic_sampling else 1
 
-    def _update(self, batch: RolloutBatch, lr: float, sums: MetricSums) -> list[torch.Tensor]:
-        """ppo_epochs x mini_batches optimizer updates on this rank's batch; adds the local loss and
-        per-token sums (clipped, approx_kl, kl, entropy, tokens) to `sums`; returns the gradient norms."""
+    ACTOR_STATS = ("clipped", "approx_kl", "kl", "entropy", "tokens")
+
+    def actor_loss(self, batch: RolloutBatch):
+        """The micro-batch loss `train_role` runs: GRPO's clipped policy loss [+ beta * KL] and its sums."""
         cfg, algo = self.cfg, self.cfg.algo
-        set_lr(self.actor.optimizer, lr)
-        local = torch.zeros(5, dtype=torch.float64)  # over tokens: clipped, approx kl, kl, entropy, count
-        loss_sum, norms = 0.0, []
-        for _ in range(algo.ppo_epochs):
-            order = torch.randperm(len(batch), generator=self.generator, device=self.generator.device)
-            for rows in torch.tensor_split(order, algo.mini_batches):
-                normalizer = loss_normalizer(batch.response_mask[rows], algo.loss_agg, self.layout.dp_group)
-                mini_loss = torch.zeros((), device=self.layout.device)
-                for micro in torch.split(rows, algo.micro_batch_size):
-                    if micro.numel() == 0:
-                        continue  # this rank kept fewer responses; it still joins the collectives below
-                    logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, micro),
-                                                                  cfg.rollout.temperature)
-                    mask = batch.response_mask[micro]
-                    loss, stats = policy_loss(logp, batch.old_logp[micro], batch.advantages[micro], mask,
-                                              algo.eps_low, algo.eps_high, algo.dual_clip, algo.beta,
-                                              batch.ref_logp[micro] if batch.ref_logp is not None else None)
-                    share = aggregate_loss(loss, mask, algo.loss_agg, normalizer, cfg.rollout.max_response_length)
-                    share.backward()
-                    mini_loss = mini_loss + share.detach()
-                    count = stats.count
-                    local += torch.stack([stats.clip_frac * count, stats.approx_kl * count, stats.kl_mean * count,
-                                          (entropy.detach() * mask).sum(), count]).double().cpu()
-                stepped, norm = self.actor.optimizer_step(mini_loss)
-                loss_sum += float(mini_loss)
-                norms.append(norm)
-                if not stepped:
-                    self.skip_update("nan_skips", "non-finite loss or gradient norm")
-        sums.add("loss", loss_sum)
-        for name, value in zip(("clipped", "approx_kl", "kl", "entropy", "tokens"), local):
-            sums.add(name, value)
-        return norms
+
+        def loss(rows):
+            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature)
+            mask = batch.response_mask[rows]
+            per_token, stats = policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask,
+                                           algo.eps_low, algo.eps_high, algo.dual_clip, algo.beta,
+                                           batch.ref_logp[rows] if batch.ref_logp is not None else None)
+            count = stats.count
+            return per_token, [stats.clip_frac * count, stats.approx_kl * count, stats.kl_mean * count,
+                               (entropy.detach() * mask).sum(), count]
+        return loss
 
     def train_step(self) -> dict[str, float]:
         """One GRPO step (module doc); returns its metrics, reduced over ranks."""
@@ -175,14 +155,14 @@ class GRPOTrainer(OnlineTrainer):
         sums.add("kept_groups", counts["kept_groups"])
         if algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout) == 0:
             self.skip_update("empty_updates", "dynamic sampling kept no group with unequal rewards on any rank")
-            for name in ("loss", "clipped", "approx_kl", "kl", "entropy", "tokens"):
-                sums.add(name, 0.0)
+            for name in ("loss",) + self.ACTOR_STATS:
+                sums.add(f"actor/{name}", 0.0)
             norms = [torch.zeros(())]
         else:
             with self.phase("update", actor=("weights", "optimizer")):
-                norms = self._update(batch, lr, sums)
+                norms = self.train_role(self.actor, lr, batch, self.ACTOR_STATS, self.actor_loss(batch), sums, "actor")
         total = sums.reduce(dp, self.layout.device)
-        n, tokens = max(total["responses"], 1.0), max(total["tokens"], 1.0)
+        n, tokens = max(total["responses"], 1.0), max(total["actor/tokens"], 1.0)
         mean = total["reward"] / n
         updates = algo.ppo_epochs * algo.mini_batches
         metrics = {
@@ -191,8 +171,8 @@ class GRPOTrainer(OnlineTrainer):
             "response_length/mean": total["length"] / n, "response_length/clip_ratio": total["unfinished"] / n,
             "sampling/rounds": counts["rounds"], "sampling/dropped_groups": total["dropped_groups"],
             "sampling/kept_groups": total["kept_groups"],
-            "actor/loss": total["loss"] / updates, "actor/clip_frac": total["clipped"] / tokens,
-            "actor/approx_kl": total["approx_kl"] / tokens, "actor/entropy": total["entropy"] / tokens,
+            "actor/loss": total["actor/loss"] / updates, "actor/clip_frac": total["actor/clipped"] / tokens,
+            "actor/approx_kl": total["actor/approx_kl"] / tokens, "actor/entropy": total["actor/entropy"] / tokens,
             "actor/grad_norm": torch.stack(norms).mean(), "actor/lr": lr,
             "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
             "time/step": time.perf_counter() - start,
@@ -200,7 +180,7 @@ class GRPOTrainer(OnlineTrainer):
         if cfg.eval.metric in generated.terms:
             metrics["accuracy"] = metrics[f"reward/{cfg.eval.metric}/mean"]
         if self.reference is not None:
-            metrics["actor/kl"] = total["kl"] / tokens
+            metrics["actor/kl"] = total["actor/kl"] / tokens
         errors = torch.tensor(list(self.reward.error_counts().values()), dtype=torch.float64)
         if errors.numel():
             errors = all_reduce(errors.to(self.layout.device), dp).cpu()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,12 @@ from megalign.config import option
 from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts, make_splits, write_jsonl
 from megalign.models import from_pretrained
 from megalign.parallel import MixedPrecision
-from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role
+from megalign.algos.grpo import aggregate_loss, loss_normalizer
+from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole
 from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
-from megalign.trainers.base import DataConfig, RunConfig, Trainer, check_model_path
+from megalign.trainers.base import DataConfig, MetricSums, RunConfig, Trainer, check_model_path
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
-from megalign.trainers.optim import OptimConfig, build_optimizer
+from megalign.trainers.optim import OptimConfig, build_optimizer, set_lr
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +380,47 @@ class OnlineTrainer(Trainer):
     def logprob_inputs(self, batch: RolloutBatch, rows):
         """(sequences, attention mask, response length) of `rows`: the arguments of a role's log-prob forward."""
         return batch.sequences[rows], batch.attention_mask[rows], self.cfg.rollout.max_response_length
+
+    def train_role(self, role: TrainableRole, lr: float, batch: RolloutBatch, names: tuple[str, ...],
+                   micro_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]],
+                   sums: MetricSums, prefix: str) -> list[torch.Tensor]:
+        """`algo.ppo_epochs` x `algo.mini_batches` optimizer updates of `role` on this rank's batch.
+
+        `micro_loss(rows)` gives the per-token loss [b, R] of a micro-batch and the sums named `names`
+        (0-d tensors); each loss is aggregated with `algo.loss_agg` over the mini-batch's global count
+        (`loss_normalizer`, every dp rank), so micro-batching and dp do not change the gradient. The loss
+        and the sums are added to `sums` as `prefix/<name>`, kept on the device (no host sync per
+        micro-batch). Returns the gradient norm of each update. A rank with fewer rows than another still
+        joins every collective (its empty micro-batches are skipped).
+        """
+        algo, dp = self.cfg.algo, self.layout.dp_group
+        set_lr(role.optimizer, lr)
+        local = torch.zeros(len(names), dtype=torch.float64, device=self.layout.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        norms = []
+        for _ in range(algo.ppo_epochs):
+            order = torch.randperm(len(batch), generator=self.generator, device=self.generator.device)
+            for rows in torch.tensor_split(order, algo.mini_batches):
+                normalizer = loss_normalizer(batch.response_mask[rows], algo.loss_agg, dp)
+                mini_loss = torch.zeros((), device=self.layout.device)
+                for micro in torch.split(rows, algo.micro_batch_size):
+                    if micro.numel() == 0:
+                        continue
+                    loss, stats = micro_loss(micro)
+                    share = aggregate_loss(loss, batch.response_mask[micro], algo.loss_agg, normalizer,
+                                           self.cfg.rollout.max_response_length)
+                    share.backward()
+                    mini_loss = mini_loss + share.detach()
+                    local += torch.stack([s.detach().double() for s in stats])
+                stepped, norm = role.optimizer_step(mini_loss)
+                loss_sum += mini_loss.double()
+                norms.append(norm)
+                if not stepped:
+                    self.skip_update("nan_skips", f"{role.name}: non-finite loss or gradient norm")
+        sums.add(f"{prefix}/loss", loss_sum)
+        for name, value in zip(names, local):
+            sums.add(f"{prefix}/{name}", value)
+        return norms
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
         """[N, R] no-grad log-probs of the batch's responses under `role`, in micro-batches."""

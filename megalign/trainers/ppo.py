@@ -35,11 +35,11 @@ import json
 import logging
 import os
 import time
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
-from megalign.algos.grpo import LOSS_AGGREGATIONS, aggregate_loss, loss_normalizer
+from megalign.algos.grpo import LOSS_AGGREGATIONS
 from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
                                 token_rewards, value_loss, whiten)
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
@@ -48,11 +48,11 @@ from megalign.models import scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.ops.policy_loss import policy_loss
 from megalign.parallel import MixedPrecision
-from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig, TrainableRole
+from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path
 from megalign.trainers.logging import memory_report
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, _check_role_tp
-from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
+from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
 
 logger = logging.getLogger(__name__)
 
@@ -203,39 +203,6 @@ class PPOTrainer(OnlineTrainer):
         parts = [self.critic.values(*self.logprob_inputs(batch, slice(s, s + step))) for s in range(0, len(batch), step)]
         return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(batch.rollout_logp.shape)
 
-    def _train_role(self, role: TrainableRole, lr: float, batch: RolloutBatch, names: tuple[str, ...],
-                    micro_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]],
-                    sums: MetricSums, prefix: str) -> list[torch.Tensor]:
-        """ppo_epochs x mini_batches updates of `role`; `micro_loss(rows)` gives the per-token loss [b, R] and
-        the sums named `names`, added to `sums` under `prefix/` with the loss; returns the gradient norms."""
-        algo, dp = self.cfg.algo, self.layout.dp_group
-        set_lr(role.optimizer, lr)
-        local = torch.zeros(len(names), dtype=torch.float64)
-        loss_sum, norms = 0.0, []
-        for _ in range(algo.ppo_epochs):
-            order = torch.randperm(len(batch), generator=self.generator, device=self.generator.device)
-            for rows in torch.tensor_split(order, algo.mini_batches):
-                normalizer = loss_normalizer(batch.response_mask[rows], algo.loss_agg, dp)
-                mini_loss = torch.zeros((), device=self.layout.device)
-                for micro in torch.split(rows, algo.micro_batch_size):
-                    if micro.numel() == 0:
-                        continue
-                    loss, stats = micro_loss(micro)
-                    share = aggregate_loss(loss, batch.response_mask[micro], algo.loss_agg, normalizer,
-                                           self.cfg.rollout.max_response_length)
-                    share.backward()
-                    mini_loss = mini_loss + share.detach()
-                    local += torch.stack([s.detach().double().cpu() for s in stats])
-                stepped, norm = role.optimizer_step(mini_loss)
-                loss_sum += float(mini_loss)
-                norms.append(norm)
-                if not stepped:
-                    self.skip_update("nan_skips", f"{role.name}: non-finite loss or gradient norm")
-        sums.add(f"{prefix}/loss", loss_sum)
-        for name, value in zip(names, local):
-            sums.add(f"{prefix}/{name}", value)
-        return norms
-
     def train_step(self) -> dict[str, float]:
         """One PPO step (module doc); returns its metrics, reduced over ranks."""
         cfg, algo, dp = self.cfg, self.cfg.algo, self.layout.dp_group
@@ -287,12 +254,12 @@ class PPOTrainer(OnlineTrainer):
 
         sums = MetricSums()
         with self.phase("critic_update", critic=("weights", "optimizer")):
-            critic_norms = self._train_role(self.critic, lr_at(cfg.critic.optim, step, cfg.steps), batch,
+            critic_norms = self.train_role(self.critic, lr_at(cfg.critic.optim, step, cfg.steps), batch,
                                             self.CRITIC_STATS, critic_loss, sums, "critic")
         lr = lr_at(cfg.optim, step, cfg.steps)
         if step >= algo.critic_warmup:
             with self.phase("update", actor=("weights", "optimizer")):
-                actor_norms = self._train_role(self.actor, lr, batch, self.ACTOR_STATS, actor_loss, sums, "actor")
+                actor_norms = self.train_role(self.actor, lr, batch, self.ACTOR_STATS, actor_loss, sums, "actor")
         else:
             sums.add("actor/loss", 0.0)
             for name in self.ACTOR_STATS:

@@ -10,7 +10,7 @@ from trainers.grpo_helpers import HERE, digit_fraction, tiny_config, tiny_policy
 from trainers.helpers import NaNOnCalls, capture_warnings, checkpoint_params
 
 from megalign.data import DataError
-from megalign.trainers import grpo as grpo_mod
+from megalign.trainers import online as online_mod
 from megalign.trainers.grpo import train_grpo
 
 
@@ -111,7 +111,7 @@ def _nan_updates_are_skipped(policy, run_dir):
     warnings = capture_warnings("megalign.trainers")
     # tiny_config's step: 16 responses in 2 mini-batches of one micro-batch each, so 2 loss calls per step.
     # Calls 3, 4 are both updates of step 2; call 5 is the first update of step 3, whose second update is clean.
-    grpo_mod.aggregate_loss = NaNOnCalls(grpo_mod.aggregate_loss, nan_calls={3, 4, 5})
+    online_mod.aggregate_loss = NaNOnCalls(online_mod.aggregate_loss, nan_calls={3, 4, 5})
     _train(policy, run_dir, "steps=4", "save_every=1", "keep_last=4", "export_hf=false")
     skips = [w for w in warnings if "non-finite loss" in w and "skipping the update" in w]
     assert [w.split(":")[0] for w in skips] == ["step 2", "step 2", "step 3"], warnings

@@ -4,7 +4,6 @@ import json
 import os
 import random
 
-import pytest
 import torch.distributed as dist
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
