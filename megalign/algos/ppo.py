@@ -6,7 +6,7 @@ sequence-level score into per-token rewards, estimates per-token advantages with
 (Schulman et al. 2016) and optimises the clipped surrogate (Schulman et al. 2017) for the actor and a
 clipped regression for the critic:
 
-    token_rewards   r_t = -beta * KL_t  (+ score at the last response token)          [N, R]
+    token_rewards   r_t = -beta * KL_t  (+ score at the last response token) (+ step rewards)  [N, R]
                     score = clip((s - mu) / sigma, +-c)  (optional RM normalisation and clip)
     gae             delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1}
                     returns R_t = A_t + V_t                          (`megalign.ops.gae`)
@@ -84,8 +84,8 @@ def normalize_scores(scores: torch.Tensor, mean: Optional[float] = None, std: Op
 
 
 def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, logp: Optional[torch.Tensor] = None,
-                  ref_logp: Optional[torch.Tensor] = None, beta: float = 0.0, kind: str = "k1"
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  ref_logp: Optional[torch.Tensor] = None, beta: float = 0.0, kind: str = "k1", *,
+                  step_rewards: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards with the KL penalty in the reward: (rewards [N, R], kl [N, R]), both fp32.
 
     Args:
@@ -94,9 +94,11 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, logp: Optio
         logp / ref_logp: [N, R] log-probs of the sampled tokens under the rollout policy and the
             reference; None (both) for no KL term.
         beta: KL coefficient; kind: one of KL_IN_REWARD.
+        step_rewards: [N, R] per-token rewards added on the valid tokens, e.g. process rewards at the
+            end of each step (`megalign.algos.reward_shaping`); None: none.
 
-    rewards_t = -beta * KL_t on valid tokens, plus the score at the last valid token; kl is KL_t on
-    valid tokens, 0 elsewhere (for the controller and the logs).
+    rewards_t = -beta * KL_t on valid tokens, plus the score at the last valid token, plus
+    step_rewards_t; kl is KL_t on valid tokens, 0 elsewhere (for the controller and the logs).
     """
     if kind not in KL_IN_REWARD:
         raise ValueError(f"token_rewards: kind must be one of {KL_IN_REWARD}, got {kind!r}")
@@ -104,6 +106,9 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, logp: Optio
         raise ValueError(f"token_rewards: beta must be finite and >= 0, got {beta}")
     valid = (response_mask != 0).float()
     rewards = last_token_rewards(scores, response_mask)
+    if step_rewards is not None:
+        _check_2d("step_rewards", step_rewards, response_mask)
+        rewards = rewards + step_rewards.float() * valid
     if (logp is None) != (ref_logp is None):
         raise ValueError("token_rewards: give both logp and ref_logp, or neither")
     if logp is None:

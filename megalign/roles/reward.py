@@ -1,64 +1,237 @@
-"""The reward role: rule-based verifiers and user functions (`megalign.rewards`), plus an optional reward model.
+"""The reward: rule-based verifiers and user functions (`megalign.rewards`), plus reward-model roles.
 
 Verifiers and user functions run on the host on decoded text, each sample isolated by `SafeReward`
-(a raising function scores 0 and is counted). A reward model is an HF sequence-classification
-checkpoint loaded as `RewardModel` (`models.from_pretrained(kind="reward")`) on the role's own
-layout and dtype; it reads the last real token of prompt + response, and its score enters the
-total with `model_weight`. Only the reward model holds device memory ("weights", offloadable).
+(a raising function scores 0 and is counted). Reward models are roles of their own (one per entry of
+`reward.models`, plus the single `reward.model` of older configs, named "reward_model"), each on its
+own layout (tp) and dtype with its own offload switch and weight, and each logged as its own term
+(`reward/<name>/mean`):
+
+- `kind: outcome`: an HF sequence-classification checkpoint loaded as `RewardModel`
+  (`models.from_pretrained(kind="reward")`); it reads the last real token of prompt + response and its
+  linear score enters the total with its weight.
+- `kind: process`: a process reward model exported by `megalign.trainers.prm` (a causal LM with
+  `prm.json` beside it: the reward tokens and the step separator). It scores every step of a response
+  with p(correct) at the token where the step ends (`megalign.algos.reward_shaping.step_ends`), which
+  gives per-token rewards [N, R] (`Reward.step_rewards`) rather than a term of the sequence total; an
+  algorithm that trains on them (PPO) adds them to its token rewards, so GAE credits each step.
+- `reward.gated`: Llama 2's gate over two outcome models (`megalign.algos.reward_shaping.gated_reward`):
+  their scores then enter the total only through the gated term LOGIT(R_c) ("gated", with the gate's
+  weight; "gated_safety_branch" logs the fraction of responses that took the safety branch). The
+  whitening of that term over the global batch is the algorithm's (PPO's `shape_rewards`).
+
+Only the reward models hold device memory ("weights" of each role, offloadable).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 
+from megalign.algos.reward_shaping import STEP_SCORES, gated_reward, place_step_scores, prm_inputs, step_ends
 from megalign.config import option
-from megalign.models import RewardModel
+from megalign.models import CausalLM, RewardModel
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import RewardTerm, build_reward
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 
+GATED_TERMS = ("gated", "gated_safety_branch")
+"""Term names of the gated reward (module doc); no reward model may take them."""
+RESERVED_NAMES = ("actor", "critic", "reference", "reward", *GATED_TERMS)
+"""Role and term names a reward model's `name` may not take."""
+
+
+@dataclasses.dataclass
+class RewardModelConfig(ModelRoleConfig):
+    """One reward-model role: an outcome RM (a score per response) or a process RM (a score per step)."""
+
+    name: str = option("reward_model", doc="its role and term name (metrics reward/<name>/mean; reward.gated refers to it)")
+    kind: Literal["outcome", "process"] = option(
+        "outcome", doc="outcome: an HF sequence-classification RM (its linear score, at the last token); process: a "
+                       "launch/train_prm.py export (prm.json beside it), p(correct) at the end of every step")
+    weight: float = option(1.0, doc="multiplies its score (outcome) or each step's reward (process)")
+    step_score: Literal["prob", "centered"] = option(
+        "prob", doc=f"process: a step's reward from its p(correct): one of {STEP_SCORES} (p, or p - 1/2)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.path:
+            raise ValueError(f"path (an HF checkpoint folder) is required for reward model {self.name!r}")
+        if not self.name or "/" in self.name or ":" in self.name or "[" in self.name:
+            raise ValueError(f"name {self.name!r} must be non-empty without '/', ':' or '[' (it names a role and metrics)")
+        if self.name in RESERVED_NAMES:
+            raise ValueError(f"name {self.name!r} is reserved; not one of {list(RESERVED_NAMES)}")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight of reward model {self.name!r} must be finite, got {self.weight}")
+
+
+@dataclasses.dataclass
+class GatedRewardConfig:
+    """Llama 2's gated pair (Touvron et al. 2023, §3.2.2 / §3.2.4; `megalign.algos.reward_shaping`)."""
+
+    safety: str = option(doc="name of the safety reward model (an outcome model of reward.models)")
+    helpful: str = option(doc="name of the helpfulness reward model (an outcome model of reward.models)")
+    threshold: float = option(0.15, doc="the safety branch is taken when sigmoid(safety score) < threshold (Llama 2: 0.15)")
+    safety_field: str = option("is_safety", doc="the prompt rows' boolean field marking a safety prompt (always the safety branch)")
+    weight: float = option(1.0, doc="weight of the gated score LOGIT(R_c) in the total")
+
+    def __post_init__(self):
+        if self.safety == self.helpful:
+            raise ValueError(f"safety and helpful must name two different reward models, both are {self.safety!r}")
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"threshold must be in (0, 1) (a probability), got {self.threshold}")
+        if not self.safety_field:
+            raise ValueError("safety_field must name a field of the prompt rows")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight must be finite, got {self.weight}")
+
 
 @dataclasses.dataclass
 class RewardConfig:
-    """The total reward: a weighted sum of verifier / user-function terms and an optional reward model."""
+    """The total reward: a weighted sum of verifier / user-function terms and reward models, [gated]."""
 
     terms: list[RewardTerm] = option([RewardTerm("math_accuracy", 1.0)],
                                      doc="verifier or user-function terms ('module:function' or 'file.py:function')")
-    model: Optional[ModelRoleConfig] = option(None, doc="a reward-model role (HF sequence-classification checkpoint)")
-    model_weight: float = option(1.0, doc="weight of the reward model's score in the total")
+    model: Optional[ModelRoleConfig] = option(
+        None, doc="one outcome reward model named 'reward_model' (HF sequence-classification checkpoint); "
+                  "the same as an entry of `models`")
+    model_weight: float = option(1.0, doc="weight of `model`'s score in the total")
+    models: list[RewardModelConfig] = option([], doc="reward-model roles, each with its name, path, tp, dtype, offload, "
+                                                     "weight and kind (outcome or process)")
+    gated: Optional[GatedRewardConfig] = option(None, doc="Llama 2's gate over two outcome models of `models`; null: off")
     max_failure_fraction: float = option(
         0.5, doc="stop the run when a term fails (raises, non-number) on more than this fraction of a step's samples")
 
     def __post_init__(self):
-        if not self.terms and self.model is None:
-            raise ValueError("the reward needs at least one term or a reward model")
         if self.model is not None and self.model.path is None:
             raise ValueError("reward.model.path is required for a reward-model role")
         if not math.isfinite(self.model_weight):
             raise ValueError(f"model_weight must be finite, got {self.model_weight}")
+        if not self.terms and not self.reward_models():
+            raise ValueError("the reward needs at least one term or a reward model")
+        names = [m.name for _, m in self.reward_models()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward model names must be unique (reward.model is named 'reward_model'), got {names}")
+        if self.gated is not None:
+            kinds = {m.name: m.kind for _, m in self.reward_models()}
+            for key in ("safety", "helpful"):
+                name = getattr(self.gated, key)
+                if kinds.get(name) != "outcome":
+                    raise ValueError(f"gated.{key}={name!r} must name an outcome reward model of reward.models; "
+                                     f"outcome models: {[n for n, k in kinds.items() if k == 'outcome']}")
         if not 0 <= self.max_failure_fraction <= 1:
             raise ValueError(f"max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
 
+    def reward_models(self) -> list[tuple[str, RewardModelConfig]]:
+        """(config key, config) of every reward model: `model` (as 'reward_model') first, then `models`."""
+        out = []
+        if self.model is not None:
+            fields = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(ModelRoleConfig)}
+            out.append(("reward.model", RewardModelConfig(**fields, name="reward_model", weight=self.model_weight)))
+        return out + [(f"reward.models[{i}]", m) for i, m in enumerate(self.models)]
 
-class Reward(Role):
-    """Scores a batch of responses: `score(...) -> (total [N] fp32, per-term means)`."""
 
-    def __init__(self, cfg: RewardConfig, model: Optional[RewardModel], layout: Optional[ParallelLayout]):
-        offload = cfg.model is not None and cfg.model.offload_weights
-        super().__init__("reward", layout, {"weights": offload})
-        self.functions = build_reward(cfg.terms) if cfg.terms else None
-        self.model = model
-        self.model_weight = cfg.model_weight
-        self.max_failure_fraction = cfg.max_failure_fraction
-        if model is not None:
-            model.requires_grad_(False).eval()
+def check_safety_field(examples: Sequence, field: str) -> None:
+    """ValueError naming the first prompt row (its `source`) whose metadata lacks boolean `field` (reward.gated)."""
+    for e in examples:
+        if not isinstance(e.metadata.get(field), bool):
+            raise ValueError(f"{e.source}: reward.gated.safety_field={field!r} must be a boolean field of every prompt "
+                             f"row, got {e.metadata.get(field, '<missing>')!r}")
+
+
+def step_logits(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
+                token_ids: tuple[int, int]) -> torch.Tensor:
+    """[S, 2] logits (negative, positive) of the reward tokens at the S positions where `where` [B, T] is True.
+
+    The trunk runs over the whole batch; the LM head runs on the S selected hidden states only, and
+    at tp > 1 its vocab-sharded logits of those rows are gathered (autograd-aware) before the two
+    columns are taken. The one reader of a PRM: its trainer (`megalign.trainers.prm`), best-of-N
+    reranking and `ProcessReward` all call it.
+    """
+    hidden = model.model(input_ids, attention_mask)  # [B, T, H]
+    logits = model.lm_head.gather_logits(model.lm_head(hidden[where]))  # [S, V]
+    return logits[:, list(token_ids)]
+
+
+@torch.no_grad()
+def step_probs(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
+               token_ids: tuple[int, int]) -> torch.Tensor:
+    """[S] fp32 p(correct) at the marked positions, in row-major order of `where` (no gradient)."""
+    return torch.softmax(step_logits(model, input_ids, attention_mask, where, token_ids).float(), -1)[:, 1]
+
+
+class ModelReward(Role):
+    """A frozen reward model as a role (its "weights" offloadable), with its config's name and weight."""
+
+    def __init__(self, cfg: RewardModelConfig, model: torch.nn.Module, layout: ParallelLayout):
+        super().__init__(cfg.name, layout, {"weights": cfg.offload_weights})
+        self.model, self.weight = model, cfg.weight
+        model.requires_grad_(False).eval()
 
     def parts(self):
-        return {"weights": module_slots(self.model)} if self.model is not None else {}
+        return {"weights": module_slots(self.model)}
+
+
+class OutcomeReward(ModelReward):
+    """An outcome reward model: one linear score per response."""
+
+    @torch.no_grad()
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[N] fp32 (host) scores of prompt + response `sequences` / `attention_mask` [N, P + R]."""
+        device = self.layout.device
+        return self.model(sequences.to(device), attention_mask.to(device)).float().cpu()
+
+
+class ProcessReward(ModelReward):
+    """A process reward model: p(correct) at the end of every step (module doc; `megalign.trainers.prm`).
+
+    `token_ids` (negative, positive) and `separator_ids` come from its `prm.json`, checked against the
+    run's tokenizer by the trainer; `eos_id` ends a finished response.
+    """
+
+    def __init__(self, cfg: RewardModelConfig, model: CausalLM, layout: ParallelLayout, token_ids: tuple[int, int],
+                 separator_ids: Sequence[int], eos_id: int):
+        super().__init__(cfg, model, layout)
+        self.token_ids, self.separator_ids, self.eos_id = token_ids, list(separator_ids), eos_id
+        self.step_score = cfg.step_score
+
+    @torch.no_grad()
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step rewards [N, R] fp32, step ends bool [N, R]) on the host for `sequences` [N, P + R]."""
+        sequences, attention_mask = sequences.cpu(), attention_mask.cpu()
+        ends, eos_step = step_ends(sequences[:, -response_width:], attention_mask[:, -response_width:],
+                                   self.separator_ids, self.eos_id)
+        if not ends.any():
+            return torch.zeros(ends.shape), ends
+        ids, mask, where = prm_inputs(sequences, attention_mask, response_width, ends, eos_step, self.separator_ids)
+        device = self.layout.device
+        probs = step_probs(self.model, ids.to(device), mask.to(device), where.to(device), self.token_ids).cpu()
+        return place_step_scores(probs, ends, self.step_score), ends
+
+
+class Reward:
+    """Scores a batch of responses: `score(...) -> (total [N] fp32, per-term values)`, `step_rewards(...)`
+    for the process models; `models` are the reward-model roles the trainer places."""
+
+    def __init__(self, cfg: RewardConfig, models: Sequence[ModelReward]):
+        self.functions = build_reward(cfg.terms) if cfg.terms else None
+        self.models = list(models)
+        self.outcome = [m for m in self.models if isinstance(m, OutcomeReward)]
+        self.process = [m for m in self.models if isinstance(m, ProcessReward)]
+        self.gated = cfg.gated
+        self.max_failure_fraction = cfg.max_failure_fraction
+        term_names = [name for name, _, _ in self.functions.terms] if self.functions is not None else []
+        clash = sorted(set(term_names) & {m.name for m in self.models})
+        if clash:
+            raise ValueError(f"reward model names {clash} are also reward term names; rename one (reward.models[].name "
+                             f"or reward.terms[].label)")
+
+    def needs(self) -> dict[str, tuple[str, ...]]:
+        """What the scoring phase needs: every reward model's weights (keyword arguments of `place`)."""
+        return {m.name: ("weights",) for m in self.models}
 
     @torch.no_grad()
     def score(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any],
@@ -67,7 +240,8 @@ class Reward(Role):
         """Total rewards [N] fp32 and {term name: [N] values} for N responses.
 
         Text inputs feed the verifier terms; `sequences` / `attention_mask` [N, P + R] (prompt +
-        response token ids) feed the reward model.
+        response token ids) feed the outcome reward models. The two gated models enter the total only
+        through the gated term (module doc). Process models are scored by `step_rewards`.
         """
         total = torch.zeros(len(responses))
         terms: dict[str, torch.Tensor] = {}
@@ -75,11 +249,38 @@ class Reward(Role):
             breakdown = self.functions.score(prompts, responses, answers, metadata)
             total += torch.tensor(breakdown.total)
             terms = {name: torch.tensor(values) for name, values in breakdown.terms.items()}
-        if self.model is not None:
-            device = self.layout.device
-            scores = self.model(sequences.to(device), attention_mask.to(device)).float().cpu()
-            terms["reward_model"] = scores
-            total += self.model_weight * scores
+        gated = {self.gated.safety, self.gated.helpful} if self.gated is not None else set()
+        for m in self.outcome:
+            terms[m.name] = m.score(sequences, attention_mask)
+            if m.name not in gated:
+                total += m.weight * terms[m.name]
+        if self.gated is not None:
+            field = self.gated.safety_field
+            missing = [i for i, row in enumerate(metadata) if not isinstance(row.get(field), bool)]
+            if missing:
+                raise ValueError(f"reward.gated.safety_field={field!r}: response {missing[0]}'s prompt row has no "
+                                 f"boolean {field!r}")
+            is_safety = torch.tensor([row[field] for row in metadata], dtype=torch.bool)
+            terms["gated"], branch = gated_reward(terms[self.gated.safety], terms[self.gated.helpful], is_safety,
+                                                  self.gated.threshold)
+            terms["gated_safety_branch"] = branch.float()
+            total += self.gated.weight * terms["gated"]
+        return total, terms
+
+    @torch.no_grad()
+    def step_rewards(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_width: int
+                     ) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
+        """(weighted sum of the process models' step rewards [N, R] fp32, or None without process models;
+        {name: [N] sum of that model's step rewards, name_steps: [N] its step count}) on the host."""
+        if not self.process:
+            return None, {}
+        total = torch.zeros(sequences.shape[0], response_width)
+        terms = {}
+        for m in self.process:
+            rewards, ends = m.score(sequences, attention_mask, response_width)
+            total += m.weight * rewards
+            terms[m.name] = rewards.sum(-1)
+            terms[f"{m.name}_steps"] = ends.sum(-1).float()
         return total, terms
 
     def error_counts(self) -> dict[str, float]:

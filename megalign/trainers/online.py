@@ -4,10 +4,12 @@
 reference (only when the algorithm needs one) and the reward role, the prompt data and the rollout
 generator, and gives subclasses the pieces of an RL step:
 
-    `collect()`: prompts from the sampler -> actor generates G responses each -> reward role scores
-    them (verifiers behind SafeReward; a term failing on more than `reward.max_failure_fraction` of
-    a step's samples stops the run) -> [`shape_rewards`] -> [`keep_groups`: e.g. dynamic sampling,
-    more rounds] -> a `RolloutBatch` of whole groups
+    `collect()`: prompts from the sampler -> actor generates G responses each -> reward scores them
+    (verifiers behind SafeReward; a term failing on more than `reward.max_failure_fraction` of a
+    step's samples stops the run; reward-model roles, `megalign.roles.reward`; process reward models
+    give per-token step rewards, `RolloutBatch.token_rewards`, only for trainers that set
+    `token_level_rewards`) -> [`shape_rewards`] -> [`keep_groups`: e.g. dynamic sampling, more
+    rounds] -> a `RolloutBatch` of whole groups
     `score_logprobs(role, batch)`: no-grad log-probs of the responses under a role, in micro-batches
 
 The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`; a subclass
@@ -50,6 +52,8 @@ from megalign.models import from_pretrained
 from megalign.parallel import MixedPrecision
 from megalign.algos.grpo import aggregate_loss, loss_normalizer
 from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole
+from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig, check_safety_field
+from megalign.trainers.prm import load_prm_info
 from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
 from megalign.trainers.base import DataConfig, MetricSums, RunConfig, Trainer, check_model_path
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
@@ -128,7 +132,8 @@ class RolloutBatch:
     Shapes: `sequences` / `attention_mask` [N, P + R] (left-padded prompt, right-padded response);
     [N, R]: `response_mask` (fp32 1 for response tokens that train), `rollout_logp` (sampling
     log-probs), and later `old_logp`, `ref_logp`, `advantages`; [N]: `lengths` (fp32 response
-    tokens), `finished` (ended with EOS), `rewards` (fp32 total), `terms` {term: [N] values}.
+    tokens), `finished` (ended with EOS), `rewards` (fp32 total), `terms` {term: [N] values};
+    `token_rewards` [N, R] fp32: the process reward models' step rewards (None without any).
     """
 
     sequences: torch.Tensor
@@ -142,6 +147,7 @@ class RolloutBatch:
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.rewards.numel()
@@ -216,6 +222,9 @@ class OnlineTrainer(Trainer):
     """Roles, prompts and rollouts of an RL run (module doc); subclasses implement `train_step`."""
 
     eval_before = True
+    token_level_rewards = False
+    """Whether the algorithm trains on per-token rewards (`RolloutBatch.token_rewards`); process reward
+    models are refused otherwise (their step rewards would be dropped)."""
 
     def needs_reference(self) -> bool:
         """Whether the algorithm uses the frozen reference (it is built only then)."""
@@ -233,10 +242,15 @@ class OnlineTrainer(Trainer):
         check_model_path(cfg.actor.path, "actor.path")
         if self.needs_reference() and cfg.reference.path is not None:
             check_model_path(cfg.reference.path, "reference.path")
-        if cfg.reward.model is not None:
-            check_model_path(cfg.reward.model.path, "reward.model.path")
+        for key, model_cfg in cfg.reward.reward_models():
+            check_model_path(model_cfg.path, f"{key}.path")
+            if model_cfg.kind == "process" and not self.token_level_rewards:
+                raise ValueError(f"{key} ({model_cfg.name!r}) is a process reward model, whose step rewards need an "
+                                 f"algorithm that trains on per-token rewards (PPO); {self.name} uses one score per response")
         self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.actor.path)
         self.train_set, self.held_out = prompt_datasets(cfg.data, self.tokenizer, cfg.run_dir)
+        if cfg.reward.gated is not None:
+            check_safety_field(self.train_set.examples, cfg.reward.gated.safety_field)
         self.prompt_width = max(len(e.prompt_ids) for e in self.train_set.examples)
         longest = self.prompt_width + cfg.rollout.max_response_length
         what = f"the longest prompt plus rollout.max_response_length ({cfg.rollout.max_response_length})"
@@ -260,15 +274,9 @@ class OnlineTrainer(Trainer):
                                         dtype=DTYPES[cfg.reference.dtype])
             self.check_model(ref_model, "reference.path", cfg.reference.path or cfg.actor.path, longest, what)
             self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
-        reward_model, reward_layout = None, None
-        if cfg.reward.model is not None:
-            _check_role_tp("reward.model", cfg.reward.model.tp, cfg.actor.tp)
-            reward_layout = self.layout_for(cfg.reward.model.tp)
-            reward_model = from_pretrained(cfg.reward.model.path, kind="reward", layout=reward_layout,
-                                           dtype=DTYPES[cfg.reward.model.dtype])
-            self.check_model(reward_model, "reward.model.path", cfg.reward.model.path, longest, what)
-        self.reward = Reward(cfg.reward, reward_model, reward_layout)
-        self.roles: list[Role] = [r for r in (self.actor, self.reference, self.reward) if r is not None]
+        self.reward = Reward(cfg.reward, [self.reward_model(key, model_cfg, longest, what)
+                                          for key, model_cfg in cfg.reward.reward_models()])
+        self.roles: list[Role] = [r for r in (self.actor, self.reference) if r is not None] + self.reward.models
 
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
                                      rank=self.layout.dp_rank, world_size=self.layout.dp)
@@ -282,6 +290,32 @@ class OnlineTrainer(Trainer):
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+
+    def reward_model(self, key: str, cfg: RewardModelConfig, longest: int, what: str):
+        """The reward-model role of config `key` on its own layout and dtype, checked against the run."""
+        _check_role_tp(key, cfg.tp, self.cfg.actor.tp)
+        layout = self.layout_for(cfg.tp)
+        if cfg.kind == "outcome":
+            model = from_pretrained(cfg.path, kind="reward", layout=layout, dtype=DTYPES[cfg.dtype])
+            self.check_model(model, f"{key}.path", cfg.path, longest, what)
+            return OutcomeReward(cfg, model, layout)
+        info = load_prm_info(cfg.path)
+        tokens = {}
+        for side in ("negative", "positive"):
+            encoded = self.tokenizer.encode(info[f"{side}_token"])
+            if encoded != [info[f"{side}_token_id"]]:
+                raise ValueError(f"{key}.path={cfg.path!r}: its prm.json {side}_token {info[f'{side}_token']!r} is id "
+                                 f"{info[f'{side}_token_id']} but the run's tokenizer encodes it as {encoded}: the PRM "
+                                 f"was trained with another tokenizer")
+            tokens[side] = encoded[0]
+        separator = self.tokenizer.encode(info["separator"])
+        if not separator:
+            raise ValueError(f"{key}.path={cfg.path!r}: its step separator {info['separator']!r} encodes to no token")
+        model = from_pretrained(cfg.path, layout=layout, dtype=DTYPES[cfg.dtype])
+        # a finished response's last step is read with the separator in place of its EOS (`prm_inputs`)
+        self.check_model(model, f"{key}.path", cfg.path, longest + len(separator) - 1, what + " and the step separator")
+        return ProcessReward(cfg, model, layout, (tokens["negative"], tokens["positive"]), separator,
+                             self.tokenizer.eos_id)
 
     # ----- phases
 
@@ -335,13 +369,16 @@ class OnlineTrainer(Trainer):
         texts = [tok.decode(row[:n]) for row, n in zip(response.tolist(), lengths.tolist())]
         sequences = torch.cat([ids, response], 1)
         attention = torch.cat([mask, response_mask], 1)
-        with self.phase("reward", reward=("weights",)):
+        with self.phase("reward", **self.reward.needs()):
             rewards, terms = self.reward.score([e.prompt_text for e in examples], texts, [e.answer for e in examples],
                                                [e.metadata for e in examples], sequences, attention)
+            step_rewards, step_terms = self.reward.step_rewards(sequences, attention, cfg.rollout.max_response_length)
+        terms.update(step_terms)
         batch = RolloutBatch(sequences=sequences, attention_mask=attention, response_mask=response_mask.float(),
                              rollout_logp=torch.nn.functional.pad(out.logprobs, (0, pad)), lengths=lengths.float(),
                              finished=finished, rewards=rewards.to(device),
-                             terms={name: values.to(device) for name, values in terms.items()})
+                             terms={name: values.to(device) for name, values in terms.items()},
+                             token_rewards=None if step_rewards is None else step_rewards.to(device))
         self.shape_rewards(batch)
         return batch
 

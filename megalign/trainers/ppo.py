@@ -2,10 +2,12 @@
 
 One step (every rank, after `megalign.trainers.cli.init_distributed`):
 
-    sample prompts -> actor generates G responses each -> reward role scores them (verifiers and / or
-    a reward model; [RM score normalised with its stored mean / std, then clipped]) -> old log-probs
-    (rollout or recomputed) -> reference log-probs (when a KL term is on) -> critic values [N, R] ->
-    per-token rewards (score at the last response token, [-beta * KL_t]) -> GAE -> advantages whitened
+    sample prompts -> actor generates G responses each -> reward scores them (verifiers and / or
+    reward models; [each RM's score normalised with its own stored mean / std]; [Llama 2's gated
+    score whitened over the global batch]; [the total clipped]; [process RMs' step rewards]) -> old
+    log-probs (rollout or recomputed) -> reference log-probs (when a KL term is on) -> critic values
+    [N, R] -> per-token rewards (score at the last response token, [a process reward at the end of
+    each step], [-beta * KL_t]) -> GAE -> advantages whitened
     over the whole batch of every dp rank -> critic update (ppo_epochs x mini-batches of the clipped
     value loss) -> actor update (clipped policy loss [+ beta * KL_t] [- entropy bonus]; skipped during
     the critic warm-up) -> KL coefficient update (fixed, or Ziegler et al.'s adaptive controller).
@@ -27,6 +29,14 @@ Design choices:
 - Losses use the GRPO family's aggregation with global counts (`megalign.algos.grpo.loss_normalizer`)
   and summed gradients over dp, for both roles; each role clips its own gradient norm.
 - The KL coefficient is checkpointed with the run, so a resumed adaptive controller goes on where it was.
+- Rewards (`shape_rewards`, `megalign.algos.reward_shaping`): `algo.reward_normalize` normalises every
+  outcome reward model with its own `reward_stats.json`, except the two of `reward.gated`, whose
+  gate reads their raw scores as logits (a normalised score would move the 0.15 threshold); their
+  gated score LOGIT(R_c) is whitened over the responses of every dp rank instead (Llama 2's
+  WHITEN(LOGIT(R_c)), before the KL term). `algo.reward_clip` then clips the sequence total. A
+  process reward model's step rewards (`RolloutBatch.token_rewards`) are added to the token rewards
+  unnormalised and unclipped, each at the token that ends its step; the sequence score stays at the
+  last token, so outcome and process rewards combine.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ import torch
 from megalign.algos.grpo import LOSS_AGGREGATIONS
 from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
                                 token_rewards, value_loss, whiten)
+from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.models import scalar_head_from_pretrained
@@ -65,7 +76,7 @@ class CriticConfig(ModelRoleConfig):
 
     path: Optional[str] = option(
         None, doc="HF checkpoint folder: a reward-model export (head read) or a policy export (head fresh); "
-                  "null: reward.model.path when the reward has a model, else actor.path")
+                  "null: the first outcome reward model's path when the reward has one, else actor.path")
     offload_optimizer: bool = option(False, doc="move the optimizer state to host memory outside the critic update")
     optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0),
                                 doc="the critic's AdamW, learning-rate schedule (per step) and gradient clip")
@@ -88,7 +99,8 @@ class PPOAlgoConfig:
     kl_horizon: float = option(10000.0, doc="adaptive KL controller horizon (samples)")
     kl_in: Literal["reward", "loss"] = option("reward", doc="KL penalty in the per-token reward or as a loss term")
     kl_estimator: str = option("k1", doc=f"reward: one of {KL_IN_REWARD}; loss: one of {KL_IN_LOSS}")
-    reward_normalize: bool = option(False, doc="normalise the reward model's score with its reward_stats.json")
+    reward_normalize: bool = option(False, doc="normalise each outcome reward model's score with its own reward_stats.json "
+                                               "(not the gated pair's, module doc)")
     reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
     critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
     loss_agg: str = option("token-mean", doc=f"loss aggregation of both roles: {', '.join(LOSS_AGGREGATIONS)}")
@@ -154,6 +166,7 @@ class PPOTrainer(OnlineTrainer):
     """PPO on the online trainer with a critic (module doc)."""
 
     name = "PPO"
+    token_level_rewards = True
     ACTOR_STATS = ("clipped", "approx_kl", "kl", "entropy", "tokens")
     CRITIC_STATS = ("clipped", "value", "tokens")
 
@@ -165,12 +178,16 @@ class PPOTrainer(OnlineTrainer):
 
     def __init__(self, cfg: PPOConfig):
         algo = cfg.algo
-        if algo.reward_normalize and cfg.reward.model is None:
-            raise ValueError("algo.reward_normalize=true needs a reward model (reward.model)")
-        self.score_stats = reward_stats(cfg.reward.model.path) if algo.reward_normalize else None
+        gated = {cfg.reward.gated.safety, cfg.reward.gated.helpful} if cfg.reward.gated is not None else set()
+        outcome = [m for _, m in cfg.reward.reward_models() if m.kind == "outcome"]
+        normalized = [m for m in outcome if m.name not in gated]
+        if algo.reward_normalize and not normalized:
+            raise ValueError("algo.reward_normalize=true needs a reward model (reward.model or an outcome model of "
+                             "reward.models outside reward.gated)")
+        self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         super().__init__(cfg)
         _check_role_tp("critic", cfg.critic.tp, cfg.actor.tp)
-        path = cfg.critic.path or (cfg.reward.model.path if cfg.reward.model is not None else cfg.actor.path)
+        path = cfg.critic.path or (outcome[0].path if outcome else cfg.actor.path)
         check_model_path(path, "critic.path")
         layout = self.layout_for(cfg.critic.tp)
         model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed)
@@ -189,11 +206,16 @@ class PPOTrainer(OnlineTrainer):
         self.place("checkpoint", actor=("weights", "optimizer"), critic=("weights", "optimizer"))
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
-        """The sequence score PPO trains on: the RM's share normalised (when on), then the total clipped."""
+        """The sequence score PPO trains on (module doc): each normalised RM's share swapped for its normalised
+        score, the gated share for its whitened score (a collective over dp), then the total clipped."""
         algo = self.cfg.algo
-        if self.score_stats is not None:
-            raw = batch.terms["reward_model"].to(batch.rewards.device)
-            batch.rewards = batch.rewards + self.cfg.reward.model_weight * (normalize_scores(raw, *self.score_stats) - raw)
+        for model in self.reward.outcome:
+            if model.name in self.score_stats:
+                raw = batch.terms[model.name]
+                batch.rewards = batch.rewards + model.weight * (normalize_scores(raw, *self.score_stats[model.name]) - raw)
+        if self.reward.gated is not None:
+            raw = batch.terms["gated"]
+            batch.rewards = batch.rewards + self.reward.gated.weight * (whiten_scores(raw, self.layout.dp_group) - raw)
         if algo.reward_clip is not None:
             batch.rewards = normalize_scores(batch.rewards, clip=algo.reward_clip)
 
@@ -228,7 +250,8 @@ class PPOTrainer(OnlineTrainer):
             kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_estimator).float() * mask
         in_reward = algo.kl_in == "reward" and self.reference is not None
         rewards, _ = token_rewards(batch.rewards, mask, batch.old_logp if in_reward else None,
-                                   batch.ref_logp if in_reward else None, beta, algo.kl_estimator)
+                                   batch.ref_logp if in_reward else None, beta, algo.kl_estimator,
+                                   step_rewards=batch.token_rewards)
         advantages, returns = advantages_and_returns(rewards, old_values, mask, algo.gamma, algo.lam)
         batch.advantages = whiten(advantages, mask, dp) if algo.whiten_advantages else advantages
 

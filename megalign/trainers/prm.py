@@ -43,6 +43,7 @@ from megalign.data.arith import write_stepwise_jsonl
 from megalign.data.tokenizer import Tokenizer
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
+from megalign.roles.reward import step_logits, step_probs
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.evaluation import eval_count
 from megalign.trainers.optim import OptimConfig
@@ -107,26 +108,6 @@ def reward_token_ids(tokenizer: Tokenizer, positive: str, negative: str) -> tupl
     if ids[0] == ids[1]:
         raise ValueError(f"algo.positive_token and algo.negative_token encode to the same token {ids[0]}")
     return ids[0], ids[1]
-
-
-def step_logits(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
-                token_ids: tuple[int, int]) -> torch.Tensor:
-    """[S, 2] logits (negative, positive) of the reward tokens at the S positions where `where` [B, T] is True.
-
-    The trunk runs over the whole batch; the LM head runs on the S selected hidden states only, and
-    at tp > 1 its vocab-sharded logits of those rows are gathered (autograd-aware) before the two
-    columns are taken.
-    """
-    hidden = model.model(input_ids, attention_mask)  # [B, T, H]
-    logits = model.lm_head.gather_logits(model.lm_head(hidden[where]))  # [S, V]
-    return logits[:, list(token_ids)]
-
-
-@torch.no_grad()
-def step_probs(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
-               token_ids: tuple[int, int]) -> torch.Tensor:
-    """[S] fp32 p(correct) at the marked positions, in row-major order of `where` (no gradient)."""
-    return torch.softmax(step_logits(model, input_ids, attention_mask, where, token_ids).float(), -1)[:, 1]
 
 
 def outcome_only(step_labels: torch.Tensor) -> torch.Tensor:
