@@ -31,7 +31,7 @@ import torch
 
 from megalign.algos.reward_shaping import STEP_SCORES, gated_reward, place_step_scores, prm_inputs, step_ends
 from megalign.config import option
-from megalign.models import CausalLM, RewardModel
+from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import RewardTerm, build_reward

@@ -43,7 +43,7 @@ from megalign.data.arith import write_stepwise_jsonl
 from megalign.data.tokenizer import Tokenizer
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
-from megalign.roles.reward import step_logits, step_probs
+from megalign.roles.reward import step_logits, step_probs  # noqa: F401  (step_probs re-exported: the PRM reader)
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.evaluation import eval_count
 from megalign.trainers.optim import OptimConfig

@@ -7,7 +7,13 @@ import torch
 from parallel.dist_utils import run_distributed
 
 from megalign.algos.ppo import token_rewards
-from megalign.algos.reward_shaping import gated_reward, place_step_scores, prm_inputs, step_ends, whiten_scores
+from megalign.algos.reward_shaping import (
+    gated_reward,
+    place_step_scores,
+    prm_inputs,
+    step_ends,
+    whiten_scores,
+)
 
 # raw linear scores (logits) of the two reward models; logit(0.15) = -1.7346
 SAFETY = torch.tensor([2.0, -2.0, 1.0, -3.0, -1.7])

@@ -1,0 +1,192 @@
+"""Reward sources of the online trainer: several named reward models (each its own term, against
+transformers), Llama 2's gate inside the reward, a PRM's step rewards at the step ends with the PRM's own
+`step_probs` on the stepwise encoding it was trained on, and PPO runs with per-model normalisation, the
+whitened gated score and PRM step rewards."""
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from parallel.dist_utils import RankFailure, run_distributed
+from trainers.grpo_helpers import HERE, tiny_policy, write_rows
+from trainers.helpers import metric_rows
+from trainers.test_ppo_trainer import tiny_ppo_config
+
+from megalign.algos import IGNORE_INDEX
+from megalign.config import ConfigError, load_config
+from megalign.data import CharTokenizer, collate_stepwise, encode_steps
+from megalign.models import RewardModel, from_pretrained
+from megalign.roles.reward import (
+    OutcomeReward,
+    ProcessReward,
+    Reward,
+    RewardConfig,
+    RewardModelConfig,
+    step_probs,
+)
+from megalign.trainers.ppo import train_ppo
+from megalign.trainers.prm import PRMConfig, train_prm
+
+TOK = CharTokenizer()
+CPU = SimpleNamespace(device=torch.device("cpu"))  # the roles read only the layout's device
+
+
+def tiny_reward_model(path, seed, stats=None):
+    """A 2-layer random Llama reward model (sequence classification) at `path`, [with reward_stats.json]."""
+    tiny_policy(path, seed, model_class=RewardModel, std=0.3)
+    if stats is not None:
+        with open(os.path.join(path, "reward_stats.json"), "w") as f:
+            json.dump({"reward_mean": stats[0], "reward_std": stats[1]}, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"policy": tiny_policy(root / "policy"),
+            **{name: tiny_reward_model(root / name, seed, stats) for name, seed, stats in
+               (("a", 1, (0.2, 0.5)), ("b", 2, (-0.1, 2.0)), ("s", 3, None), ("h", 4, None))}}
+
+
+def _batch(prompts, responses):
+    """Left-padded prompt + right-padded response ids [N, P + R] and attention, R = the longest response."""
+    p, r = max(map(len, prompts)), max(map(len, responses))
+    ids = torch.zeros(len(prompts), p + r, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for n, (a, b) in enumerate(zip(prompts, responses)):
+        ids[n, p - len(a):p], att[n, p - len(a):p] = torch.tensor(a), 1
+        ids[n, p:p + len(b)], att[n, p:p + len(b)] = torch.tensor(b), 1
+    return ids, att, r
+
+
+def test_each_reward_model_is_a_term_and_the_gate_picks_per_row(models):
+    cfg = load_config(RewardConfig, None, [
+        f"terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]",
+        f"model.path={models['a']}", "model_weight=2.0",
+        f"models=[{{name: b, path: {models['b']}, weight: -1.0}}, {{name: s, path: {models['s']}}}, "
+        f"{{name: h, path: {models['h']}}}]",
+        "gated={safety: s, helpful: h, weight: 3.0}"])
+    roles = [OutcomeReward(m, from_pretrained(m.path, kind="reward"), CPU) for _, m in cfg.reward_models()]
+    reward = Reward(cfg, roles)
+    prompts = [TOK.encode(t, add_bos=True) for t in ("1+1=", "2+3=", "4+4=", "9-1=")]
+    texts = ["2", "5a", "x", "8"]
+    ids, att, _ = _batch(prompts, [TOK.encode(t) + [TOK.eos_id] for t in texts])
+    metadata = [{"is_safety": v} for v in (True, False, False, False)]
+    # the threshold between the non-safety rows' 2nd and 3rd safety probabilities, so both branches are taken
+    p = torch.sigmoid(roles[2].score(ids, att)[1:]).sort().values
+    cfg.gated.threshold = float(p[1:].mean())
+    total, terms = reward.score(["p"] * 4, texts, [0] * 4, metadata, ids, att)
+    # each model's score is its own term: transformers' sequence classifier at the last real token
+    for name in ("reward_model", "b", "s", "h"):
+        path = models["a" if name == "reward_model" else name]
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+        with torch.no_grad():
+            expected = torch.stack([hf(input_ids=ids[n:n + 1, att[n] == 1]).logits[0, 0] for n in range(4)])
+        torch.testing.assert_close(terms[name], expected, rtol=1e-5, atol=1e-5)
+    s, h = terms["s"], terms["h"]
+    safety = torch.tensor([True, False, False, False]) | (torch.sigmoid(s) < cfg.gated.threshold)
+    assert safety.tolist().count(True) == 3
+    torch.testing.assert_close(terms["gated"], torch.where(safety, s, h))
+    assert terms["gated_safety_branch"].tolist() == safety.float().tolist()
+    digits = torch.tensor([1.0, 0.5, 0.0, 1.0])
+    # the gated models enter the total only through the gated term
+    torch.testing.assert_close(total, digits + 2 * terms["reward_model"] - terms["b"] + 3 * terms["gated"])
+    with pytest.raises(ValueError, match="has no boolean 'is_safety'"):
+        reward.score(["p"] * 4, texts, [0] * 4, [{}] * 4, ids, att)
+
+
+def test_reward_config_checks():
+    with pytest.raises(ConfigError, match="must name an outcome reward model"):
+        load_config(RewardConfig, None, ["models=[{name: s, path: x}]", "gated={safety: s, helpful: nope}"])
+    with pytest.raises(ConfigError, match="names must be unique"):
+        load_config(RewardConfig, None, ["model.path=x", "models=[{name: reward_model, path: y}]"])
+    with pytest.raises(ConfigError, match="is reserved"):
+        load_config(RewardConfig, None, ["models=[{name: gated, path: y}]"])
+    with pytest.raises(ConfigError, match="path .* is required"):
+        load_config(RewardConfig, None, ["models=[{name: m}]"])
+
+
+def test_process_reward_places_the_prm_step_probs_at_step_ends(models):
+    model = from_pretrained(models["policy"])
+    neg, pos = TOK.encode("-")[0], TOK.encode("+")[0]
+    sep = TOK.encode("\n")
+    prm = ProcessReward(RewardModelConfig(name="prm", kind="process", path=models["policy"], weight=1.0), model, CPU,
+                        (neg, pos), sep, TOK.eos_id)
+    prompts = [TOK.encode("1+2*3=", add_bos=True), TOK.encode("4-1=", add_bos=True)]
+    solutions = [["2*3=6", "1+6=7", "\\boxed{7}"], ["4-1=3", "\\boxed{3}"]]
+    # finished (EOS after the last step) and truncated (the last step cut short: not scored)
+    responses = [TOK.encode("\n".join(solutions[0])) + [TOK.eos_id], TOK.encode("4-1=3\n\\box")]
+    ids, att, width = _batch(prompts, responses)
+    rewards, ends = prm.score(ids, att, width)
+    # the reference: the PRM trainer's own encoding of the same steps (each step + "\n", right-padded)
+    scored = [solutions[0], solutions[1][:1]]
+    examples = [encode_steps(p, s, [0.0] * len(s), TOK) for p, s in zip(prompts, scored)]
+    batch = collate_stepwise(examples, TOK.pad_id)
+    expected = step_probs(model, batch["input_ids"], batch["attention_mask"], batch["step_labels"] != IGNORE_INDEX,
+                          (neg, pos))
+    positions = [[len(solutions[0][0]), len(solutions[0][0]) + 1 + len(solutions[0][1]), len(responses[0]) - 1],
+                 [len(solutions[1][0])]]
+    assert [torch.nonzero(row)[:, 0].tolist() for row in ends] == positions
+    torch.testing.assert_close(rewards[ends], expected, rtol=1e-5, atol=1e-6)
+    assert int((rewards != 0).sum()) == 4
+
+
+def _prm_export(policy, run_dir):
+    train_prm(load_config(PRMConfig, None, [
+        f"run_dir={run_dir}", f"model.path={policy}", "steps=1", "batch_size=8", "data.chain.max_ops=2",
+        "data.chain.max_operand=4", "data.chain.num_problems=20", "data.max_length=60", "optim.warmup_steps=0",
+        "eval.max_samples=0", "tensorboard=false", "save_every=0"]))
+
+
+def _ppo(policy, run_dir, *overrides):
+    train_ppo(tiny_ppo_config(policy, run_dir, "export_hf=false", "steps=1", *overrides))
+
+
+def _prm_runs(policy, root):
+    _prm_export(policy, f"{root}/prm")
+    common = ("rollout.max_response_length=16", "rollout.prompts_per_step=8", "algo.kl_coef=0.01")
+    _ppo(policy, f"{root}/outcome", *common)
+    _ppo(policy, f"{root}/process", *common, f"reward.models=[{{name: prm, kind: process, path: {root}/prm/hf}}]")
+
+
+def test_ppo_with_prm_step_rewards_runs(models, tmp_path):
+    run_distributed(_prm_runs, models["policy"], str(tmp_path), world_size=1, timeout_s=300)
+    outcome, process = (metric_rows(str(tmp_path / name))[-1] for name in ("outcome", "process"))
+    assert process["reward/prm_steps/mean"] > 0 and 0 < process["reward/prm/mean"]
+    # step 1 samples the same responses: the outcome (the digit fraction) is the same, the returns are not
+    assert process["reward/mean"] == outcome["reward/mean"]
+    assert process["critic/return_mean"] != pytest.approx(outcome["critic/return_mean"], abs=1e-6)
+
+
+def test_process_reward_needs_a_token_level_algorithm(models, tmp_path):
+    from trainers.grpo_helpers import tiny_config
+
+    from megalign.trainers.grpo import train_grpo
+    cfg = tiny_config(models["policy"], str(tmp_path), f"reward.models=[{{name: p, kind: process, path: {models['policy']}}}]")
+    with pytest.raises(RankFailure, match="is a process reward model"):
+        run_distributed(train_grpo, cfg, world_size=1)
+
+
+def _normalised_and_gated(models, data, run_dir):
+    _ppo(models["policy"], run_dir, "reward.terms=[]", f"data.path={data}", "algo.reward_normalize=true",
+         f"reward.model.path={models['a']}", "reward.model_weight=2.0",
+         f"reward.models=[{{name: b, path: {models['b']}, weight: 0.5}}, {{name: s, path: {models['s']}}}, "
+         f"{{name: h, path: {models['h']}}}]", "reward.gated={safety: s, helpful: h, weight: 4.0}")
+
+
+def test_ppo_normalises_each_model_and_whitens_the_gated_score(models, tmp_path):
+    data = write_rows(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b), "is_safety": a % 2 == 0}
+                                                   for a in range(4) for b in range(3)])
+    run_distributed(_normalised_and_gated, models, data, str(tmp_path / "run"), world_size=1, timeout_s=120)
+    row = metric_rows(str(tmp_path / "run"))[-1]
+    # reward/mean is the shaped total: each RM normalised with its own stats, the whitened gated score averages 0
+    expected = 2.0 * (row["reward/reward_model/mean"] - 0.2) / 0.5 + 0.5 * (row["reward/b/mean"] + 0.1) / 2.0
+    assert row["reward/mean"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert 0 < row["reward/gated_safety_branch/mean"] <= 1
+    bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    with pytest.raises(RankFailure, match="bad.jsonl:1: reward.gated.safety_field='is_safety' must be a boolean"):
+        run_distributed(_ppo, models["policy"], str(tmp_path / "bad"), "reward.terms=[]", f"data.path={bad}",
+                        f"reward.models=[{{name: s, path: {models['s']}}}, {{name: h, path: {models['h']}}}]",
+                        "reward.gated={safety: s, helpful: h}", world_size=1)
