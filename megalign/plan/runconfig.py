@@ -8,9 +8,9 @@ so its checks and error messages (file, line, key) apply.
 
 What maps: role tp / dtype / offload switches (pp is not a trainer key yet: 1), the reference only
 when the trainer builds one (GRPO: algo.beta > 0; PPO: algo.kl_coef > 0 or a kl_target; DPO and
-KTO: always), the reward model when `reward.model` is set, prompts and responses (online: data.max_prompt_length and
-rollout.max_response_length; supervised: data.max_length, all of it scored), G, prompts per step,
-mini-batches, the micro-batch (GRPO: algo.micro_batch_size; supervised: batch_size / dp in one
+KTO: always), the reward model when `reward.model` or `reward.models` is set (the first one only),
+prompts and responses (online: data.max_prompt_length and rollout.max_response_length; supervised:
+data.max_length, all of it scored), G, prompts per step, mini-batches, the micro-batch (GRPO: algo.micro_batch_size; supervised: batch_size / dp in one
 forward), old-log-prob recomputation. megalign's recipe throughout: fp32 master weights, ZeRO-1,
 the eager loss path, no activation checkpointing (the trainers have no switch for it).
 """
@@ -97,7 +97,8 @@ def plan_from_run_config(path: str, gpus: int, model: Optional[str] = None, trai
                       recompute_old_logprobs=cfg.rollout.old_logprobs == "recompute",
                       actor=_role(actor, actor.offload_optimizer),
                       reference=_role(cfg.reference) if kl_on else None,
-                      reward=_role(cfg.reward.model) if cfg.reward.model is not None else None)
+                      # the planner has one reward role: the first reward model (several are not summed yet)
+                      reward=_role(cfg.reward.reward_models()[0][1]) if cfg.reward.reward_models() else None)
         if trainer == "ppo":
             fields["critic"] = _role(cfg.critic, cfg.critic.offload_optimizer)
         arch = _model(actor.path, "actor.path", model)
