@@ -11,8 +11,9 @@ when the trainer builds one (GRPO: algo.beta > 0; PPO: algo.kl_coef > 0 or a kl_
 KTO: always), the reward model when `reward.model` or `reward.models` is set (the first one only),
 prompts and responses (online: data.max_prompt_length and rollout.max_response_length; supervised:
 data.max_length, all of it scored), G, prompts per step, mini-batches, the micro-batch (GRPO:
-algo.micro_batch_size; supervised: batch_size / dp in one forward), old-log-prob recomputation. megalign's recipe throughout: fp32 master weights, ZeRO-1,
-the eager loss path, no activation checkpointing (the trainers have no switch for it).
+algo.micro_batch_size; supervised: batch_size / dp in one forward), old-log-prob recomputation.
+megalign's recipe throughout: fp32 master weights, ZeRO-1, the eager loss path, no activation
+checkpointing (the trainers have no switch for it).
 """
 from __future__ import annotations
 
