@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, write_run_config
+from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, with_defaults, write_run_config
 from megalign.config import option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
@@ -207,7 +207,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
         self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
         if self.resume_from is not None:
-            check_resume_config(self.checkpoints.saved_config(self.resume_from), to_dict(cfg),
+            check_resume_config(with_defaults(type(cfg), self.checkpoints.saved_config(self.resume_from)), to_dict(cfg),
                                 RUN_FREE_KEYS + self.free_keys(), cfg.resume_changes == "allow",
                                 checkpoint=self.resume_from)
         if self.rank == 0:
