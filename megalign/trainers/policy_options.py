@@ -6,7 +6,8 @@
 so each trainer's micro-batch loss stays one call whatever the choice. The fused
 `megalign.ops.policy_loss` serves "ppo". Defaults are the papers': CISPO with no lower bound on the
 weight and 1 + 0.28 above (MiniMax-M1 tunes only the upper bound; 0.28 is DAPO's clip-higher, which
-its comparison starts from; ScaleRL and SkyRL use an upper bound of 5), GSPO with 3e-4 / 4e-4.
+its comparison starts from; SkyRL, citing ScaleRL's recipe, clips the weight at 5 instead), GSPO
+with 3e-4 / 4e-4.
 """
 from __future__ import annotations
 
