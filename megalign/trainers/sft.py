@@ -128,8 +128,8 @@ class SFTObjective(Objective[SFTExample]):
     def stage_inputs(self, batch: SFTBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         return batch.input_ids, batch.attention_mask, {"targets": batch.targets}
 
-    def stage_loss(self, model: CausalLM, output: torch.Tensor, rows: dict[str, torch.Tensor], layout: ParallelLayout,
-                   stats: MetricSums) -> torch.Tensor:
+    def stage_loss(self, model: CausalLM, output: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> torch.Tensor:
         return nll_sum(model, output, rows["targets"], layout)
 
 

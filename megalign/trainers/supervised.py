@@ -21,6 +21,14 @@ Design choices:
   split over ranks, and results do not depend on dp (Megatron's global-batch normalisation).
 - From-scratch models (`model.path: null`) are initialised dense, from `seed`, on every rank, and
   each tp rank keeps its slice, so a tiny model starts from the same weights at tp = 1 and tp = 2.
+- Pipeline stages (`model.pp > 1`, dp = world / (tp x pp)): each rank builds its stage (from scratch:
+  its layers of the one dense initialisation; from a checkpoint: `stage_from_pretrained`), every rank
+  of a pp group collates the same whole batch, and the update is `Pipeline.train_step` (1F1B over
+  `model.microbatches` micro-batches) with the objective's `stage_loss` (a micro-batch's summed loss on
+  the last stage) over the global count, so loss and gradients equal the pp = 1 step; the gradient
+  sync over dp and the clip over tp x pp are `TrainableRole.optimizer_step`'s, as at pp = 1. Only
+  objectives that implement `stage_inputs` / `stage_loss` run at pp > 1 (SFT); others stop at start-up.
+  A frozen reference stays at pp = 1 and scores on every rank the batch its pp group holds.
 - Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position and the
   progress counters are checkpoint state; the learning rate is a function of the step
   (`megalign.trainers.optim.lr_at`).
@@ -35,7 +43,6 @@ import time
 from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
@@ -166,11 +173,13 @@ class Objective(Generic[E]):
         tensors `stage_loss` reads) of `batch`; every rank of the pp group passes the whole batch."""
         raise NotImplementedError
 
-    def stage_loss(self, model: CausalLM, output: torch.Tensor, rows: dict[str, torch.Tensor], layout: ParallelLayout,
-                   stats: MetricSums) -> torch.Tensor:
+    def stage_loss(self, model: CausalLM, output: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> torch.Tensor:
         """Pipelined objectives: the *summed* loss (0-dim) of one micro-batch on the last stage, from its `output`
         (the last stage's logits [b, T, V/tp]) and its rows of `stage_inputs`' tensors. The pipeline divides each by
-        the global `count`, so the sum over micro-batches and dp ranks is `loss`'s global value."""
+        the global `count`, so the sum over micro-batches and dp ranks is `loss`'s global value. It takes no
+        statistics: torch's schedule computes micro-batch 0's loss twice (`megalign.parallel.pipeline`), so sums
+        would need a per-micro-batch table (as `megalign.trainers.online.OnlineTrainer._pipeline_update` keeps)."""
         raise NotImplementedError
 
     def pipelined(self) -> bool:
@@ -387,7 +396,7 @@ class SupervisedTrainer(Trainer):
         with timer("forward_backward"):
             with self.policy.precision.autocast(layout.device):
                 if self.pipeline is not None:
-                    loss = self._pipeline_loss(batch, count, stats)
+                    loss = self._pipeline_loss(batch, count)
                 else:
                     loss = self.objective.loss(self.policy.model, batch, layout, count, stats)
                     loss.backward()
@@ -398,23 +407,19 @@ class SupervisedTrainer(Trainer):
                 self.skip_update("nan_skips", f"non-finite loss ({float(global_loss)}) or gradient norm "
                                               f"({float(grad_norm)})")
         totals = stats.reduce(layout.dp_group, layout.device)
-        if layout.pp > 1:  # the statistics exist on the last stage, where the loss runs; rank 0 (first stage) logs
-            box = [totals]
-            dist.broadcast_object_list(box, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
-            totals = box[0]
         elapsed = time.perf_counter() - start
         name = self.objective.count_name
         return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), name: float(count),
                 f"{name}_per_s": float(count) / elapsed, **self.objective.metrics(totals),
                 "epoch": float(self.sampler.epoch), **timer.metrics(), **memory_report()}
 
-    def _pipeline_loss(self, batch, count: torch.Tensor, stats: MetricSums) -> torch.Tensor:
+    def _pipeline_loss(self, batch, count: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss (detached, on every pp rank) after one 1F1B forward + backward of `batch`:
         the objective's summed micro-batch losses (`stage_loss`, last stage) over the global `count`."""
         model, layout = self.policy.model, self.layout
         input_ids, attention_mask, rows = self.objective.stage_inputs(batch)
         return self.pipeline.train_step(
-            input_ids, lambda output, mb: self.objective.stage_loss(model, output, mb, layout, stats),
+            input_ids, lambda output, mb: self.objective.stage_loss(model, output, mb, layout),
             count.clamp(min=1), attention_mask=attention_mask, batch=rows)
 
     def evaluate(self) -> Optional[float]:

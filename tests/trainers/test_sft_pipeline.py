@@ -7,14 +7,13 @@ import re
 import pytest
 import torch
 from parallel.dist_utils import run_distributed
-from trainers.helpers import metric_rows
-import torch.distributed.checkpoint as dcp
+from trainers.helpers import compare_runs, metric_rows, whole_model
 
-from megalign.checkpoint import CheckpointManager
 from megalign.config import load_config
 from megalign.trainers.sft import SFTConfig, train_sft
 
 LAYERS = 2
+SFT_METRICS = ("loss", "grad_norm", "tokens")
 
 
 def tiny(run_dir, *overrides) -> SFTConfig:
@@ -26,52 +25,8 @@ def tiny(run_dir, *overrides) -> SFTConfig:
         "eval.max_samples=0", "tensorboard=false", "export_hf=false", "save_every=1", "keep_last=10", *overrides])
 
 
-def whole_model(run_dir, step, pp, tp):
-    """Checkpoint `step`'s model tensors as whole-model names (global layer index, tp shards concatenated),
-    read by this process alone; a tied LM-head copy of the last stage is returned as `lm_head.copy`."""
-    reader = dcp.FileSystemReader(CheckpointManager(run_dir).path(step))
-    meta = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    per_stage = LAYERS // pp
-    shards: dict[str, list] = {}
-    for key, value in state.items():
-        t, s, name = re.match(r"model\.tp(\d+)_pp(\d+)\.(.*)", key).groups()
-        name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{int(m[1]) + int(s) * per_stage}.", name)
-        shards.setdefault(name, [None] * tp)[int(t)] = value
-    return shards
-
-
-def gathered(parts, like):
-    """The whole tensor shaped like `like` from its tp `parts`: one copy when replicated, else the shards
-    concatenated along the dim where they are smaller (Megatron's vocabulary padding rows dropped)."""
-    if parts[0].shape == like.shape:
-        return parts[0]
-    dim = next(d for d in range(like.dim()) if parts[0].shape[d] != like.shape[d])
-    return torch.cat(parts, dim).narrow(dim, 0, like.shape[dim])
-
-
 def _train(run_dir, *overrides):
     train_sft(tiny(run_dir, *overrides))
-
-
-def compare_runs(ref_dir, run_dir, pp, tp, steps=2):
-    """Metrics (loss, grad norm) per step and the weights after every step equal the tp=1 x pp=1 run's (weights to
-    1e-5 absolute: Adam divides a near-zero gradient element's rounding by its own tiny root mean square)."""
-    for a, b in zip(metric_rows(ref_dir), metric_rows(run_dir), strict=True):
-        for key in ("loss", "grad_norm", "tokens"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
-    for step in range(1, steps + 1):
-        ref = {k: v[0] for k, v in whole_model(ref_dir, step, 1, 1).items()}
-        got = whole_model(run_dir, step, pp, tp)
-        copy = got.pop("lm_head.proj.weight", None) if "lm_head.proj.weight" not in ref else None
-        assert sorted(got) == sorted(ref)
-        for name, value in ref.items():
-            torch.testing.assert_close(gathered(got[name], value), value, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, step=step, name=name: f"step {step} {name}: {m}")
-        if copy is not None:  # tied: the last stage's LM-head copy stays equal to the embedding
-            torch.testing.assert_close(gathered(copy, ref["model.embed.weight"]), ref["model.embed.weight"],
-                                       rtol=1e-5, atol=1e-6)
 
 
 def hf_logits(path):
@@ -87,7 +42,7 @@ def test_pp2_step_equals_unpipelined(tmp_path, tied):
     overrides = (f"model.tie_word_embeddings={str(tied).lower()}", "export_hf=true")
     run_distributed(_train, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, str(tmp_path / "pp2"), "model.pp=2", *overrides, world_size=2)
-    compare_runs(tmp_path / "ref", tmp_path / "pp2", pp=2, tp=1)
+    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, SFT_METRICS)
     assert os.path.exists(tmp_path / "pp2" / "hf" / "model.safetensors.index.json")  # one shard per stage
     tokenizer_files = set(os.listdir(tmp_path / "ref" / "hf")) - {"model.safetensors"}
     assert tokenizer_files <= set(os.listdir(tmp_path / "pp2" / "hf")), tokenizer_files
@@ -101,11 +56,11 @@ def test_tp2_pp2_step_equals_unpipelined(tmp_path):
     overrides = ("model.tie_word_embeddings=false", "export_hf=true")
     run_distributed(_train, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, str(tmp_path / "tp2pp2"), "model.tp=2", "model.pp=2", *overrides, world_size=4)
-    compare_runs(tmp_path / "ref", tmp_path / "tp2pp2", pp=2, tp=2)
+    compare_runs(tmp_path / "ref", tmp_path / "tp2pp2", 2, 2, LAYERS, SFT_METRICS)
     torch.testing.assert_close(hf_logits(tmp_path / "tp2pp2" / "hf"), hf_logits(tmp_path / "ref" / "hf"),
                                rtol=1e-5, atol=1e-5)
     run_distributed(_train, str(tmp_path / "pp2dp2"), "model.pp=2", *overrides, world_size=4)
-    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", pp=2, tp=1)
+    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, SFT_METRICS)
 
 
 def _resume(tmp):
@@ -119,7 +74,7 @@ def _resume(tmp):
 
 def test_pp2_resumes_exactly(tmp_path):
     run_distributed(_resume, str(tmp_path), world_size=2)
-    straight, split = whole_model(tmp_path / "straight", 3, 2, 1), whole_model(tmp_path / "split", 3, 2, 1)
+    straight, split = whole_model(tmp_path / "straight", 3, 2, 1, LAYERS), whole_model(tmp_path / "split", 3, 2, 1, LAYERS)
     assert sorted(straight) == sorted(split)
     for name in straight:
         torch.testing.assert_close(split[name][0], straight[name][0], rtol=0, atol=0, msg=name)
