@@ -54,7 +54,7 @@ from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts, make_splits, write_jsonl
 from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
-from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline
+from megalign.parallel import MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline
 from megalign.algos.grpo import aggregate_loss, loss_normalizer
 from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole
 from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
@@ -461,29 +461,25 @@ class OnlineTrainer(Trainer):
         algorithm's `micro_loss` on the last stage's hidden states, aggregated over the mini-batch's global
         count) as each micro-batch's loss, so the gradient equals the unpipelined loop's.
 
-        Returns (the mini-batch loss, detached, on every pp rank; the summed statistics [n_stats], on the last
-        stage). torch's schedule computes micro-batch 0's loss twice (`megalign.parallel.pipeline`: shapes are
-        inferred from it), so each micro-batch's statistics are written to its own slot of a table (the repeat
-        overwrites, on the device: no host sync) rather than added up."""
+        Returns (the mini-batch loss, detached, on every pp rank; the summed statistics [n_stats] on the last
+        stage, each micro-batch counted once: `MicroBatchSums`)."""
         size, layout = self.cfg.algo.micro_batch_size, role.layout
         if len(rows) % size or len(rows) // size < layout.pp:
             raise ValueError(f"{role.name} at pp={layout.pp}: a mini-batch of {len(rows)} responses must split into at "
                              f"least pp micro-batches of algo.micro_batch_size={size} (rollout.prompts_per_step x "
                              f"group_size / dp / algo.mini_batches)")
-        n_micro = len(rows) // size
-        table = torch.zeros(n_micro, n_stats, dtype=torch.float64, device=layout.device)
-        slots = torch.arange(n_micro, device=layout.device).repeat_interleave(size)
+        sums = MicroBatchSums(len(rows) // size, len(rows), layout.device)
 
         def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
             share, stats = share_of(mb["rows"], normalizer, hidden)
-            table.index_copy_(0, mb["slot"][:1], stats[None])
+            sums.put("stats", mb["slot"], stats)
             return share
 
         with role.precision.autocast(layout.device):
-            loss = Pipeline(role.model.model, layout, n_micro).train_step(
+            loss = Pipeline(role.model.model, layout, len(rows) // size).train_step(
                 batch.sequences[rows], loss_fn, 1.0, attention_mask=batch.attention_mask[rows],
-                batch={"rows": rows, "slot": slots})
-        return loss, table.sum(0)
+                batch={"rows": rows, "slot": sums.slots})
+        return loss, sums.sums().get("stats", torch.zeros(n_stats, dtype=torch.float64, device=layout.device))
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
         """[N, R] no-grad log-probs of the batch's responses under `role`, in micro-batches."""

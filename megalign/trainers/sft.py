@@ -128,9 +128,9 @@ class SFTObjective(Objective[SFTExample]):
     def stage_inputs(self, batch: SFTBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         return batch.input_ids, batch.attention_mask, {"targets": batch.targets}
 
-    def stage_loss(self, model: CausalLM, output: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> torch.Tensor:
-        return nll_sum(model, output, rows["targets"], layout)
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        return nll_sum(model, model.lm_head(hidden), rows["targets"], layout), {}
 
 
 def train_sft(cfg: SFTConfig) -> TrainResult:

@@ -27,7 +27,8 @@ Design choices:
   `model.microbatches` micro-batches) with the objective's `stage_loss` (a micro-batch's summed loss on
   the last stage) over the global count, so loss and gradients equal the pp = 1 step; the gradient
   sync over dp and the clip over tp x pp are `TrainableRole.optimizer_step`'s, as at pp = 1. Only
-  objectives that implement `stage_inputs` / `stage_loss` run at pp > 1 (SFT); others stop at start-up.
+  objectives that implement `stage_inputs` / `stage_loss` run at pp > 1 (SFT, the pairwise losses of
+  `preference`); others stop at start-up. Their statistics come from the last stage, broadcast over pp.
   A frozen reference stays at pp = 1 and scores on every rank the batch its pp group holds.
 - Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position and the
   progress counters are checkpoint state; the learning rate is a function of the step
@@ -43,6 +44,7 @@ import time
 from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
@@ -50,8 +52,8 @@ from megalign.data import PromptExample, PromptSampler, Tokenizer
 from megalign.models import (CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, stage_from_pretrained,
                              tensor_parallel_config)
 from megalign.models.hf_adapter import scalar_head_from_pretrained
-from megalign.parallel import (MixedPrecision, ParallelLayout, Pipeline, pp_tied_parameters, stage_layer_range,
-                               tp_sharded_parameters)
+from megalign.parallel import (MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline, pp_tied_parameters,
+                               stage_layer_range, tp_sharded_parameters)
 from megalign.parallel.collectives import all_reduce
 from megalign.roles import DTYPES, ModelRoleConfig, Reference
 from megalign.roles.actor import TrainableRole
@@ -173,13 +175,13 @@ class Objective(Generic[E]):
         tensors `stage_loss` reads) of `batch`; every rank of the pp group passes the whole batch."""
         raise NotImplementedError
 
-    def stage_loss(self, model: CausalLM, output: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> torch.Tensor:
-        """Pipelined objectives: the *summed* loss (0-dim) of one micro-batch on the last stage, from its `output`
-        (the last stage's logits [b, T, V/tp]) and its rows of `stage_inputs`' tensors. The pipeline divides each by
-        the global `count`, so the sum over micro-batches and dp ranks is `loss`'s global value. It takes no
-        statistics: torch's schedule computes micro-batch 0's loss twice (`megalign.parallel.pipeline`), so sums
-        would need a per-micro-batch table (as `megalign.trainers.online.OnlineTrainer._pipeline_update` keeps)."""
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Pipelined objectives: (the *summed* loss (0-dim) of one micro-batch on the last stage, its statistics as
+        {name: (total, count)} like `MetricSums.add_means` takes), from `hidden` (the last stage's trunk output
+        [b, T, H]; the head is `model.lm_head`) and the micro-batch's rows of `stage_inputs`' tensors. The
+        pipeline divides each loss by the global `count`, so the sum over micro-batches and dp ranks is `loss`'s
+        global value; a micro-batch holds `B / microbatches` consecutive rows of `stage_inputs`."""
         raise NotImplementedError
 
     def pipelined(self) -> bool:
@@ -295,7 +297,7 @@ class SupervisedTrainer(Trainer):
         self.policy = TrainableRole("policy", model, layout, precision, cfg.model.offload_weights, False,
                                     build_optimizer(model, cfg.optim, layout), cfg.optim.grad_clip)
         if layout.pp > 1:
-            self.pipeline = Pipeline(model, layout, cfg.model.n_microbatches)
+            self.pipeline = Pipeline(model.model, layout, cfg.model.n_microbatches)  # the head runs in `stage_loss`
         self.reference: Optional[Reference] = None
         if self.objective.needs_reference():
             ref_path = cfg.reference.path or cfg.model.path
@@ -396,7 +398,7 @@ class SupervisedTrainer(Trainer):
         with timer("forward_backward"):
             with self.policy.precision.autocast(layout.device):
                 if self.pipeline is not None:
-                    loss = self._pipeline_loss(batch, count)
+                    loss = self._pipeline_loss(batch, count, stats)
                 else:
                     loss = self.objective.loss(self.policy.model, batch, layout, count, stats)
                     loss.backward()
@@ -413,14 +415,28 @@ class SupervisedTrainer(Trainer):
                 f"{name}_per_s": float(count) / elapsed, **self.objective.metrics(totals),
                 "epoch": float(self.sampler.epoch), **timer.metrics(), **memory_report()}
 
-    def _pipeline_loss(self, batch, count: torch.Tensor) -> torch.Tensor:
+    def _pipeline_loss(self, batch, count: torch.Tensor, stats: MetricSums) -> torch.Tensor:
         """This rank's share of the loss (detached, on every pp rank) after one 1F1B forward + backward of `batch`:
-        the objective's summed micro-batch losses (`stage_loss`, last stage) over the global `count`."""
+        the objective's summed micro-batch losses (`stage_loss`, last stage) over the global `count`.
+
+        The statistics go to `stats` on every pp rank (summed per micro-batch once, `MicroBatchSums`, then
+        broadcast from the last stage: one host sync per step)."""
         model, layout = self.policy.model, self.layout
         input_ids, attention_mask, rows = self.objective.stage_inputs(batch)
-        return self.pipeline.train_step(
-            input_ids, lambda output, mb: self.objective.stage_loss(model, output, mb, layout),
-            count.clamp(min=1), attention_mask=attention_mask, batch=rows)
+        sums = MicroBatchSums(self.cfg.model.n_microbatches, len(input_ids), layout.device)
+
+        def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss, metrics = self.objective.stage_loss(model, hidden, mb, layout)
+            for name, (total, n) in metrics.items():
+                sums.put(name, mb["slot"], torch.stack([torch.as_tensor(total), torch.as_tensor(n)]).double())
+            return loss
+
+        loss = self.pipeline.train_step(input_ids, loss_fn, count.clamp(min=1), attention_mask=attention_mask,
+                                        batch={**rows, "slot": sums.slots})
+        box = [{name: values.tolist() for name, values in sums.sums().items()}]
+        dist.broadcast_object_list(box, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
+        stats.add_means(box[0])
+        return loss
 
     def evaluate(self) -> Optional[float]:
         return self.objective.evaluate(self)
