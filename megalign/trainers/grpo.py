@@ -129,8 +129,9 @@ class GRPOTrainer(OnlineTrainer):
         """The micro-batch loss `train_role` runs: GRPO's clipped policy loss [+ beta * KL] and its sums."""
         cfg, algo = self.cfg, self.cfg.algo
 
-        def loss(rows):
-            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature)
+        def loss(rows, hidden=None):  # hidden: the last pipeline stage's output for `rows` at actor.pp > 1
+            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature,
+                                                          hidden=hidden)
             mask = batch.response_mask[rows]
             per_token, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask,
                                                       algo.beta, batch.ref_logp[rows] if batch.ref_logp is not None else None)

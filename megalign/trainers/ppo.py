@@ -50,7 +50,7 @@ from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path
 from megalign.trainers.logging import memory_report
-from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, _check_role_tp
+from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
 from megalign.trainers.policy_options import PolicyLossOptions
 
@@ -168,12 +168,14 @@ class PPOTrainer(OnlineTrainer):
         algo = cfg.algo
         if algo.reward_normalize and cfg.reward.model is None:
             raise ValueError("algo.reward_normalize=true needs a reward model (reward.model)")
+        if cfg.actor.pp > 1 or cfg.critic.pp > 1:
+            raise ValueError(f"PPO runs at actor.pp=1 and critic.pp=1 (got {cfg.actor.pp} and {cfg.critic.pp}): the "
+                             f"critic's values have no pipelined path yet")
         self.score_stats = reward_stats(cfg.reward.model.path) if algo.reward_normalize else None
         super().__init__(cfg)
-        _check_role_tp("critic", cfg.critic.tp, cfg.actor.tp)
         path = cfg.critic.path or (cfg.reward.model.path if cfg.reward.model is not None else cfg.actor.path)
         check_model_path(path, "critic.path")
-        layout = self.layout_for(cfg.critic.tp)
+        layout = self.role_layout("critic", cfg.critic)
         model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed)
         self.check_model(model, "critic.path", path, *self.longest)
         precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
