@@ -1,4 +1,11 @@
 """Pure loss and advantage functions of the alignment algorithms; no models, no process groups unless passed in."""
+from megalign.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    discounted_returns,
+    estimator,
+    reinforce_plus_plus,
+)
 from megalign.algos.common import MetricSum
 from megalign.algos.grpo import (
     LOSS_AGGREGATIONS,
@@ -29,12 +36,15 @@ from megalign.algos.preference import (
     reward_model_loss,
     simpo_loss,
 )
+from megalign.algos.policy_losses import POLICY_LOSSES, cispo_loss, gspo_loss, ppo_loss, select_policy_loss
 from megalign.algos.prm import IGNORE_INDEX, PRMStats, math_shepherd_labels, prm_loss, prm_token_loss
 
 __all__ = [
     "LOSS_AGGREGATIONS", "LossAggregation", "aggregate_loss", "informative_groups", "loss_normalizer",
     "overlong_mask", "overlong_penalty", "response_advantages",
     "MetricSum",
+    "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "discounted_returns", "estimator", "reinforce_plus_plus",
+    "POLICY_LOSSES", "cispo_loss", "gspo_loss", "ppo_loss", "select_policy_loss",
     "DPO_LOSSES", "DPOLoss", "ORPO_MAX_AVG_LOGP", "PreferenceStats", "cpo_loss", "dpo_loss", "orpo_loss",
     "reward_model_loss", "simpo_loss",
     "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_reference_point",

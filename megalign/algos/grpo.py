@@ -24,7 +24,9 @@ advantages on every response token. Its descendants change a few pieces, each ch
   divides by the number of responses (as the "seq-mean" in the name says), so the scale does not
   grow with the batch size.
 - advantages (`response_advantages`): `megalign.ops.group_advantages` in mode grpo (std-normalised),
-  dr_grpo (mean-centred only) or rloo (leave-one-out), broadcast over the response tokens.
+  dr_grpo (mean-centred only) or rloo (leave-one-out), broadcast over the response tokens; the
+  trainers pick estimators from `megalign.algos.advantages.ADVANTAGE_ESTIMATORS`, which holds these
+  three and REINFORCE++.
 - dynamic sampling (`informative_groups`, DAPO): a group whose rewards are all equal has zero
   advantage everywhere and contributes no gradient, so it is dropped and replaced.
 - overlong handling (`overlong_mask`, `overlong_penalty`, DAPO section 3.4): a response cut at the

@@ -10,7 +10,7 @@ skip-the-step check, `all_finite`, is a collective and lives in `megalign.parall
 """
 from megalign.checkpoint.hf_export import export_hf
 from megalign.checkpoint.manager import CheckpointManager, checkpoint_step
-from megalign.checkpoint.resume import check_resume_config, config_changes, write_run_config
+from megalign.checkpoint.resume import check_resume_config, config_changes, with_defaults, write_run_config
 from megalign.checkpoint.state import (
     ModelState,
     OptimizerState,
@@ -23,5 +23,5 @@ from megalign.checkpoint.state import (
 __all__ = [
     "CheckpointManager", "checkpoint_step", "ModelState", "OptimizerState", "RNGState",
     "capture_rng_state", "restore_rng_state", "nonfinite_keys", "export_hf",
-    "check_resume_config", "config_changes", "write_run_config",
+    "check_resume_config", "config_changes", "with_defaults", "write_run_config",
 ]

@@ -1,9 +1,11 @@
-"""Export of a trained model in Hugging Face format, from any data x tensor-parallel layout.
+"""Export of a trained model in Hugging Face format, from any data x tensor x pipeline-parallel layout.
 
 `save_hf_checkpoint` already gathers tp shards onto tp rank 0 and writes atomically (temporary name,
 rename) and refuses NaN weights. What it leaves to the caller under data parallelism is choosing one
 replica: every dp replica holds the same weights, so only dp rank 0's tp group writes, and a barrier
-makes the files visible to every rank when `export_hf` returns.
+makes the files visible to every rank when `export_hf` returns. Pipeline stages (pp > 1) write one
+safetensors shard each plus an index (`save_hf_checkpoint` with the layout), which `transformers` loads
+as any sharded checkpoint.
 
 Given the run's tokenizer, the same writing rank (dp rank 0, tp rank 0) also writes its files
 (`Tokenizer.save`) and a `generation_config.json` with its bos / eos / pad ids, before the barrier,
@@ -53,18 +55,17 @@ def save_tokenizer_files(tokenizer: Tokenizer, path: str) -> None:
 
 def export_hf(model, path: Union[str, os.PathLike], layout: Optional[ParallelLayout] = None,
               tokenizer: Optional[Tokenizer] = None, architecture: Optional[str] = None) -> str:
-    """Write `model` (a whole-model `CausalLM` / `ValueModel` / `RewardModel`, tp-sharded or not) to `path`.
+    """Write `model` (a `CausalLM` / `ValueModel` / `RewardModel`, tp-sharded or not, whole or this rank's
+    pipeline stage with `layout.pp > 1`) to `path`.
 
     With `tokenizer`, also its files and generation_config.json (module doc). `architecture` as in
     `save_hf_checkpoint` (e.g. a critic's `LlamaForTokenClassification`). Collective when a
     process group exists: every rank calls it. Returns `path`.
     """
-    if layout is not None and layout.pp > 1:
-        raise ValueError("export_hf: pipeline-parallel models are exported stage by stage, which is not supported; "
-                         f"got pp={layout.pp}")
     if layout is None or layout.dp_rank == 0:
-        save_hf_checkpoint(model, path, architecture)
-        if tokenizer is not None and model.model.factory.tp_rank == 0:  # the rank that wrote the weights
+        save_hf_checkpoint(model, path, architecture, layout)
+        first_stage = layout is None or layout.is_first_stage  # at pp > 1 the first stage renames the folder into place
+        if tokenizer is not None and model.model.factory.tp_rank == 0 and first_stage:
             save_tokenizer_files(tokenizer, os.fspath(path))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

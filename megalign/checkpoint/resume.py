@@ -11,7 +11,9 @@ Design choices:
 
 - The configs are compared as plain nested dicts (`megalign.config.to_dict`), key by key, down to
   the leaves of nested sections; a list is one value. A key present on one side only (a section
-  that is None on one side, a field added in a newer version) differs as `<absent>` on the other.
+  that is None on one side) differs as `<absent>` on the other. A key added to the config class
+  after the checkpoint was written is not a change while it keeps its default (new keys default to
+  the old behaviour): `with_defaults` fills the saved config in before the comparison.
 - `free_keys` are dotted prefixes of keys that may change without changing what the run computes
   (where it logs, how often it saves, where it runs). A prefix covers the key itself and everything
   inside it: "eval" covers "eval" and "eval.batch_size" (and "eval[0]"), but not "eval_path". A free
@@ -33,7 +35,7 @@ import os
 import re
 from typing import Any, Collection, Mapping, Optional, Union
 
-from megalign.config import ConfigError, atomic_write_text, config_yaml, key_is_under
+from megalign.config import ConfigError, atomic_write_text, config_yaml, from_dict, key_is_under, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,20 @@ def _leaf_diff(old: Any, new: Any, prefix: str, out: list[tuple[str, Any, Any]],
             _leaf_diff(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}.{key}" if prefix else str(key), out, keys)
     elif old != new:
         out.append((prefix, old, new))
+
+
+def with_defaults(cls: type, saved: Optional[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
+    """The checkpoint's config `saved` with every key `cls` gained since, at its default (module doc).
+
+    A saved config that no longer loads into `cls` (a key since removed or renamed, a value now
+    rejected) is returned as it is, so the comparison shows those keys as they were.
+    """
+    if saved is None:
+        return None
+    try:
+        return to_dict(from_dict(cls, saved))
+    except ConfigError:
+        return saved
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any],

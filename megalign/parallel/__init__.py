@@ -27,7 +27,7 @@ from .layers import (
 )
 from .layout import ParallelLayout, group_ranks, rank_coords
 from .logprob import fused_linear_token_logprob, vocab_parallel_token_logprob
-from .pipeline import Pipeline, stage_layer_range
+from .pipeline import MicroBatchSums, Pipeline, stage_layer_range
 from .precision import MixedPrecision
 
 __all__ = [
@@ -38,5 +38,5 @@ __all__ = [
     "vocab_parallel_token_logprob", "fused_linear_token_logprob",
     "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "allreduce_embedding_gradients",
     "pp_tied_parameters", "MixedPrecision",
-    "Pipeline", "stage_layer_range",
+    "MicroBatchSums", "Pipeline", "stage_layer_range",
 ]

@@ -19,7 +19,8 @@ Design choices:
   from the first micro-batch (torch's dynamic metadata mode), so batches of any sequence length work
   without declaring shapes. The price: every call runs micro-batch 0 once more through each stage's
   forward (and, in training, the last stage's backward) plus one small metadata send per stage, i.e.
-  ~1/n_microbatches extra compute. Declaring static shapes (`input_args` / `output_args`) would remove
+  ~1/n_microbatches extra compute, and micro-batch 0's `loss_fn` runs twice: statistics taken inside it
+  go through `MicroBatchSums`, where the repeat overwrites instead of adding. Declaring static shapes (`input_args` / `output_args`) would remove
   it, but the last stage's output shape depends on the head and the score function, so it is not done.
 - Per-micro-batch loss inputs. torch's schedule calls `loss_fn(output, target)` with `target` split on
   dim 0 like the inputs, and nothing else split per micro-batch (`loss_kwargs` are the same for all).
@@ -107,6 +108,31 @@ class _ScoredStage(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
         return self.score_fn(self.model(x, attention_mask=attention_mask), _select_rows(self.batch, rows))
+
+
+class MicroBatchSums:
+    """Sums of statistics taken inside a pipelined loss function, each micro-batch counted once.
+
+    torch's schedule calls micro-batch 0's loss function twice (module notes), so adding up would count it twice.
+    Instead each micro-batch writes its values to its own row: pass `slots` (`[B]`, the micro-batch index of
+    every row) in `train_step`'s `batch`, and call `put(name, batch_mb["slot"], values)` in the loss function; a
+    repeat overwrites. `sums()` adds the rows. Everything stays on the device (no host sync).
+    """
+
+    def __init__(self, n_microbatches: int, batch_size: int, device: torch.device):
+        self.n_microbatches = n_microbatches
+        self.slots = torch.arange(n_microbatches, device=device).repeat_interleave(batch_size // n_microbatches)
+        self.table: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, slot: torch.Tensor, values: torch.Tensor) -> None:
+        """Record `values` (any shape, k elements) of statistic `name` for the micro-batch whose `slot` rows these are."""
+        values = values.detach().reshape(1, -1)
+        row = self.table.setdefault(name, values.new_zeros(self.n_microbatches, values.shape[1]))
+        row.index_copy_(0, slot[:1], values)
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """{name: [k] sum over the micro-batches} of what was `put` (on the last stage; empty elsewhere)."""
+        return {name: table.sum(0) for name, table in self.table.items()}
 
 
 class Pipeline:

@@ -11,6 +11,12 @@ Design choices:
   temperature divides the logits exactly as during sampling, so on-policy ratios start at 1.
 - Precision: the actor keeps fp32 master weights and computes in bf16 under autocast when its dtype
   is bf16 (`megalign.parallel.MixedPrecision`); the frozen reference simply stores bf16 weights.
+- Pipeline stages (`layout.pp > 1`, the model from `stage_from_pretrained`): the pipeline runs the
+  trunk (`model.model`) and the head runs inside the last stage's per-micro-batch function
+  (`head_logprobs` on its hidden states), so logits exist one micro-batch at a time. Scores
+  (`pipeline_logprobs`) are broadcast from the last stage over the pp group: every rank of a pp group
+  holds the whole rollout batch, and every phase after scoring reads them there. Rollouts go through
+  `pipeline_rollout` (the engine's per-sample streams, so the same samples as at pp = 1).
 - `TrainableRole` is what the PPO critic (`megalign.roles.critic`) reuses: a model, a ZeRO-1 AdamW whose state is the
   "optimizer" offload part, gradient sync over dp, global-norm clipping and a skipped update when
   anything is non-finite.
@@ -21,12 +27,13 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megalign.models import CausalLM
-from megalign.parallel import (MixedPrecision, ParallelLayout, all_finite, allreduce_gradients, clip_grad_norm_,
-                               vocab_parallel_token_logprob)
+from megalign.parallel import (MixedPrecision, ParallelLayout, Pipeline, all_finite, allreduce_gradients,
+                               clip_grad_norm_, vocab_parallel_token_logprob)
 from megalign.roles.base import ModelRole, optimizer_slots
-from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, rollout
+from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, pipeline_rollout, rollout
 
 
 def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor, targets: torch.Tensor,
@@ -74,6 +81,29 @@ class PolicyRole(ModelRole):
         """[B, R] fp32 log-probs of the responses, without gradient (old or reference log-probs)."""
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature)
+
+    @torch.no_grad()
+    def pipeline_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                          temperature: float, micro_batch_size: int) -> torch.Tensor:
+        """`logprobs` of a pipeline stage (`layout.pp > 1`): the forward-only schedule over micro-batches of
+        `micro_batch_size` rows (B must be a multiple of it, in at least pp micro-batches), the head on the last
+        stage, the [B, R] result broadcast from it to every rank of the pp group (module doc)."""
+        layout, model = self.layout, self.model
+        b = sequences.shape[0]
+        if b % micro_batch_size or b // micro_batch_size < layout.pp:
+            raise ValueError(f"{self.name} at pp={layout.pp}: {b} rows must split into at least pp micro-batches of "
+                             f"micro_batch_size={micro_batch_size}")
+
+        def score(hidden: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+            return head_logprobs(model, layout, hidden[:, -response_len - 1:-1], rows["targets"], temperature)
+
+        with self.precision.autocast(layout.device):
+            out = Pipeline(model.model, layout, b // micro_batch_size).score(
+                sequences, score, attention_mask=attention_mask, batch={"targets": sequences[:, -response_len:]})
+        if out is None:
+            out = torch.empty(b, response_len, dtype=torch.float32, device=layout.device)
+        dist.broadcast(out, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
+        return out
 
 
 class Reference(PolicyRole):
@@ -135,11 +165,20 @@ class Actor(TrainableRole):
         trainer), so a resumed run samples the same."""
         seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device))
         with self.precision.autocast(self.layout.device):
+            if self.layout.pp > 1:
+                return pipeline_rollout(self.model, input_ids, attention_mask, group_size, params, seed, self.layout)
             return rollout(self.model, input_ids, attention_mask, group_size, params, seed, engine)
 
     def logprobs_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [B, R], entropy [B, R]) with gradient through the log-probs, for the policy loss."""
+                           temperature: float, hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, R], entropy [B, R]) with gradient through the log-probs, for the policy loss.
+
+        hidden: at pp > 1, the last stage's trunk output [B, P + R, H] for these rows (inside the 1F1B
+        schedule, `OnlineTrainer.train_role`); the head then runs on it (already under the schedule's autocast).
+        """
+        if hidden is not None:
+            return head_logprobs(self.model, self.layout, hidden[:, -response_len - 1:-1], sequences[:, -response_len:],
+                                 temperature, with_entropy=True)
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
                                      with_entropy=True)

@@ -35,14 +35,25 @@ class ModelRoleConfig:
     """Where a model role's weights come from and how it is placed."""
 
     path: Optional[str] = option(None, doc="HF checkpoint folder (reference: None = the actor's path)")
-    tp: int = option(1, doc="tensor-parallel size of this role (dp = world_size / tp)")
+    tp: int = option(1, doc="tensor-parallel size of this role (dp = world_size / (tp x pp))")
+    pp: int = option(1, doc="pipeline stages of this role: its decoder layers split evenly over pp ranks (1F1B updates, "
+                            "forward-only scoring; dp = world_size / (tp x pp))")
+    microbatches: int = option(0, doc="pp > 1: micro-batches per pipelined forward / backward (>= pp, dividing the "
+                                      "rank's batch); 0: pp")
     dtype: Literal["fp32", "bf16"] = option(
         "fp32", doc="trained roles: bf16 = bf16 compute over fp32 master weights; frozen roles: the weights' dtype")
     offload_weights: bool = option(False, doc="move the weights to host memory in phases that do not use them")
 
     def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
+        if self.microbatches < 0:
+            raise ValueError(f"microbatches must be >= 0 (0: pp), got {self.microbatches}")
+
+    @property
+    def n_microbatches(self) -> int:
+        """Micro-batches of this role's pipeline schedules (`microbatches`, or pp when it is 0)."""
+        return self.microbatches or self.pp
 
 
 class _Slot:

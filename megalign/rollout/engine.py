@@ -35,7 +35,8 @@ with far less work:
 - Tensor parallelism: every tp rank runs the same schedule (its decisions come from tokens that are
   identical on all ranks: the logits are all-gathered exactly and the sampled token is broadcast from
   tp rank 0, as in `generate`; the seed is broadcast once), so the ranks stay in lock step.
-- Pipeline parallelism is not handled here: `pipeline_generate` keeps the simple loop.
+- Pipeline parallelism is not handled here: `pipeline_rollout` gives the same samples through
+  `pipeline_generate`'s simple loop (the same streams, none of the batching above).
 
 Costs (for U prompts, G samples, lengths n_i): prefill sum_p |prompt p| tokens instead of G times
 that; decode sum_i n_i row-steps plus at most (sync_every - 1) per sample, instead of U * G * max_i n_i.
@@ -54,7 +55,10 @@ from megalign.config import option
 from megalign.models import CausalLM
 from megalign.models.decoder import KVCache, SlotKVCache
 
-from .generate import GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits
+from megalign.parallel.layout import ParallelLayout
+
+from .generate import (GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits,
+                       pipeline_generate)
 
 _U64 = 2 ** 64
 _GOLDEN = 0x9E3779B97F4A7C15 - _U64  # as int64
@@ -404,3 +408,34 @@ def rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tens
                      keys.to(device=input_ids.device, dtype=torch.long), logits_processor)
     out = state.run()
     return out, state.stats
+
+
+@torch.no_grad()
+def pipeline_rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int,
+                     params: SamplingParams, seed: int, layout: ParallelLayout) -> tuple[GenerationOutput, RolloutStats]:
+    """`rollout` for `model` this rank's pipeline stage (`layout.pp > 1`): the same samples for the same `seed`
+    (each sample's tokens drawn from its own stream, `stream_keys(seed, prompt p, sample g)` at response step s,
+    as the engine draws them), decoded by `pipeline_generate`'s simple loop over the prompts repeated G times
+    (no shared-prompt prefill or continuous batching, and the stages take turns: see `pipeline_generate`).
+
+    Every rank of the pp group passes the same prompts and seed and gets the same output; the statistics count
+    the whole call as decode time (`prefill_s` 0: the loop does not time its prefill apart).
+    """
+    start = time.perf_counter()
+    mask = _check_prompts(input_ids, attention_mask)
+    prompts = input_ids.shape[0]
+    device = input_ids.device
+    keys = stream_keys(seed, torch.arange(prompts, device=device).repeat_interleave(group_size),
+                       torch.arange(group_size, device=device).repeat(prompts))
+
+    def draw(logits: torch.Tensor, step: int, agree) -> tuple[torch.Tensor, torch.Tensor]:
+        uniforms = None if params.temperature == 0 else stream_uniforms(keys, torch.full_like(keys, step))
+        return pick_tokens(logits, params, uniforms, agree)
+
+    out = pipeline_generate(model, input_ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0),
+                            params, layout, draw=draw)
+    _sync(device)
+    generated = out.attention_mask[:, input_ids.shape[1]:]
+    stats = RolloutStats(prefill_tokens=int(mask.sum()) * group_size, decode_tokens=int(generated.sum()),
+                         decode_s=time.perf_counter() - start, decode_steps=generated.shape[1])
+    return out, stats

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, write_run_config
+from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, with_defaults, write_run_config
 from megalign.config import option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
@@ -188,6 +188,30 @@ def check_model_path(path: str, key: str) -> None:
             f"--config examples/sft_arith.yaml, which writes runs/sft_arith/hf)")
 
 
+def check_stages(num_layers: int, pp: int, key: str, what: str) -> None:
+    """ValueError naming `key`.pp and `what` (where the layer count comes from) unless pp splits the layers evenly."""
+    if num_layers % pp:
+        raise ValueError(f"{key}.pp={pp} does not divide the {num_layers} decoder layers of {what}: every pipeline "
+                         f"stage holds num_layers / pp layers")
+
+
+def check_same_batch(layout: ParallelLayout, key: str, data_layout: ParallelLayout, data_key: str) -> None:
+    """How data moves between two roles' layouts on the same ranks, checked: a role computes on the batch its ranks
+    hold, and the batches are split by `data_layout`'s dp coordinate (every rank of a `data_key` tp x pp replica holds
+    that replica's whole batch, pipeline stages included). So each replica of the role (its ranks with one dp
+    coordinate: its tp group x pp group) must lie inside one `data_key` replica; then no data moves: a role at pp = 1
+    beside a pp > 1 model scores the batch on every stage's ranks (redundantly), and a role's tp group sees one batch.
+    ValueError naming both layouts and the offending ranks otherwise (e.g. reference.tp=2 beside model.tp=1, dp=2)."""
+    for replica in range(layout.dp):
+        ranks = [r for r in range(layout.world_size) if layout.coords(r)["dp"] == replica]
+        batches = sorted({data_layout.coords(r)["dp"] for r in ranks})
+        if len(batches) > 1:
+            raise ValueError(
+                f"{key}.tp={layout.tp} x {key}.pp={layout.pp} does not fit {data_key}.tp={data_layout.tp} x "
+                f"{data_key}.pp={data_layout.pp}: ranks {ranks} (one {key} replica) hold the batches of {data_key} "
+                f"dp ranks {batches} of dp={data_layout.dp}; a {key} replica must lie inside one {data_key} replica")
+
+
 class Trainer:
     """The lifecycle of one run (module doc); subclasses implement `train_step` and the hooks below."""
 
@@ -202,12 +226,12 @@ class Trainer:
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' but CUDA is not available")
         self.rank = dist.get_rank()
-        self._layouts: dict[int, ParallelLayout] = {}
+        self._layouts: dict[tuple[int, int], ParallelLayout] = {}
         self._accepted_vocab: set[int] = set()
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
         self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
         if self.resume_from is not None:
-            check_resume_config(self.checkpoints.saved_config(self.resume_from), to_dict(cfg),
+            check_resume_config(with_defaults(type(cfg), self.checkpoints.saved_config(self.resume_from)), to_dict(cfg),
                                 RUN_FREE_KEYS + self.free_keys(), cfg.resume_changes == "allow",
                                 checkpoint=self.resume_from)
         if self.rank == 0:
@@ -219,11 +243,17 @@ class Trainer:
 
     # ----- set-up helpers for subclasses
 
-    def layout_for(self, tp: int) -> ParallelLayout:
-        """The layout with tensor-parallel size `tp` (dp = world / tp), built once and shared by the roles that use it."""
-        if tp not in self._layouts:
-            self._layouts[tp] = ParallelLayout.build(tp=tp, device_type=self.device_type)
-        return self._layouts[tp]
+    def layout_for(self, tp: int, pp: int = 1, key: str = "model") -> ParallelLayout:
+        """The layout with tensor-parallel size `tp` and `pp` pipeline stages (dp = world / (tp x pp)), built once
+        and shared by the roles that use it; `key` (the role's config key, e.g. "actor") names the settings in the
+        error when tp x pp does not divide the world size."""
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ValueError(f"{key}.tp={tp} x {key}.pp={pp} = {tp * pp} does not divide the world size {world}: "
+                             f"dp = world / (tp x pp) must be a whole number")
+        if (tp, pp) not in self._layouts:
+            self._layouts[tp, pp] = ParallelLayout.build(tp=tp, pp=pp, device_type=self.device_type)
+        return self._layouts[tp, pp]
 
     def build_tokenizer(self, cfg: TokenizerConfig, model_path: Optional[str]) -> Tokenizer:
         """The run's tokenizer (`megalign.data.build_tokenizer`: by default the model folder's own, when it has one)."""

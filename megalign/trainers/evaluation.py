@@ -21,7 +21,7 @@ from megalign.data import PromptExample, Tokenizer
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import get_reward
-from megalign.rollout.generate import SamplingParams, generate
+from megalign.rollout.generate import SamplingParams, generate, pipeline_generate
 
 
 @dataclasses.dataclass
@@ -63,11 +63,17 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
 
 @torch.no_grad()
 def generate_responses(model, examples: Sequence[PromptExample], tokenizer: Tokenizer, params: SamplingParams,
-                       device, generator: Optional[torch.Generator] = None) -> tuple[list[str], list[bool]]:
+                       device, generator: Optional[torch.Generator] = None,
+                       layout: Optional[ParallelLayout] = None) -> tuple[list[str], list[bool]]:
     """(decoded responses, whether each ended with EOS) of one generation batch of `examples`' prompts
-    (`left_pad`ded); `model` is this rank's (tp shard of the) `CausalLM`, in whatever mode the caller set."""
+    (`left_pad`ded); `model` is this rank's (tp shard of the) `CausalLM`, in whatever mode the caller set,
+    or its pipeline stage when `layout.pp > 1` (`pipeline_generate`: every rank of the pp group passes the
+    same prompts and gets the same responses)."""
     ids, mask = left_pad([e.prompt_ids for e in examples], tokenizer.pad_id, device)
-    out = generate(model, ids, mask, params, generator)
+    if layout is not None and layout.pp > 1:
+        out = pipeline_generate(model, ids, mask, params, layout, generator)
+    else:
+        out = generate(model, ids, mask, params, generator)
     rows = out.sequences[:, ids.shape[1]:].tolist()
     return [tokenizer.decode(row) for row in rows], [tokenizer.eos_id in row for row in rows]
 
@@ -89,7 +95,7 @@ def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tok
     model.eval()
     for start in range(0, len(mine), cfg.batch_size):
         chunk = mine[start:start + cfg.batch_size]
-        responses, _ = generate_responses(model, chunk, tokenizer, params, layout.device)
+        responses, _ = generate_responses(model, chunk, tokenizer, params, layout.device, layout=layout)
         score += sum(metric([e.prompt_text for e in chunk], responses, [e.answer for e in chunk],
                             [e.metadata for e in chunk]))
         samples += [(e.prompt_text, r, e.answer) for e, r in zip(chunk, responses)][:5 - len(samples)]

@@ -3,10 +3,13 @@
 One step (every rank, after `megalign.trainers.cli.init_distributed`):
 
     sample prompts -> actor generates G responses each -> reward role scores them -> [overlong
-    penalty] -> [dynamic sampling: drop groups of equal rewards, generate more rounds] -> group
-    advantages -> old log-probs (from the rollout, or recomputed) -> reference log-probs (only when
-    beta > 0; otherwise the reference role does not exist) -> ppo_epochs x mini-batches of
-    policy_loss + loss aggregation -> metrics (then checkpoint / eval cadence from the skeleton).
+    penalty] -> [dynamic sampling: drop groups of equal rewards, generate more rounds] -> old
+    log-probs (from the rollout, or recomputed) -> reference log-probs (only when beta > 0 or the
+    estimator puts the KL in the reward; otherwise the reference role does not exist) -> advantages
+    (`algo.advantage`, one of `megalign.algos.advantages.ADVANTAGE_ESTIMATORS`: grpo, dr_grpo, rloo,
+    reinforce_plus_plus, reinforce_plus_plus_baseline) -> ppo_epochs x mini-batches of the policy
+    loss (`algo.policy_loss`: ppo, cispo, gspo; `megalign.trainers.policy_options`) + loss
+    aggregation -> metrics (then checkpoint / eval cadence from the skeleton).
 
 Design choices:
 
@@ -29,30 +32,35 @@ from typing import Literal, Optional
 
 import torch
 
-from megalign.algos.grpo import (LOSS_AGGREGATIONS, informative_groups,
-                                 overlong_mask, overlong_penalty, response_advantages)
+from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
+from megalign.algos.grpo import LOSS_AGGREGATIONS, informative_groups, overlong_mask, overlong_penalty
+from megalign.algos.ppo import KL_IN_REWARD
 from megalign.config import option
-from megalign.ops.policy_loss import policy_loss
 from megalign.parallel.collectives import all_reduce
 from megalign.trainers.base import MetricSums, TrainResult
 from megalign.trainers.logging import memory_report
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import lr_at
+from megalign.trainers.policy_options import PolicyLossOptions
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class AlgoConfig:
-    """The objective: clipping, KL, loss aggregation, advantages, dynamic sampling, overlong handling, epochs."""
+class AlgoConfig(PolicyLossOptions):
+    """The objective: policy loss, clipping, KL, loss aggregation, advantages, dynamic sampling, overlong handling, epochs."""
 
     eps_low: float = option(0.2, doc="lower clip: ratio >= 1 - eps_low")
     eps_high: Optional[float] = option(None, doc="upper clip, ratio <= 1 + eps_high (DAPO's clip-higher, e.g. 0.28); null: eps_low")
     dual_clip: Optional[float] = option(None, doc="dual-clip bound c > 1 for negative advantages (Ye et al. 2020); null: off")
-    beta: float = option(0.0, doc="k3 KL coefficient against the reference; 0 skips the reference role entirely")
+    beta: float = option(0.0, doc="k3 KL coefficient against the reference (a loss term); 0 with no reward KL skips the reference role")
     loss_agg: str = option("token-mean", doc=f"loss aggregation: {', '.join(LOSS_AGGREGATIONS)}")
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = option("grpo", doc="group advantage mode")
+    advantage: str = option("grpo", doc=f"advantage estimator: {', '.join(ADVANTAGE_ESTIMATORS)}")
     advantage_eps: float = option(1e-6, doc="added to the group std (grpo mode)")
+    kl_coef: float = option(0.01, doc="reinforce_plus_plus*: -kl_coef * KL_t in the per-token reward (OpenRLHF's "
+                                      "default); 0: no reference for it; the group estimators ignore it")
+    kl_estimator: str = option("k1", doc=f"reinforce_plus_plus*: the KL_t of the reward, one of {', '.join(KL_IN_REWARD)}")
+    gamma: float = option(1.0, doc="reinforce_plus_plus*: discount of the returns G_t = r_t + gamma G_t+1")
     dynamic_sampling: bool = option(False, doc="drop groups whose rewards are all equal and generate more (DAPO)")
     max_sampling_rounds: int = option(3, doc="dynamic sampling: generation rounds per step at most")
     overlong: Literal["none", "mask", "penalty"] = option(
@@ -69,6 +77,12 @@ class AlgoConfig:
             raise ValueError("beta, eps_low and eps_high must be >= 0")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        estimator(self.advantage)
+        if self.kl_estimator not in KL_IN_REWARD:
+            raise ValueError(f"kl_estimator must be one of {list(KL_IN_REWARD)}, got {self.kl_estimator!r}")
+        if not self.kl_coef >= 0 or not 0 <= self.gamma <= 1:
+            raise ValueError(f"kl_coef must be >= 0 and gamma in [0, 1], got kl_coef={self.kl_coef}, gamma={self.gamma}")
+        self.check_policy_loss()
         for name in ("max_sampling_rounds", "overlong_buffer", "mini_batches", "ppo_epochs", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -90,7 +104,11 @@ class GRPOTrainer(OnlineTrainer):
     name = "GRPO"
 
     def needs_reference(self) -> bool:
-        return self.cfg.algo.beta > 0
+        return self.cfg.algo.beta > 0 or self.reward_kl()
+
+    def reward_kl(self) -> bool:
+        """Whether the advantage estimator puts -kl_coef * KL_t in the per-token reward."""
+        return estimator(self.cfg.algo.advantage).token_kl and self.cfg.algo.kl_coef > 0
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         if self.cfg.algo.overlong == "penalty":
@@ -111,12 +129,12 @@ class GRPOTrainer(OnlineTrainer):
         """The micro-batch loss `train_role` runs: GRPO's clipped policy loss [+ beta * KL] and its sums."""
         cfg, algo = self.cfg, self.cfg.algo
 
-        def loss(rows):
-            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature)
+        def loss(rows, hidden=None):  # hidden: the last pipeline stage's output for `rows` at actor.pp > 1
+            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature,
+                                                          hidden=hidden)
             mask = batch.response_mask[rows]
-            per_token, stats = policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask,
-                                           algo.eps_low, algo.eps_high, algo.dual_clip, algo.beta,
-                                           batch.ref_logp[rows] if batch.ref_logp is not None else None)
+            per_token, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask,
+                                                      algo.beta, batch.ref_logp[rows] if batch.ref_logp is not None else None)
             count = stats.count
             return per_token, [stats.clip_frac * count, stats.approx_kl * count, stats.kl_mean * count,
                                (entropy.detach() * mask).sum(), count]
@@ -131,8 +149,6 @@ class GRPOTrainer(OnlineTrainer):
         batch, generated, counts = self.collect()
         if algo.overlong == "mask":
             batch.response_mask = overlong_mask(batch.response_mask, batch.finished)
-        batch.advantages = response_advantages(batch.rewards, batch.response_mask, cfg.rollout.group_size,
-                                               algo.advantage, algo.advantage_eps)
         if cfg.rollout.old_logprobs == "recompute":
             with self.phase("old_logprobs", actor=("weights",)):
                 batch.old_logp = self.score_logprobs(self.actor, batch, algo.micro_batch_size)
@@ -141,6 +157,11 @@ class GRPOTrainer(OnlineTrainer):
         if self.reference is not None:
             with self.phase("reference", reference=("weights",)):
                 batch.ref_logp = self.score_logprobs(self.reference, batch, algo.micro_batch_size)
+        in_reward = self.reward_kl()
+        batch.advantages = estimator(algo.advantage).fn(
+            batch.rewards, batch.response_mask, cfg.rollout.group_size, eps=algo.advantage_eps,
+            logp=batch.old_logp if in_reward else None, ref_logp=batch.ref_logp if in_reward else None,
+            kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, gamma=algo.gamma, group=dp)
         lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
         sums = MetricSums()
         rewards = generated.rewards.double()

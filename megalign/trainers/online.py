@@ -31,6 +31,13 @@ Design choices:
 - Rollouts go through `megalign.rollout.rollout`: each prompt is prefilled once for its G samples and
   finished rows leave the decode batch (`rollout.engine`); `rollout_metrics` holds the step's prefill
   and decode throughputs (this rank's) for the algorithm's metrics.
+- Layouts: each role has its own tp x pp (`role_layout`, dp = world / (tp x pp)); a role's replica must lie
+  inside one actor replica (`check_same_batch`), because data never moves between layouts: every rank of
+  an actor tp x pp replica holds the replica's whole rollout batch (its stages sample the same prompts
+  and get the same `pipeline_rollout` output), a pp = 1 role scores it on every rank, and a pp > 1
+  role's log-probs are broadcast from its last stage over its pp group (`PolicyRole.pipeline_logprobs`).
+  The update at pp > 1 runs each mini-batch through 1F1B (`train_role`: `micro_loss(rows, hidden)` gets
+  the last stage's hidden states). The reward model and PPO's critic are pp = 1 only.
 - Placement: every role lives on every rank; before each phase every role is told which of its parts
   the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
   and phase is logged as `memory/<phase>/<role>_mib`.
@@ -48,14 +55,15 @@ import torch.distributed as dist
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts, make_splits, write_jsonl
-from megalign.models import from_pretrained
-from megalign.parallel import MixedPrecision
+from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
+from megalign.parallel import MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline
 from megalign.algos.grpo import aggregate_loss, loss_normalizer
 from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole
 from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig, check_safety_field
 from megalign.trainers.prm import load_prm_info
 from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
-from megalign.trainers.base import DataConfig, MetricSums, RunConfig, Trainer, check_model_path
+from megalign.trainers.base import (DataConfig, MetricSums, RunConfig, Trainer, check_model_path, check_same_batch,
+                                    check_stages)
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
 from megalign.trainers.optim import OptimConfig, build_optimizer, set_lr
 
@@ -186,13 +194,6 @@ def prompt_datasets(cfg: PromptDataConfig, tokenizer: Tokenizer, run_dir: str) -
     return load_prompts(path, **load), (load_prompts(eval_path, **load) if eval_path is not None else None)
 
 
-def _check_role_tp(name: str, tp: int, actor_tp: int) -> None:
-    """A role sees the actor's batches; its tp group must lie inside one actor tp group (same data)."""
-    if actor_tp % tp:
-        raise ValueError(f"{name}.tp={tp} must divide actor.tp={actor_tp}: a role's tp ranks must hold the same "
-                         f"batch, which they do inside one actor tp group")
-
-
 class _RankState:
     """Per-rank trainer state for the checkpoint: the rollout generator and the reward error counters.
 
@@ -236,7 +237,7 @@ class OnlineTrainer(Trainer):
 
     def __init__(self, cfg: OnlineConfig):
         super().__init__(cfg)
-        self.layout = self.layout_for(cfg.actor.tp)
+        self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor")
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
         check_model_path(cfg.actor.path, "actor.path")
@@ -261,17 +262,16 @@ class OnlineTrainer(Trainer):
                 longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
 
         self.longest = (longest, what)  # for roles a subclass adds (the PPO critic): `check_model`'s length
-        model = from_pretrained(cfg.actor.path, layout=self.layout)
+        model = self.load_role_model("actor", cfg.actor, self.layout)
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
         self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,
                            build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip)
         self.reference = None
         if self.needs_reference():
-            _check_role_tp("reference", cfg.reference.tp, cfg.actor.tp)
-            ref_layout = self.layout_for(cfg.reference.tp)
-            ref_model = from_pretrained(cfg.reference.path or cfg.actor.path, layout=ref_layout,
-                                        dtype=DTYPES[cfg.reference.dtype])
+            ref_layout = self.role_layout("reference", cfg.reference)
+            ref_model = self.load_role_model("reference", cfg.reference, ref_layout, cfg.reference.path or cfg.actor.path,
+                                             dtype=DTYPES[cfg.reference.dtype])
             self.check_model(ref_model, "reference.path", cfg.reference.path or cfg.actor.path, longest, what)
             self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
         self.reward = Reward(cfg.reward, [self.reward_model(key, model_cfg, longest, what)
@@ -291,10 +291,28 @@ class OnlineTrainer(Trainer):
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
 
+    def role_layout(self, key: str, cfg: ModelRoleConfig) -> ParallelLayout:
+        """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a
+        role at pp = 1 beside a pp > 1 actor scores the batch on every rank of the actor's pp group)."""
+        layout = self.layout_for(cfg.tp, cfg.pp, key)
+        check_same_batch(layout, key, self.layout, "actor")
+        return layout
+
+    def load_role_model(self, key: str, cfg: ModelRoleConfig, layout: ParallelLayout, path: Optional[str] = None,
+                        **kwargs):
+        """Role `key`'s model from `path` (default `cfg.path`) on `layout`: this rank's pipeline stage when pp > 1
+        (layers split evenly, checked naming the key), else the whole (tp-sharded) model."""
+        path = path or cfg.path
+        if layout.pp == 1:
+            return from_pretrained(path, layout=layout, **kwargs)
+        check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, key, f"{key} {path!r}")
+        return stage_from_pretrained(path, layout, **kwargs)
+
     def reward_model(self, key: str, cfg: RewardModelConfig, longest: int, what: str):
         """The reward-model role of config `key` on its own layout and dtype, checked against the run."""
-        _check_role_tp(key, cfg.tp, self.cfg.actor.tp)
-        layout = self.layout_for(cfg.tp)
+        if cfg.pp > 1:
+            raise ValueError(f"{key}.pp={cfg.pp}: reward models score at pp=1 (beside an actor at any pp); set {key}.pp=1")
+        layout = self.role_layout(key, cfg)
         if cfg.kind == "outcome":
             model = from_pretrained(cfg.path, kind="reward", layout=layout, dtype=DTYPES[cfg.dtype])
             self.check_model(model, f"{key}.path", cfg.path, longest, what)
@@ -419,15 +437,16 @@ class OnlineTrainer(Trainer):
         return batch.sequences[rows], batch.attention_mask[rows], self.cfg.rollout.max_response_length
 
     def train_role(self, role: TrainableRole, lr: float, batch: RolloutBatch, names: tuple[str, ...],
-                   micro_loss: Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]],
+                   micro_loss: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]],
                    sums: MetricSums, prefix: str) -> list[torch.Tensor]:
         """`algo.ppo_epochs` x `algo.mini_batches` optimizer updates of `role` on this rank's batch.
 
         `micro_loss(rows)` gives the per-token loss [b, R] of a micro-batch and the sums named `names`
-        (0-d tensors); each loss is aggregated with `algo.loss_agg` over the mini-batch's global count
-        (`loss_normalizer`, every dp rank), so micro-batching and dp do not change the gradient. The loss
-        and the sums are added to `sums` as `prefix/<name>`, kept on the device (no host sync per
-        micro-batch). Returns the gradient norm of each update. A rank with fewer rows than another still
+        (0-d tensors); at `role.layout.pp > 1` it is called as `micro_loss(rows, hidden)` on the last stage,
+        with the trunk's output [b, P + R, H] for those rows (`_pipeline_update`). Each loss is aggregated
+        with `algo.loss_agg` over the mini-batch's global count (`loss_normalizer`, every dp rank), so
+        micro-batching, pp and dp do not change the gradient. The loss and the sums are added to `sums` as
+        `prefix/<name>`, kept on the device (no host sync per micro-batch). Returns the gradient norm of each update. A rank with fewer rows than another still
         joins every collective (its empty micro-batches are skipped).
         """
         algo, dp = self.cfg.algo, self.layout.dp_group
@@ -435,32 +454,74 @@ class OnlineTrainer(Trainer):
         local = torch.zeros(len(names), dtype=torch.float64, device=self.layout.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.layout.device)
         norms = []
+
+        def share_of(micro: torch.Tensor, normalizer: torch.Tensor,
+                     hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            """(this micro-batch's share of the mini-batch loss, its sums [len(names)] fp64)."""
+            loss, stats = micro_loss(micro) if hidden is None else micro_loss(micro, hidden)
+            share = aggregate_loss(loss, batch.response_mask[micro], algo.loss_agg, normalizer,
+                                   self.cfg.rollout.max_response_length)
+            return share, torch.stack([s.detach().double() for s in stats])
+
         for _ in range(algo.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.generator, device=self.generator.device)
             for rows in torch.tensor_split(order, algo.mini_batches):
                 normalizer = loss_normalizer(batch.response_mask[rows], algo.loss_agg, dp)
                 mini_loss = torch.zeros((), device=self.layout.device)
-                for micro in torch.split(rows, algo.micro_batch_size):
+                if role.layout.pp > 1:
+                    mini_loss, stats = self._pipeline_update(role, batch, rows, normalizer, share_of, len(names))
+                    local += stats
+                for micro in (torch.split(rows, algo.micro_batch_size) if role.layout.pp == 1 else ()):
                     if micro.numel() == 0:
                         continue
-                    loss, stats = micro_loss(micro)
-                    share = aggregate_loss(loss, batch.response_mask[micro], algo.loss_agg, normalizer,
-                                           self.cfg.rollout.max_response_length)
+                    share, stats = share_of(micro, normalizer)
                     share.backward()
                     mini_loss = mini_loss + share.detach()
-                    local += torch.stack([s.detach().double() for s in stats])
+                    local += stats
                 stepped, norm = role.optimizer_step(mini_loss)
                 loss_sum += mini_loss.double()
                 norms.append(norm)
                 if not stepped:
                     self.skip_update("nan_skips", f"{role.name}: non-finite loss or gradient norm")
+        if role.layout.pp > 1:  # the sums were taken on the last stage, where the loss runs; every pp rank logs them
+            dist.broadcast(local, src=role.layout.stage_rank(role.layout.pp - 1), group=role.layout.pp_group)
         sums.add(f"{prefix}/loss", loss_sum)
         for name, value in zip(names, local):
             sums.add(f"{prefix}/{name}", value)
         return norms
 
+    def _pipeline_update(self, role: TrainableRole, batch: RolloutBatch, rows: torch.Tensor, normalizer: torch.Tensor,
+                         share_of: Callable, n_stats: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One 1F1B forward + backward of mini-batch `rows` through `role`'s pipeline stages (pp > 1): micro-batches
+        of `algo.micro_batch_size` rows, the trunk pipelined and `share_of(micro rows, normalizer, hidden)` (the
+        algorithm's `micro_loss` on the last stage's hidden states, aggregated over the mini-batch's global
+        count) as each micro-batch's loss, so the gradient equals the unpipelined loop's.
+
+        Returns (the mini-batch loss, detached, on every pp rank; the summed statistics [n_stats] on the last
+        stage, each micro-batch counted once: `MicroBatchSums`)."""
+        size, layout = self.cfg.algo.micro_batch_size, role.layout
+        if len(rows) % size or len(rows) // size < layout.pp:
+            raise ValueError(f"{role.name} at pp={layout.pp}: a mini-batch of {len(rows)} responses must split into at "
+                             f"least pp micro-batches of algo.micro_batch_size={size} (rollout.prompts_per_step x "
+                             f"group_size / dp / algo.mini_batches)")
+        sums = MicroBatchSums(len(rows) // size, len(rows), layout.device)
+
+        def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            share, stats = share_of(mb["rows"], normalizer, hidden)
+            sums.put("stats", mb["slot"], stats)
+            return share
+
+        with role.precision.autocast(layout.device):
+            loss = Pipeline(role.model.model, layout, len(rows) // size).train_step(
+                batch.sequences[rows], loss_fn, 1.0, attention_mask=batch.attention_mask[rows],
+                batch={"rows": rows, "slot": sums.slots})
+        return loss, sums.sums().get("stats", torch.zeros(n_stats, dtype=torch.float64, device=layout.device))
+
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
         """[N, R] no-grad log-probs of the batch's responses under `role`, in micro-batches."""
+        if role.layout.pp > 1:
+            return role.pipeline_logprobs(batch.sequences, batch.attention_mask, self.cfg.rollout.max_response_length,
+                                          self.cfg.rollout.temperature, micro_batch_size)
         n = len(batch)
         parts = [role.logprobs(*self.logprob_inputs(batch, slice(s, s + micro_batch_size)), self.cfg.rollout.temperature)
                  for s in range(0, n, micro_batch_size)]
@@ -490,4 +551,4 @@ class OnlineTrainer(Trainer):
         cfg = self.cfg
         return (f"{self.name}: {len(self.train_set)} training prompts, {len(self.held_out) if self.held_out else 0} "
                 f"held-out, G={cfg.rollout.group_size}, {cfg.rollout.prompts_per_step} prompts/step, layout "
-                f"tp={self.layout.tp} dp={self.layout.dp}, roles {[r.name for r in self.roles]}")
+                f"tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp}, roles {[r.name for r in self.roles]}")

@@ -57,13 +57,13 @@ from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.models import scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
-from megalign.ops.policy_loss import policy_loss
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path
 from megalign.trainers.logging import memory_report
-from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, _check_role_tp
+from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
+from megalign.trainers.policy_options import PolicyLossOptions
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ class CriticConfig(ModelRoleConfig):
 
 
 @dataclasses.dataclass
-class PPOAlgoConfig:
-    """The objective: rewards, KL, GAE, clipping, entropy bonus, warm-up, epochs."""
+class PPOAlgoConfig(PolicyLossOptions):
+    """The objective: policy loss, rewards, KL, GAE, clipping, entropy bonus, warm-up, epochs."""
 
     gamma: float = option(1.0, doc="GAE discount")
     lam: float = option(0.95, doc="GAE lambda (InstructGPT / TRL; verl and OpenRLHF now default 1.0)")
@@ -132,6 +132,7 @@ class PPOAlgoConfig:
         for name in ("mini_batches", "ppo_epochs", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.check_policy_loss()
 
     @property
     def uses_kl(self) -> bool:
@@ -184,12 +185,14 @@ class PPOTrainer(OnlineTrainer):
         if algo.reward_normalize and not normalized:
             raise ValueError("algo.reward_normalize=true needs a reward model (reward.model or an outcome model of "
                              "reward.models outside reward.gated)")
+        if cfg.actor.pp > 1 or cfg.critic.pp > 1:
+            raise ValueError(f"PPO runs at actor.pp=1 and critic.pp=1 (got {cfg.actor.pp} and {cfg.critic.pp}): the "
+                             f"critic's values have no pipelined path yet")
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         super().__init__(cfg)
-        _check_role_tp("critic", cfg.critic.tp, cfg.actor.tp)
         path = cfg.critic.path or (outcome[0].path if outcome else cfg.actor.path)
         check_model_path(path, "critic.path")
-        layout = self.layout_for(cfg.critic.tp)
+        layout = self.role_layout("critic", cfg.critic)
         model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed)
         self.check_model(model, "critic.path", path, *self.longest)
         precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
@@ -263,8 +266,7 @@ class PPOTrainer(OnlineTrainer):
         def actor_loss(rows):
             logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature)
             m = mask[rows]
-            loss, stats = policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], m, algo.eps_low,
-                                      algo.eps_high, algo.dual_clip)
+            loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], m)
             kl_now = torch.zeros((), device=logp.device)
             if algo.kl_in == "loss" and self.reference is not None:
                 kl_tok = kl_penalty(logp, batch.ref_logp[rows], algo.kl_estimator) * m

@@ -17,6 +17,10 @@ Design choices:
   all-reduces the pair count before the forward and sums gradients), so dp = 2 equals dp = 1.
 - Metrics are TRL's (`rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, `rewards/margins`,
   `logps/*`, and `nll_loss` / `log_odds_*` where the loss has them), as means over the global batch.
+- Pipeline stages (`model.pp > 1`): the pairs' rows are interleaved (chosen 0, rejected 0, chosen 1,
+  ...) so each 1F1B micro-batch holds whole pairs, and the same per-pair losses (`pair_losses`) run on
+  the last stage's hidden states (`hidden_sequence_logps`); the reference stays at pp = 1 and scores
+  the batch on every rank of the policy's pp group.
 - The embedded task (data.path null): pairs of the arithmetic training problems, the correct
   `\\boxed{}` answer against a wrong one near it (`megalign.data.arith`), and held-out greedy
   accuracy on the arithmetic held-out split, so a DPO run continues the SFT warm start.
@@ -126,15 +130,21 @@ def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) ->
     log-probs, Rafailov et al. eq. 7), the same sum as the full-logits path in another order.
     Under autocast the head runs in the autocast dtype, as `F.linear` would.
     """
-    hidden = model.model(batch.input_ids, batch.attention_mask)  # [R, T, H]
-    rows, cols = (batch.targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    return hidden_sequence_logps(model, model.model(batch.input_ids, batch.attention_mask), batch.targets, layout)
+
+
+def hidden_sequence_logps(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
+                          layout: ParallelLayout) -> torch.Tensor:
+    """`sequence_logps` from the trunk's output `hidden` [R, T, H] (on a pipeline, the last stage's) and the
+    `targets` [R, T] (IGNORE_INDEX: no loss): [R] summed log-probs."""
+    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     logp = fused_linear_token_logprob(hidden[rows, cols].to(dtype), model.lm_head.proj.weight.to(dtype),
-                                      batch.targets[rows, cols],
+                                      targets[rows, cols],
                                       layout.tp_group if layout.tp > 1 else None, model.lm_head.vocab_start,
                                       vocab_size=model.config.vocab_size)  # [N] fp32
-    return logp.new_zeros(batch.targets.shape[0]).index_add(0, rows, logp)
+    return logp.new_zeros(targets.shape[0]).index_add(0, rows, logp)
 
 
 def arith_pairs(cfg: PreferenceDataConfig, run_dir: str) -> tuple[str, str]:
@@ -189,12 +199,36 @@ class PairwiseObjective(Objective[PreferenceExample]):
 
     def loss(self, model: CausalLM, batch: PairBatch, layout: ParallelLayout, global_count: torch.Tensor,
              stats: MetricSums) -> torch.Tensor:
-        algo = self.cfg.algo
         n = batch.margin.numel()
         logps = sequence_logps(model, batch, layout)
-        chosen, rejected = logps[:n], logps[n:]
         lengths = batch.response_lengths.float()
-        chosen_len, rejected_len = lengths[:n], lengths[n:]
+        ref = (None, None) if batch.ref_scores is None else (batch.ref_scores[:, 0], batch.ref_scores[:, 1])
+        losses, pair_stats = self.pair_losses(logps[:n], logps[n:], lengths[:n], lengths[n:], *ref)
+        stats.add_means(pair_stats.metrics())
+        return losses.sum() / global_count.clamp(min=1)
+
+    def stage_inputs(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Rows reordered chosen 0, rejected 0, chosen 1, ...: a pipeline micro-batch (consecutive rows, an even
+        number since the per-rank pairs split into the micro-batches) then holds whole pairs."""
+        n = batch.margin.numel()
+        order = torch.stack([torch.arange(n), torch.arange(n) + n], 1).flatten().to(batch.input_ids.device)
+        rows = {"targets": batch.targets[order], "lengths": batch.response_lengths.float()[order]}
+        if batch.ref_scores is not None:
+            rows["ref"] = batch.ref_scores.flatten()  # [B, 2] (chosen, rejected) -> the same interleaved order
+        return batch.input_ids[order], batch.attention_mask[order], rows
+
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        logps, lengths = hidden_sequence_logps(model, hidden, rows["targets"], layout), rows["lengths"]
+        ref = (rows["ref"][0::2], rows["ref"][1::2]) if "ref" in rows else (None, None)
+        losses, pair_stats = self.pair_losses(logps[0::2], logps[1::2], lengths[0::2], lengths[1::2], *ref)
+        return losses.sum(), pair_stats.metrics()
+
+    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
+                    rejected_len: torch.Tensor, ref_chosen: Optional[torch.Tensor], ref_rejected: Optional[torch.Tensor]):
+        """(per-pair losses [B], statistics) of `algo.loss` from the policy's summed log-probs [B] of the chosen and
+        rejected responses, their lengths [B] and (reference-based losses) the reference's summed log-probs [B]."""
+        algo = self.cfg.algo
         beta = algo.beta_value
         if algo.loss == "simpo":
             losses, pair_stats = simpo_loss(chosen, rejected, chosen_len, rejected_len, beta=beta,
@@ -204,12 +238,11 @@ class PairwiseObjective(Objective[PreferenceExample]):
         elif algo.loss == "orpo":
             losses, pair_stats = orpo_loss(chosen, rejected, chosen_len, rejected_len, lam=algo.lam)
         else:
-            losses, pair_stats = dpo_loss(chosen, rejected, batch.ref_scores[:, 0], batch.ref_scores[:, 1],
+            losses, pair_stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected,
                                           loss_type=algo.loss, beta=beta, label_smoothing=algo.label_smoothing,
                                           nll_coef=algo.nll_coef, chosen_lengths=chosen_len,
                                           rejected_lengths=rejected_len)
-        stats.add_means(pair_stats.metrics())
-        return losses.sum() / global_count.clamp(min=1)
+        return losses, pair_stats
 
 
 @dataclasses.dataclass

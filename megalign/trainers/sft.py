@@ -88,17 +88,22 @@ def build_data(cfg: SFTDataConfig, tokenizer: Tokenizer, max_prompt_length: int)
     return train, held_out
 
 
+def nll_sum(model: CausalLM, logits: torch.Tensor, targets: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """Summed -log p of the `targets` [B, T] (IGNORE_INDEX: left out) under `logits` [B, T, V_local] (0-dim fp32)."""
+    tp_group = layout.tp_group if layout.tp > 1 else None
+    logp = vocab_parallel_token_logprob(logits, targets, tp_group, model.lm_head.vocab_start,
+                                        vocab_size=model.config.vocab_size)  # [B, T], 0 where ignored
+    return -logp.sum()
+
+
 def sft_loss(model: CausalLM, batch: SFTBatch, layout: ParallelLayout, global_tokens: torch.Tensor) -> torch.Tensor:
     """This rank's share of the global-batch mean NLL per response token (0-dim fp32; module doc).
 
     `global_tokens`: the number of response tokens over all dp ranks (0-dim). Summed over dp ranks
     the returned values give the mean.
     """
-    tp_group = layout.tp_group if layout.tp > 1 else None
     logits = model(batch.input_ids, batch.attention_mask)  # [B, T, V_local]
-    logp = vocab_parallel_token_logprob(logits, batch.targets, tp_group, model.lm_head.vocab_start,
-                                        vocab_size=model.config.vocab_size)  # [B, T], 0 where ignored
-    return -logp.sum() / global_tokens.clamp(min=1)
+    return nll_sum(model, logits, batch.targets, layout) / global_tokens.clamp(min=1)
 
 
 class SFTObjective(Objective[SFTExample]):
@@ -119,6 +124,13 @@ class SFTObjective(Objective[SFTExample]):
     def loss(self, model: CausalLM, batch: SFTBatch, layout: ParallelLayout, global_count: torch.Tensor,
              stats: MetricSums) -> torch.Tensor:
         return sft_loss(model, batch, layout, global_count)
+
+    def stage_inputs(self, batch: SFTBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        return batch.input_ids, batch.attention_mask, {"targets": batch.targets}
+
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        return nll_sum(model, model.lm_head(hidden), rows["targets"], layout), {}
 
 
 def train_sft(cfg: SFTConfig) -> TrainResult:

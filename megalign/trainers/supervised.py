@@ -21,6 +21,15 @@ Design choices:
   split over ranks, and results do not depend on dp (Megatron's global-batch normalisation).
 - From-scratch models (`model.path: null`) are initialised dense, from `seed`, on every rank, and
   each tp rank keeps its slice, so a tiny model starts from the same weights at tp = 1 and tp = 2.
+- Pipeline stages (`model.pp > 1`, dp = world / (tp x pp)): each rank builds its stage (from scratch:
+  its layers of the one dense initialisation; from a checkpoint: `stage_from_pretrained`), every rank
+  of a pp group collates the same whole batch, and the update is `Pipeline.train_step` (1F1B over
+  `model.microbatches` micro-batches) with the objective's `stage_loss` (a micro-batch's summed loss on
+  the last stage) over the global count, so loss and gradients equal the pp = 1 step; the gradient
+  sync over dp and the clip over tp x pp are `TrainableRole.optimizer_step`'s, as at pp = 1. Only
+  objectives that implement `stage_inputs` / `stage_loss` run at pp > 1 (SFT, the pairwise losses of
+  `preference`); others stop at start-up. Their statistics come from the last stage, broadcast over pp.
+  A frozen reference stays at pp = 1 and scores on every rank the batch its pp group holds.
 - Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position and the
   progress counters are checkpoint state; the learning rate is a function of the step
   (`megalign.trainers.optim.lr_at`).
@@ -30,21 +39,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.data import PromptExample, PromptSampler, Tokenizer
-from megalign.models import CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, tensor_parallel_config
+from megalign.models import (CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, stage_from_pretrained,
+                             tensor_parallel_config)
 from megalign.models.hf_adapter import scalar_head_from_pretrained
-from megalign.parallel import MixedPrecision, ParallelLayout, tp_sharded_parameters
+from megalign.parallel import (MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline, pp_tied_parameters,
+                               stage_layer_range, tp_sharded_parameters)
 from megalign.parallel.collectives import all_reduce
 from megalign.roles import DTYPES, ModelRoleConfig, Reference
 from megalign.roles.actor import TrainableRole
-from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path
+from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path, check_same_batch, check_stages
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
 from megalign.trainers.logging import memory_report
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
@@ -157,6 +170,24 @@ class Objective(Generic[E]):
         """
         raise NotImplementedError
 
+    def stage_inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Pipelined objectives (model.pp > 1): (input_ids [B, T], attention_mask [B, T], {name: [B, ...]} per-row
+        tensors `stage_loss` reads) of `batch`; every rank of the pp group passes the whole batch."""
+        raise NotImplementedError
+
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Pipelined objectives: (the *summed* loss (0-dim) of one micro-batch on the last stage, its statistics as
+        {name: (total, count)} like `MetricSums.add_means` takes), from `hidden` (the last stage's trunk output
+        [b, T, H]; the head is `model.lm_head`) and the micro-batch's rows of `stage_inputs`' tensors. The
+        pipeline divides each loss by the global `count`, so the sum over micro-batches and dp ranks is `loss`'s
+        global value; a micro-batch holds `B / microbatches` consecutive rows of `stage_inputs`."""
+        raise NotImplementedError
+
+    def pipelined(self) -> bool:
+        """Whether the objective implements `stage_inputs` / `stage_loss` (required at model.pp > 1)."""
+        return type(self).stage_loss is not Objective.stage_loss
+
     def metrics(self, totals: dict[str, float]) -> dict[str, float]:
         """Logged metrics from the dp-reduced `stats` totals of a step; default: the means `stats.add_means` added."""
         return MetricSums.means(totals)
@@ -198,24 +229,33 @@ def scratch_config(cfg: PolicyModelConfig, tokenizer: Tokenizer) -> ModelConfig:
 
 
 def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
-    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp (module doc)."""
-    config = tensor_parallel_config(scratch_config(cfg, tokenizer), layout.tp)
+    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp and pp (module doc): this
+    rank's tp slices of its pipeline stage's layers (`stage_layer_range`) of the one dense initialisation; a tied
+    LM-head copy on the last stage starts as the embedding."""
+    dense_config = scratch_config(cfg, tokenizer)
+    config = tensor_parallel_config(dense_config, layout.tp)
     generator = torch.Generator().manual_seed(seed)
-    dense = CausalLM(config)
+    dense = CausalLM(dense_config)  # unpadded: the draws do not depend on tp's vocabulary padding
     with torch.no_grad():
         for p in dense.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, cfg.init_std, generator=generator)
-    if layout.tp == 1:
+    if layout.tp == 1 and layout.pp == 1 and config.padded_vocab_size == dense_config.padded_vocab_size:
         return dense.to(layout.device)
-    model = CausalLM(config, TensorParallelFactory(layout))
+    start, end = stage_layer_range(config.num_hidden_layers, layout)
+    model = CausalLM(config, TensorParallelFactory(layout), layer_range=(start, end))
     shard_dims = {id(p): dim for p, dim in tp_sharded_parameters(model).items()}
+    copies = {id(p) for p, is_copy in pp_tied_parameters(model).items() if is_copy}
     full = dict(dense.named_parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            src = full[name]
+            global_name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{int(m[1]) + start}.", name)
+            src = full["model.embed.weight" if id(p) in copies else global_name]
             if id(p) in shard_dims:
-                src = src.chunk(layout.tp, dim=shard_dims[id(p)])[layout.tp_rank]
+                dim = shard_dims[id(p)]
+                padded = src.new_zeros(p.shape[:dim] + (p.shape[dim] * layout.tp,) + p.shape[dim + 1:])
+                padded[tuple(slice(0, n) for n in src.shape)] = src  # vocabulary padding rows stay 0, as when loaded
+                src = padded.chunk(layout.tp, dim=dim)[layout.tp_rank]
             p.copy_(src)
     return model.to(layout.device)
 
@@ -227,23 +267,27 @@ class SupervisedTrainer(Trainer):
         super().__init__(cfg)
         self.name = name
         self.eval_before = cfg.model.path is not None  # a trained starting point is worth comparing with
-        self.layout = layout = self.layout_for(cfg.model.tp)
+        self.layout = layout = self.layout_for(cfg.model.tp, cfg.model.pp, "model")
         if cfg.batch_size % layout.dp:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of dp={layout.dp}")
         if cfg.model.path is not None:
             check_model_path(cfg.model.path, "model.path")
         self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.model.path)
         self.objective = objective_cls(cfg, self.tokenizer)
+        kind = self.objective.model_kind
+        self.pipeline: Optional[Pipeline] = None
+        if layout.pp > 1:
+            self._check_pipeline(cfg, name, kind)
         self.train_set, self.held_out = self.objective.examples()
         if not self.train_set:
             raise ValueError(f"{name}: no training examples left after loading (see the data/ counts in the log)")
-        kind = self.objective.model_kind
         if cfg.model.path is None:
             if kind != "causal_lm":
                 raise ValueError(f"model.path is required: a {kind} model starts from a checkpoint (e.g. an SFT export)")
             model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
         elif kind == "causal_lm":
-            model = from_pretrained(cfg.model.path, layout=layout)
+            model = (stage_from_pretrained(cfg.model.path, layout) if layout.pp > 1 else
+                     from_pretrained(cfg.model.path, layout=layout))
         else:
             model, _ = scalar_head_from_pretrained(cfg.model.path, kind, layout, cfg.seed)
         self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
@@ -252,16 +296,19 @@ class SupervisedTrainer(Trainer):
         precision = MixedPrecision(DTYPES[cfg.model.dtype] if cfg.model.dtype != "fp32" else None)
         self.policy = TrainableRole("policy", model, layout, precision, cfg.model.offload_weights, False,
                                     build_optimizer(model, cfg.optim, layout), cfg.optim.grad_clip)
+        if layout.pp > 1:
+            self.pipeline = Pipeline(model.model, layout, cfg.model.n_microbatches)  # the head runs in `stage_loss`
         self.reference: Optional[Reference] = None
         if self.objective.needs_reference():
             ref_path = cfg.reference.path or cfg.model.path
             if ref_path is None:
                 raise ValueError("reference.path (or model.path) is required: the objective compares with a frozen reference")
             check_model_path(ref_path, "reference.path" if cfg.reference.path else "model.path")
-            if layout.tp % cfg.reference.tp:
-                raise ValueError(f"reference.tp={cfg.reference.tp} must divide model.tp={layout.tp}: its tp ranks "
-                                 f"must hold the same batch")
-            ref_layout = self.layout_for(cfg.reference.tp)
+            if cfg.reference.pp > 1:
+                raise ValueError(f"reference.pp={cfg.reference.pp}: the supervised trainers score with a reference "
+                                 f"at pp=1 only (beside a model at any pp); set reference.pp=1")
+            ref_layout = self.layout_for(cfg.reference.tp, cfg.reference.pp, "reference")
+            check_same_batch(ref_layout, "reference", layout, "model")
             ref_model = from_pretrained(ref_path, layout=ref_layout, dtype=DTYPES[cfg.reference.dtype])
             self.check_model(ref_model, "reference.path", ref_path, self.objective.max_length(),
                              "the objective's longest example")
@@ -275,6 +322,24 @@ class SupervisedTrainer(Trainer):
         self.register_state("model", ModelState(model, layout))
         self.register_state("optim", OptimizerState(model, self.policy.optimizer, layout))
         self.register_state("sampler", self.sampler)
+
+    def _check_pipeline(self, cfg: SupervisedConfig, name: str, kind: str) -> None:
+        """Start-up checks of model.pp > 1, naming the settings: the objective and model kind pipeline, the layers
+        split evenly over the stages, and each dp rank's batch splits into the pipeline's micro-batches."""
+        pp, micro = cfg.model.pp, cfg.model.n_microbatches
+        if kind != "causal_lm" or not self.objective.pipelined():
+            raise ValueError(f"model.pp={pp}: the {name} objective has no pipelined loss ({kind} model); use model.pp=1")
+        if micro < pp:
+            raise ValueError(f"model.microbatches={micro} must be >= model.pp={pp} (1F1B fills every stage first)")
+        local = cfg.batch_size // self.layout.dp
+        if local % micro:
+            raise ValueError(f"batch_size={cfg.batch_size} / dp={self.layout.dp} = {local} examples per rank do not "
+                             f"split into model.microbatches={micro} equal micro-batches (0 means model.pp)")
+        if cfg.model.path is None:
+            check_stages(cfg.model.num_layers, pp, "model", "model.num_layers")
+        else:
+            check_stages(ModelConfig.from_hf(cfg.model.path).num_hidden_layers, pp, "model",
+                         f"model.path {cfg.model.path!r}")
 
     def free_keys(self) -> tuple[str, ...]:
         keys = ("model.offload_weights",)
@@ -313,7 +378,7 @@ class SupervisedTrainer(Trainer):
     def describe(self) -> str:
         return (f"{self.name}: {len(self.train_set)} training examples, {len(self.held_out or [])} held-out prompts, "
                 f"{sum(p.numel() for p in self.policy.parameters())} parameters per rank, "
-                f"layout tp={self.layout.tp} dp={self.layout.dp}")
+                f"layout tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp}")
 
     def train_step(self) -> dict[str, float]:
         cfg, layout, timer = self.cfg, self.layout, self.timer
@@ -332,8 +397,11 @@ class SupervisedTrainer(Trainer):
         stats = MetricSums()
         with timer("forward_backward"):
             with self.policy.precision.autocast(layout.device):
-                loss = self.objective.loss(self.policy.model, batch, layout, count, stats)
-            loss.backward()
+                if self.pipeline is not None:
+                    loss = self._pipeline_loss(batch, count, stats)
+                else:
+                    loss = self.objective.loss(self.policy.model, batch, layout, count, stats)
+                    loss.backward()
         with timer("update"):
             stepped, grad_norm = self.policy.optimizer_step(loss)
             global_loss = all_reduce(loss.detach(), layout.dp_group)
@@ -346,6 +414,29 @@ class SupervisedTrainer(Trainer):
         return {"loss": float(global_loss), "lr": lr, "grad_norm": float(grad_norm), name: float(count),
                 f"{name}_per_s": float(count) / elapsed, **self.objective.metrics(totals),
                 "epoch": float(self.sampler.epoch), **timer.metrics(), **memory_report()}
+
+    def _pipeline_loss(self, batch, count: torch.Tensor, stats: MetricSums) -> torch.Tensor:
+        """This rank's share of the loss (detached, on every pp rank) after one 1F1B forward + backward of `batch`:
+        the objective's summed micro-batch losses (`stage_loss`, last stage) over the global `count`.
+
+        The statistics go to `stats` on every pp rank (summed per micro-batch once, `MicroBatchSums`, then
+        broadcast from the last stage: one host sync per step)."""
+        model, layout = self.policy.model, self.layout
+        input_ids, attention_mask, rows = self.objective.stage_inputs(batch)
+        sums = MicroBatchSums(self.cfg.model.n_microbatches, len(input_ids), layout.device)
+
+        def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss, metrics = self.objective.stage_loss(model, hidden, mb, layout)
+            for name, (total, n) in metrics.items():
+                sums.put(name, mb["slot"], torch.stack([torch.as_tensor(total), torch.as_tensor(n)]).double())
+            return loss
+
+        loss = self.pipeline.train_step(input_ids, loss_fn, count.clamp(min=1), attention_mask=attention_mask,
+                                        batch={**rows, "slot": sums.slots})
+        box = [{name: values.tolist() for name, values in sums.sums().items()}]
+        dist.broadcast_object_list(box, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
+        stats.add_means(box[0])
+        return loss
 
     def evaluate(self) -> Optional[float]:
         return self.objective.evaluate(self)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from megalign.checkpoint import CheckpointManager, check_resume_config, config_changes, write_run_config
+from megalign.checkpoint import CheckpointManager, check_resume_config, config_changes, with_defaults, write_run_config
 from megalign.config import ConfigError, load_config, to_dict
 from megalign.trainers.sft import SFTConfig
 
@@ -81,6 +81,25 @@ def test_checkpoint_stores_the_resolved_config_and_it_round_trips_unchanged(tmp_
         f.write("- a list\n")
     with pytest.raises(ConfigError, match=r"step_00000004/config\.yaml' must hold a mapping, got list"):
         manager.saved_config(4)
+
+
+def test_a_key_added_since_the_checkpoint_is_no_change_at_its_default(tmp_path):
+    """A checkpoint written before `optim.fused` and `eval.batch_size` existed resumes while they keep
+    their defaults; a non-default value is a change, shown against the default; a key that no longer
+    exists still shows as removed."""
+    current = to_dict(load_config(SFTConfig, None, [f"run_dir={tmp_path}"]))
+    old = yaml.safe_load(yaml.safe_dump(current))
+    del old["optim"]["fused"], old["eval"]["batch_size"]
+    assert sorted(config_changes(old, current)) == [("eval.batch_size", "<absent>", current["eval"]["batch_size"]),
+                                                    ("optim.fused", "<absent>", False)]
+    assert config_changes(with_defaults(SFTConfig, old), current) == []
+    assert check_resume_config(with_defaults(SFTConfig, old), current, FREE, allow=False) == []
+    fused = to_dict(load_config(SFTConfig, None, [f"run_dir={tmp_path}", "optim.fused=true"]))
+    assert config_changes(with_defaults(SFTConfig, old), fused) == [("optim.fused", False, True)]
+    removed = dict(old, retired_key=3)  # no longer loads into SFTConfig: compared as saved
+    assert with_defaults(SFTConfig, removed) is removed
+    assert ("retired_key", 3, "<absent>") in config_changes(with_defaults(SFTConfig, removed), current)
+    assert with_defaults(SFTConfig, None) is None
 
 
 def test_run_config_keeps_every_earlier_config(tmp_path):

@@ -1,4 +1,5 @@
-"""Pieces shared by the trainer tests: NaN injection into a loss, warning capture, checkpointed weights.
+"""Pieces shared by the trainer tests: NaN injection into a loss, warning capture, checkpointed weights (also of
+pipeline x tensor-parallel runs, as whole-model tensors).
 
 Every trainer promises the same thing about a numerical blow-up (a non-finite loss skips the update,
 is warned and counted, and never reaches a checkpoint), so its tests use the same tools.
@@ -6,6 +7,7 @@ is warned and counted, and never reaches a checkpoint), so its tests use the sam
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -56,3 +58,49 @@ def assert_rows_close(a, b, tol=1e-5):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), k
+
+
+def whole_model(run_dir, step, pp, tp, layers, role="model"):
+    """Checkpoint `step`'s `role` tensors of a run at `tp` x `pp` over `layers` decoder layers under whole-model
+    names (global layer index), read by this process alone: {name: [tensor of each tp rank]}; a tied model's
+    last-stage LM-head copy is there as `lm_head.proj.weight`."""
+    reader = dcp.FileSystemReader(CheckpointManager(run_dir).path(step))
+    meta = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(f"{role}.")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    per_stage = layers // pp
+    shards: dict[str, list] = {}
+    for key, value in state.items():
+        t, s, name = re.match(rf"{role}\.tp(\d+)_pp(\d+)\.(.*)", key).groups()
+        name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{int(m[1]) + int(s) * per_stage}.", name)
+        shards.setdefault(name, [None] * tp)[int(t)] = value
+    return shards
+
+
+def gathered(parts, like):
+    """The whole tensor shaped like `like` from its tp `parts`: one copy when replicated, else the shards
+    concatenated along the dim where they are smaller (Megatron's vocabulary padding rows dropped)."""
+    if parts[0].shape == like.shape:
+        return parts[0]
+    dim = next(d for d in range(like.dim()) if parts[0].shape[d] != like.shape[d])
+    return torch.cat(parts, dim).narrow(dim, 0, like.shape[dim])
+
+
+def compare_runs(ref_dir, run_dir, pp, tp, layers, metrics, steps=2, role="model"):
+    """Run `run_dir` (at `tp` x `pp`) equals the tp=1 x pp=1 run `ref_dir` on the same global batches: the `metrics`
+    of every metrics.jsonl row to 1e-5, the checkpointed `role` weights after each of `steps` steps to 1e-5 absolute
+    (Adam divides a near-zero gradient element's rounding by its own tiny root mean square)."""
+    for a, b in zip(metric_rows(ref_dir), metric_rows(run_dir), strict=True):
+        for key in metrics:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
+    for step in range(1, steps + 1):
+        ref = {k: v[0] for k, v in whole_model(ref_dir, step, 1, 1, layers, role).items()}
+        got = whole_model(run_dir, step, pp, tp, layers, role)
+        copy = got.pop("lm_head.proj.weight", None) if "lm_head.proj.weight" not in ref else None
+        assert sorted(got) == sorted(ref)
+        for name, value in ref.items():
+            torch.testing.assert_close(gathered(got[name], value), value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, step=step, name=name: f"step {step} {name}: {m}")
+        if copy is not None:  # tied: the last stage's LM-head copy stays equal to the embedding
+            torch.testing.assert_close(gathered(copy, ref["model.embed.weight"]), ref["model.embed.weight"],
+                                       rtol=1e-5, atol=1e-6)
