@@ -37,7 +37,7 @@ Design choices:
   and get the same `pipeline_rollout` output), a pp = 1 role scores it on every rank, and a pp > 1
   role's log-probs are broadcast from its last stage over its pp group (`PolicyRole.pipeline_logprobs`).
   The update at pp > 1 runs each mini-batch through 1F1B (`train_role`: `micro_loss(rows, hidden)` gets
-  the last stage's hidden states). The reward model and PPO's critic are pp = 1 only.
+  the last stage's hidden states). Reward models and PPO's critic are pp = 1 only.
 - Placement: every role lives on every rank; before each phase every role is told which of its parts
   the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
   and phase is logged as `memory/<phase>/<role>_mib`.
