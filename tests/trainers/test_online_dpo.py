@@ -7,6 +7,10 @@ log pi_ref(y_l)) (Rafailov et al. 2023, eq. 7), the log-probs summed over the re
 `LlamaForCausalLM`'s log_softmax at temperature 1 (as TRL's OnlineDPOTrainer), with a reference checkpoint
 different from the actor so that h != 0.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from parallel.dist_utils import run_distributed
@@ -203,3 +207,16 @@ def test_reward_rises_two_ranks(policy, tmp_path):
     assert len(rewards) == 12
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~15-60 s on the shared 2 cores
+def test_launcher_runs_a_step(policy, tmp_path):
+    # the shim as a user runs it: plain python, one process, the tiny config on the command line
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = [o for o in tiny_overrides(policy, tmp_path / "run") if not o.startswith(("algo.", "rollout.group_size"))]
+    argv = [sys.executable, os.path.join(root, "launch", "train_online_dpo.py"), *base, "steps=1",
+            "rollout.group_size=2", "export_hf=false"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = _rows(str(tmp_path / "run"))
+    assert sorted(rows) == [1] and rows[1]["pairs/trained"] + rows[1]["pairs/tied"] == 4
