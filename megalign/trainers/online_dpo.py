@@ -31,6 +31,7 @@ Design choices:
   aggregation): the loss is the sum of the per-pair losses over micro-batches and dp ranks divided by
   the global number of pairs, so dp = 2 equals dp = 1 on the same global batch. TRL averages per
   device batch instead.
+- `rollout.old_logprobs` is unused: the loss has no importance ratio, only the reference.
 - A step in which no rank has a pair (every prompt tied) skips its update (warned, counted as
   `empty_updates`): an optimizer step on zero gradients would still move AdamW's weights.
 - Differences from TRL 1.16 besides ties: its "ipo" takes h on summed log-probs, while `DPO_LOSSES`
@@ -44,7 +45,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Optional
 
@@ -58,8 +58,6 @@ from megalign.trainers.grpo import all_reduce_count
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, RolloutConfig
 from megalign.trainers.optim import lr_at
 from megalign.trainers.preference import PairBatch, sequence_logps
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
