@@ -14,10 +14,11 @@ import sys
 import pytest
 import torch
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import tiny_overrides, tiny_policy
-from trainers.helpers import metric_rows
+from trainers.grpo_helpers import HERE, tiny_overrides, tiny_policy
+from trainers.helpers import checkpoint_params, metric_rows
 
 from megalign.config import load_config
+from megalign.models import from_pretrained
 from megalign.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, preference_pairs, train_online_dpo
 
 VOLATILE = ("time/", "memory/", "tokens_per_s")
@@ -207,6 +208,31 @@ def test_reward_rises_two_ranks(policy, tmp_path):
     assert len(rewards) == 12
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
+
+
+def test_all_tied_steps_skip_the_update(policy, tmp_path):
+    # every response scores 1: no prompt has a preference, so no optimizer step may move the weights
+    run_distributed(_train, policy, str(tmp_path), "save_every=1", "algo.missing_eos_penalty=0.0",
+                    f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', weight: 1.0}}]", world_size=1)
+    rows = _rows(str(tmp_path))
+    assert [rows[s]["empty_updates"] for s in sorted(rows)] == [1, 2]
+    assert all(r["pairs/trained"] == 0 and r["pairs/tied"] == 4 for r in rows.values())
+    first, second = checkpoint_params(str(tmp_path), 1, role="actor"), checkpoint_params(str(tmp_path), 2, role="actor")
+    initial = dict(from_pretrained(policy).named_parameters())
+    for key, value in second.items():
+        assert torch.equal(value, first[key]) and torch.equal(value, initial[key.split(".", 2)[2]].detach()), key
+
+
+def test_missing_eos_penalty_breaks_ties_against_unfinished_responses(policy, tmp_path):
+    # a constant reward minus TRL's penalty: a pair exists exactly where one response ended with EOS and the other not
+    run_distributed(_train, policy, str(tmp_path), "steps=1", "algo.missing_eos_penalty=1.0",
+                    "rollout.prompts_per_step=8", "rollout.max_response_length=4",
+                    f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', weight: 1.0}}]", world_size=1)
+    row = _rows(str(tmp_path))[1]
+    eos = row["val/contain_eos_token"]
+    assert row["reward/mean"] == pytest.approx(1.0 - (1.0 - eos))
+    assert row["pairs/trained"] >= 1 and row["pairs/trained"] + row["pairs/tied"] == 8
+    assert row["objective/scores_margin"] == 1.0  # every pair: a finished response over an unfinished one
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~15-60 s on the shared 2 cores
