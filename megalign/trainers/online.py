@@ -9,9 +9,14 @@ generator, and gives subclasses the pieces of an RL step:
     a step's samples stops the run) -> [`shape_rewards`] -> [`keep_groups`: e.g. dynamic sampling,
     more rounds] -> a `RolloutBatch` of whole groups
     `score_logprobs(role, batch)`: no-grad log-probs of the responses under a role, in micro-batches
+    `train_role(...)`: the epochs x mini-batches x micro-batches update of a role on a loss per response
+    token (GRPO, PPO), or per any other unit (`units`: online DPO's pairs)
+    `rollout_sums(generated)` / `step_metrics(...)`: the metrics GRPO and online DPO share (reward, lengths,
+    errors, data, timers, memory)
 
 The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`; a subclass
-may add roles (PPO's critic, `megalign.trainers.ppo`) to `self.roles`, and phases then place them too.
+may add roles (PPO's critic, `megalign.trainers.ppo`) to `self.roles`, and phases then place them too;
+`megalign.trainers.online_dpo` replaces the policy gradient by the DPO loss on pairs of the rollout.
 
 Design choices:
 
@@ -441,7 +446,7 @@ class OnlineTrainer(Trainer):
 
     @staticmethod
     def rollout_sums(generated: RolloutBatch) -> MetricSums:
-        """The sums over every generated response that `rollout_metrics_of` turns into means (reward, terms, lengths)."""
+        """The sums over every generated response that `step_metrics` turns into means (reward, terms, lengths)."""
         sums = MetricSums()
         rewards = generated.rewards.double()
         sums.add("reward", rewards.sum())
