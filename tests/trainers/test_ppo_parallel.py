@@ -1,4 +1,4 @@
-"""PPO across data-parallel sizes, and the critic's vocabulary check at start-up.
+"""PPO across data-parallel sizes, the four model roles offloaded and resumed, and the critic's vocabulary check.
 
 dp=2 equals dp=1 on the same global batch: the rollout is recorded once (one rank, the real sampler,
 rollout engine and reward) and replayed, each dp rank taking its contiguous half of the rows (whole
@@ -7,15 +7,20 @@ the reward, GAE, advantage whitening over every dp rank, the critic's and the ac
 gradients summed over dp and globally normalised losses. Two PPO epochs of one mini-batch (each rank's
 mini-batch order is its own shuffle, so with one mini-batch per epoch the global mini-batches are the
 same rows) and micro-batches of 4 rows (gradient accumulation on each rank).
+
+Four model roles (actor, reference, critic, and a reward model, the critic starting from it): a run with
+every offload switch on, stopped after step 1 and resumed, equals a resident straight run, step by step.
 """
+import json
+
 import pytest
 import torch
 from parallel.dist_utils import RankFailure, run_distributed
 from trainers.grpo_helpers import tiny_policy
 from trainers.helpers import assert_rows_close, checkpoint_params, metric_rows
-from trainers.test_ppo_trainer import tiny_ppo_config
+from trainers.test_ppo_trainer import _train, tiny_ppo_config
 
-from megalign.models import from_pretrained
+from megalign.models import RewardModel, from_pretrained
 from megalign.trainers.ppo import PPOTrainer, train_ppo
 
 
@@ -83,3 +88,32 @@ def test_critic_for_another_tokenizer_fails_at_start_up(models, tmp_path):
     with pytest.raises(RankFailure, match=r"tokenizer \(char, 99 ids\) does not match critic\.path .*vocab_size 300"):
         run_distributed(train_ppo, tiny_ppo_config(policy, str(tmp_path / "run"), f"critic.path={other}"),
                         world_size=1)
+
+
+OFFLOAD = ("actor.offload_weights=true", "actor.offload_optimizer=true", "reference.offload_weights=true",
+           "reward.model.offload_weights=true", "critic.offload_weights=true", "critic.offload_optimizer=true")
+
+
+def _resident_then_offloaded_resumed(policy, rm, root):
+    common = (f"reward.model.path={rm}", "reward.model_weight=0.5", "algo.kl_coef=0.05", "algo.kl_target=1.0",
+              "algo.kl_horizon=50", "rollout.old_logprobs=recompute", "export_hf=false")
+    _train(policy, f"{root}/resident", "steps=3", *common)
+    _train(policy, f"{root}/offloaded", "steps=1", *common, *OFFLOAD)
+    _train(policy, f"{root}/offloaded", "steps=3", *common, *OFFLOAD)
+
+
+@pytest.mark.slow
+def test_four_model_roles_offloaded_and_resumed_equal_resident(models, tmp_path):
+    policy, _ = models
+    rm = tiny_policy(tmp_path / "rm", seed=2, model_cls=RewardModel)
+    run_distributed(_resident_then_offloaded_resumed, policy, rm, str(tmp_path), world_size=1, timeout_s=300)
+    resident, offloaded = (metric_rows(str(tmp_path / name)) for name in ("resident", "offloaded"))
+    steps = [[row for row in rows if "reward/mean" in row] for rows in (resident, offloaded)]
+    assert [row["step"] for row in steps[0]] == [row["step"] for row in steps[1]] == [1, 2, 3]
+    assert steps[0] == steps[1]
+    assert steps[0][0]["reward/reward_model/mean"] != 0 and steps[0][2]["actor/kl_coef"] != 0.05
+    with open(tmp_path / "offloaded" / "metrics.jsonl") as f:
+        row = json.loads(f.readline())
+    # the reward model holds memory only while it scores, the critic only in its phases
+    assert row["memory/reward/reward_mib"] > 0 and row["memory/update/reward_mib"] == 0
+    assert row["memory/values/reward_mib"] == 0 and row["memory/generate/critic_mib"] == 0
