@@ -97,9 +97,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import Row, build_model_dir, machine_line, peak_rss_since, print_report, quiet, reset_peak_rss  # noqa: E402
+from harness import (
+    Row,
+    build_model_dir,
+    machine_line,
+    peak_rss_since,
+    print_report,
+    quiet,
+    reset_peak_rss,
+)
 
-from megalign.data import ArithTaskConfig, make_splits  # noqa: E402
+from megalign.data import ArithTaskConfig, make_splits
 
 PHASES = ("generate", "reward", "reference", "values", "update", "other")
 MEGALIGN_UPDATES = ("critic_update", "actor_update")
@@ -215,7 +223,11 @@ class TRLSide:
 
     def __init__(self, policy: str, rm: str, prompts: list[dict[str, str]], out_dir: str, s: Setup):
         from datasets import Dataset
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoTokenizer,
+        )
         from trl.experimental.ppo import PPOConfig, PPOTrainer
         from trl.experimental.ppo import ppo_trainer as module
 
@@ -233,7 +245,7 @@ class TRLSide:
             weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, gradient_checkpointing=False,
             num_sample_generations=0, logging_steps=1, save_strategy="no", disable_tqdm=True,
             dataloader_num_workers=0)
-        load = dict(local_files_only=True, dtype=torch.float32)
+        load = {"local_files_only": True, "dtype": torch.float32}
         self.trainer = PPOTrainer(
             args=self.args, processing_class=tok, model=AutoModelForCausalLM.from_pretrained(policy, **load),
             ref_model=AutoModelForCausalLM.from_pretrained(policy, **load),
@@ -349,7 +361,7 @@ def _trl_ppo_version(trl_path: str | None) -> str | None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     try:
         import trl
-        import trl.experimental.ppo  # noqa: F401
+        import trl.experimental.ppo
     except ImportError:
         return None
     return trl.__version__
