@@ -3,7 +3,8 @@
 # arithmetic task, then the chosen stage from its HF export, ending with the before/after held-out
 # accuracy table.
 #   launch/run_embedded.sh [PIPELINE] [RUN_ROOT] [NPROC]   (defaults: grpo, runs, 2 processes; CPU gloo or GPUs NCCL)
-# PIPELINE: grpo (SFT -> GRPO), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
+# PIPELINE: grpo (SFT -> GRPO), online_dpo (SFT -> online DPO on pairs of its own samples ranked by the
+# verifier), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
 # losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
 # ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows), or prm (SFT on
 # the multi-step chains -> Monte-Carlo step labels of its own samples -> a process RM and an outcome RM on
@@ -18,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -45,6 +46,9 @@ case "$PIPELINE" in
   grpo)
     run launch/train_grpo.py --config examples/grpo_arith.yaml run_dir="$ROOT/grpo_arith" \
         actor.path="$ROOT/sft_arith/hf" ${GRPO_OVERRIDES:-} ${STAGE_OVERRIDES:-} ;;
+  online_dpo)
+    run launch/train_online_dpo.py --config examples/online_dpo_arith.yaml run_dir="$ROOT/online_dpo_arith" \
+        actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   kto)
     run launch/train_kto.py --config examples/kto_arith.yaml run_dir="$ROOT/kto_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;

@@ -7,7 +7,8 @@
   `sft`, `preference` (DPO family, reward model), `kto` and `prm` (process reward model; `best_of_n`
   makes its Monte-Carlo labels and measures it by reranking) are objectives on it.
 - `online`: the online (RL) family: colocated actor / reference / reward roles, rollouts
-  (`RolloutBatch`), scoring; `grpo` is GRPO and its DAPO / Dr. GRPO variants on it.
+  (`RolloutBatch`), scoring; `grpo` is GRPO and its DAPO / Dr. GRPO variants on it; `online_dpo` is
+  online DPO (pairs of the actor's own samples ranked by the reward, the offline DPO loss).
 - `evaluation` (held-out greedy generation scored by a reward function), `optim` (AdamW with ZeRO-1,
   LR schedule), `logging` (MetricsLogger, PhaseTimer, memory_report), `cli` (argv, `--help`,
   config errors, process group).

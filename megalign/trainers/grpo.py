@@ -37,8 +37,7 @@ from megalign.algos.grpo import LOSS_AGGREGATIONS, informative_groups, overlong_
 from megalign.algos.ppo import KL_IN_REWARD
 from megalign.config import option
 from megalign.parallel.collectives import all_reduce
-from megalign.trainers.base import MetricSums, TrainResult
-from megalign.trainers.logging import memory_report
+from megalign.trainers.base import TrainResult
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import lr_at
 from megalign.trainers.policy_options import PolicyLossOptions
@@ -163,15 +162,7 @@ class GRPOTrainer(OnlineTrainer):
             logp=batch.old_logp if in_reward else None, ref_logp=batch.ref_logp if in_reward else None,
             kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, gamma=algo.gamma, group=dp)
         lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
-        sums = MetricSums()
-        rewards = generated.rewards.double()
-        sums.add("reward", rewards.sum())
-        sums.add("reward_sq", (rewards ** 2).sum())
-        for name, values in generated.terms.items():
-            sums.add(f"term/{name}", values.double().sum())
-        sums.add("length", generated.lengths.sum())
-        sums.add("unfinished", (~generated.finished).sum())
-        sums.add("responses", len(generated))
+        sums = self.rollout_sums(generated)
         sums.add("dropped_groups", counts["dropped_groups"])
         sums.add("kept_groups", counts["kept_groups"])
         if algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout) == 0:
@@ -183,35 +174,18 @@ class GRPOTrainer(OnlineTrainer):
             with self.phase("update", actor=("weights", "optimizer")):
                 norms = self.train_role(self.actor, lr, batch, self.ACTOR_STATS, self.actor_loss(batch), sums, "actor")
         total = sums.reduce(dp, self.layout.device)
-        n, tokens = max(total["responses"], 1.0), max(total["actor/tokens"], 1.0)
-        mean = total["reward"] / n
+        tokens = max(total["actor/tokens"], 1.0)
         updates = algo.ppo_epochs * algo.mini_batches
         metrics = {
-            "reward/mean": mean, "reward/std": max(total["reward_sq"] / n - mean ** 2, 0.0) ** 0.5,
-            **{f"reward/{name}/mean": total[f"term/{name}"] / n for name in generated.terms},
-            "response_length/mean": total["length"] / n, "response_length/clip_ratio": total["unfinished"] / n,
             "sampling/rounds": counts["rounds"], "sampling/dropped_groups": total["dropped_groups"],
             "sampling/kept_groups": total["kept_groups"],
             "actor/loss": total["actor/loss"] / updates, "actor/clip_frac": total["actor/clipped"] / tokens,
             "actor/approx_kl": total["actor/approx_kl"] / tokens, "actor/entropy": total["actor/entropy"] / tokens,
             "actor/grad_norm": torch.stack(norms).mean(), "actor/lr": lr,
-            "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
-            "time/step": time.perf_counter() - start,
         }
-        if cfg.eval.metric in generated.terms:
-            metrics["accuracy"] = metrics[f"reward/{cfg.eval.metric}/mean"]
         if self.reference is not None:
             metrics["actor/kl"] = total["actor/kl"] / tokens
-        errors = torch.tensor(list(self.reward.error_counts().values()), dtype=torch.float64)
-        if errors.numel():
-            errors = all_reduce(errors.to(self.layout.device), dp).cpu()
-            metrics.update(dict(zip(self.reward.error_counts(), errors.tolist())))
-        metrics.update(self.train_set.stats.as_dict())  # rows left out at load (invalid, too long), every step
-        metrics.update(self.timer.metrics())
-        metrics.update(self.memory)
-        metrics.update(self.rollout_metrics)
-        metrics.update(memory_report())
-        return {k: float(v) for k, v in metrics.items()}
+        return self.step_metrics(total, generated.terms, metrics, start)
 
 
 def all_reduce_count(count: int, layout) -> int:

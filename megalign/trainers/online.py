@@ -11,9 +11,14 @@ generator, and gives subclasses the pieces of an RL step:
     `token_level_rewards`) -> [`shape_rewards`] -> [`keep_groups`: e.g. dynamic sampling, more
     rounds] -> a `RolloutBatch` of whole groups
     `score_logprobs(role, batch)`: no-grad log-probs of the responses under a role, in micro-batches
+    `train_role(...)`: the epochs x mini-batches x micro-batches update of a role on a loss per response
+    token (GRPO, PPO), or per any other unit (`units`: online DPO's pairs)
+    `rollout_sums(generated)` / `step_metrics(...)`: the metrics GRPO and online DPO share (reward, lengths,
+    errors, data, timers, memory)
 
 The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`; a subclass
-may add roles (PPO's critic, `megalign.trainers.ppo`) to `self.roles`, and phases then place them too.
+may add roles (PPO's critic, `megalign.trainers.ppo`) to `self.roles`, and phases then place them too;
+`megalign.trainers.online_dpo` replaces the policy gradient by the DPO loss on pairs of the rollout.
 
 Design choices:
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -57,6 +63,7 @@ from megalign.config import option
 from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts, make_splits, write_jsonl
 from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
 from megalign.parallel import MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline
+from megalign.parallel.collectives import all_reduce
 from megalign.algos.grpo import aggregate_loss, loss_normalizer
 from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole
 from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig, check_safety_field
@@ -65,6 +72,7 @@ from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
 from megalign.trainers.base import (DataConfig, MetricSums, RunConfig, Trainer, check_model_path, check_same_batch,
                                     check_stages)
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
+from megalign.trainers.logging import memory_report
 from megalign.trainers.optim import OptimConfig, build_optimizer, set_lr
 
 logger = logging.getLogger(__name__)
@@ -438,7 +446,7 @@ class OnlineTrainer(Trainer):
 
     def train_role(self, role: TrainableRole, lr: float, batch: RolloutBatch, names: tuple[str, ...],
                    micro_loss: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]],
-                   sums: MetricSums, prefix: str) -> list[torch.Tensor]:
+                   sums: MetricSums, prefix: str, units: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """`algo.ppo_epochs` x `algo.mini_batches` optimizer updates of `role` on this rank's batch.
 
         `micro_loss(rows)` gives the per-token loss [b, R] of a micro-batch and the sums named `names`
@@ -448,25 +456,30 @@ class OnlineTrainer(Trainer):
         micro-batching, pp and dp do not change the gradient. The loss and the sums are added to `sums` as
         `prefix/<name>`, kept on the device (no host sync per micro-batch). Returns the gradient norm of each update. A rank with fewer rows than another still
         joins every collective (its empty micro-batches are skipped).
+
+        `units` [n, T]: what the loss is aggregated over when it is not one row per response, in place of
+        `batch.response_mask`; `micro_loss` then takes rows of `units`. Online DPO passes [pairs, 1] ones
+        (one loss per pair, `loss_agg` token-mean: the mean over the global pairs).
         """
         algo, dp = self.cfg.algo, self.layout.dp_group
         set_lr(role.optimizer, lr)
         local = torch.zeros(len(names), dtype=torch.float64, device=self.layout.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.layout.device)
         norms = []
+        mask = batch.response_mask if units is None else units
 
         def share_of(micro: torch.Tensor, normalizer: torch.Tensor,
                      hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
             """(this micro-batch's share of the mini-batch loss, its sums [len(names)] fp64)."""
             loss, stats = micro_loss(micro) if hidden is None else micro_loss(micro, hidden)
-            share = aggregate_loss(loss, batch.response_mask[micro], algo.loss_agg, normalizer,
+            share = aggregate_loss(loss, mask[micro], algo.loss_agg, normalizer,
                                    self.cfg.rollout.max_response_length)
             return share, torch.stack([s.detach().double() for s in stats])
 
         for _ in range(algo.ppo_epochs):
-            order = torch.randperm(len(batch), generator=self.generator, device=self.generator.device)
+            order = torch.randperm(mask.shape[0], generator=self.generator, device=self.generator.device)
             for rows in torch.tensor_split(order, algo.mini_batches):
-                normalizer = loss_normalizer(batch.response_mask[rows], algo.loss_agg, dp)
+                normalizer = loss_normalizer(mask[rows], algo.loss_agg, dp)
                 mini_loss = torch.zeros((), device=self.layout.device)
                 if role.layout.pp > 1:
                     mini_loss, stats = self._pipeline_update(role, batch, rows, normalizer, share_of, len(names))
@@ -526,6 +539,48 @@ class OnlineTrainer(Trainer):
         parts = [role.logprobs(*self.logprob_inputs(batch, slice(s, s + micro_batch_size)), self.cfg.rollout.temperature)
                  for s in range(0, n, micro_batch_size)]
         return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(0, self.cfg.rollout.max_response_length)
+
+    # ----- metrics shared by the algorithms
+
+    @staticmethod
+    def rollout_sums(generated: RolloutBatch) -> MetricSums:
+        """The sums over every generated response that `step_metrics` turns into means (reward, terms, lengths)."""
+        sums = MetricSums()
+        rewards = generated.rewards.double()
+        sums.add("reward", rewards.sum())
+        sums.add("reward_sq", (rewards ** 2).sum())
+        for name, values in generated.terms.items():
+            sums.add(f"term/{name}", values.double().sum())
+        sums.add("length", generated.lengths.sum())
+        sums.add("unfinished", (~generated.finished).sum())
+        sums.add("responses", len(generated))
+        return sums
+
+    def step_metrics(self, total: dict[str, float], terms, algorithm: dict[str, Any], start: float) -> dict[str, float]:
+        """A step's metrics: the rollout's means (from `rollout_sums`, reduced into `total`; `terms`: the reward
+        term names), the algorithm's own, reward error counts over dp, data, timer, memory and throughput."""
+        n = max(total["responses"], 1.0)
+        mean = total["reward"] / n
+        metrics = {
+            "reward/mean": mean, "reward/std": max(total["reward_sq"] / n - mean ** 2, 0.0) ** 0.5,
+            **{f"reward/{name}/mean": total[f"term/{name}"] / n for name in terms},
+            "response_length/mean": total["length"] / n, "response_length/clip_ratio": total["unfinished"] / n,
+            **algorithm,
+            "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
+        }
+        if self.cfg.eval.metric in terms:
+            metrics["accuracy"] = metrics[f"reward/{self.cfg.eval.metric}/mean"]
+        errors = torch.tensor(list(self.reward.error_counts().values()), dtype=torch.float64)
+        if errors.numel():
+            errors = all_reduce(errors.to(self.layout.device), self.layout.dp_group).cpu()
+            metrics.update(dict(zip(self.reward.error_counts(), errors.tolist())))
+        metrics.update(self.train_set.stats.as_dict())  # rows left out at load (invalid, too long), every step
+        metrics.update(self.timer.metrics())
+        metrics.update(self.memory)
+        metrics.update(self.rollout_metrics)
+        metrics.update(memory_report())
+        metrics["time/step"] = time.perf_counter() - start
+        return {k: float(v) for k, v in metrics.items()}
 
     # ----- evaluation and export
 

@@ -35,7 +35,7 @@ CPU = SimpleNamespace(device=torch.device("cpu"))  # the roles read only the lay
 
 def tiny_reward_model(path, seed, stats=None):
     """A 2-layer random Llama reward model (sequence classification) at `path`, [with reward_stats.json]."""
-    tiny_policy(path, seed, model_class=RewardModel, std=0.3)
+    tiny_policy(path, seed, model_cls=RewardModel, std=0.3)
     if stats is not None:
         with open(os.path.join(path, "reward_stats.json"), "w") as f:
             json.dump({"reward_mean": stats[0], "reward_std": stats[1]}, f)
