@@ -12,8 +12,9 @@ Design choices:
   each rank sums its tokens' -log p and divides by the global token count (the objective's `count`,
   all-reduced by the trainer before the forward), and gradients are summed over dp. Every token
   weighs the same whatever the padding or the split over ranks, so the loss and the update do not
-  depend on dp. Log-probs come from `vocab_parallel_token_logprob` on the LM head's vocab-sharded
-  logits (no gather of the vocabulary at tp > 1; no collective at tp = 1).
+  depend on dp. Log-probs come from the fused LM head (`LMHead.token_logprob`:
+  `fused_linear_token_logprob`, vocab-parallel, chunks of tokens) on the response tokens only, so
+  neither the `[B, T, V/tp]` logits nor their gradient exist (no collective at tp = 1).
 - A non-finite loss or gradient norm (on any rank) skips the update with a warning and is counted
   (`nan_skips`); the step still consumes its batch and counts, so the schedule stays aligned with the data.
 - The embedded default (`examples/sft_arith.yaml`, the defaults here) is sized to land at *partial*
@@ -30,7 +31,7 @@ from megalign.config import option
 from megalign.data import PromptExample, Tokenizer, load_prompts, make_splits
 from megalign.data.sft import SFTExample, collate_sft, encode_sft, load_sft
 from megalign.models import CausalLM
-from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
+from megalign.parallel import ParallelLayout
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.supervised import Objective, SupervisedConfig, SupervisedTrainer
@@ -94,10 +95,10 @@ def sft_loss(model: CausalLM, batch: SFTBatch, layout: ParallelLayout, global_to
     `global_tokens`: the number of response tokens over all dp ranks (0-dim). Summed over dp ranks
     the returned values give the mean.
     """
-    tp_group = layout.tp_group if layout.tp > 1 else None
-    logits = model(batch.input_ids, batch.attention_mask)  # [B, T, V_local]
-    logp = vocab_parallel_token_logprob(logits, batch.targets, tp_group, model.lm_head.vocab_start,
-                                        vocab_size=model.config.vocab_size)  # [B, T], 0 where ignored
+    hidden = model.model(batch.input_ids, batch.attention_mask)  # [B, T, H]
+    rows, cols = (batch.targets != -100).nonzero(as_tuple=True)
+    logp = model.lm_head.token_logprob(hidden[rows, cols], batch.targets[rows, cols],
+                                       layout.tp_group if layout.tp > 1 else None)  # [N] response tokens
     return -logp.sum() / global_tokens.clamp(min=1)
 
 
