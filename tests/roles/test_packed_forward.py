@@ -1,6 +1,8 @@
 """The roles' response forwards: the fused LM head against a float64 full-softmax oracle and the eager
 head, and packed rows against padded rows (log-probs, entropies, values and every gradient), at tp = 1
 and tp = 2 on gloo."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,3 +214,32 @@ def _tp2_packed_equals_tp1(policy):
 
 def test_tensor_parallel_packed_equals_padded_and_single_device(policy):
     run_distributed(_tp2_packed_equals_tp1, policy)
+
+
+def _trainers_packed_and_padded(policy, root):
+    from trainers.grpo_helpers import tiny_config
+    from trainers.test_ppo_trainer import tiny_ppo_config
+
+    from megalign.trainers.grpo import train_grpo
+    from megalign.trainers.ppo import train_ppo
+    for pack in ("true", "false"):
+        common = ("steps=1", "rollout.old_logprobs=recompute", "export_hf=false", f"rollout.pack={pack}")
+        train_grpo(tiny_config(policy, f"{root}/grpo_{pack}", "algo.beta=0.05", *common))
+        train_ppo(tiny_ppo_config(policy, f"{root}/ppo_{pack}", "algo.kl_coef=0.05", "algo.entropy_coef=0.01",
+                                  *common))
+
+
+@pytest.mark.slow  # four short trainer runs: about a minute on a loaded CPU
+def test_trainer_steps_match_packed_and_padded(tmp_path):
+    """One GRPO step (reference KL, recomputed old log-probs) and one PPO step (critic, entropy bonus): the same
+    losses, KL, entropy, values and gradient norms with rollout.pack on and off."""
+    policy = tiny_policy(tmp_path / "policy")
+    run_distributed(_trainers_packed_and_padded, policy, str(tmp_path), world_size=1, timeout_s=300)
+    for algo in ("grpo", "ppo"):
+        rows = {}
+        for pack in ("true", "false"):
+            with open(tmp_path / f"{algo}_{pack}" / "metrics.jsonl") as f:
+                row = [json.loads(line) for line in f if "reward/mean" in line][-1]
+            rows[pack] = {k: v for k, v in row.items() if k.startswith(("actor/", "critic/", "reward/"))}
+        assert rows["true"].keys() == rows["false"].keys() and "actor/grad_norm" in rows["true"]
+        assert rows["true"] == pytest.approx(rows["false"], rel=1e-4, abs=1e-6), algo
