@@ -12,9 +12,11 @@ memory  V = 151936 (Qwen2's vocabulary), hidden 1024, 2 layers, tied embeddings,
                  chunks of 1024 tokens) on the response tokens only;
           eager  the head before this change: `model.lm_head(hidden)` -> [B, R, V] logits ->
                  `vocab_parallel_token_logprob` (patched into `megalign.roles.actor.head_logprobs`).
-        Each runs in a fresh process (`harness.peak_memory`): weights and the AdamW state (created by a
-        zero-gradient step first) are inputs; the peak beyond them includes the parameter gradients
-        (the [V, H] head / embedding gradient, 594 MiB, is needed by both). Target: fused <= 25% of eager.
+        Each runs in a fresh process (`harness.in_fresh_process`, peak RSS): weights and the AdamW state
+        (created by a zero-gradient step first) are inputs; the peak beyond them is read after the
+        forward + backward and again after the optimizer step (the whole update). Both include the
+        parameter gradients (the tied [V, H] head / embedding gradient, 594 MiB, is needed by both, and
+        the embedding's dense backward makes a second one). Target: fused <= 25% of eager.
 packing hidden 256, 4 layers, V = 4096, fp32; 32 responses of at most 512 tokens with lengths drawn from
         512 * Beta(1, 3) (mean 128 = a quarter of the max), prompts of 8..32 tokens, micro-batches of 8
         rows; `rollout.pack` on (packs of one padded row, 544 tokens) vs off (padded [8, 544] rows).
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import machine_line, median_times_interleaved, peak_memory  # noqa: E402
+from harness import in_fresh_process, machine_line, median_times_interleaved, peak_rss_since, reset_peak_rss  # noqa: E402
 
 import megalign.roles.actor as actor_module  # noqa: E402
 from megalign.algos.grpo import aggregate_loss, loss_normalizer  # noqa: E402
@@ -91,8 +93,8 @@ def _batch(vocab: int, lengths: list[int], prompts: list[int], width: int, respo
     return seq, mask, response_mask, old, adv
 
 
-def _update(actor: Actor, batch, response_len: int, micro_batch: int) -> None:
-    """One optimizer update over the batch, micro-batch by micro-batch (`OnlineTrainer.train_role`'s body)."""
+def _backward(actor: Actor, batch, response_len: int, micro_batch: int) -> torch.Tensor:
+    """Forward and backward of every micro-batch of one update (`OnlineTrainer.train_role`'s body); the loss."""
     seq, mask, response_mask, old, adv = batch
     normalizer = loss_normalizer(response_mask, "token-mean", actor.layout.dp_group)
     total = torch.zeros(())
@@ -103,11 +105,17 @@ def _update(actor: Actor, batch, response_len: int, micro_batch: int) -> None:
         share = aggregate_loss(per_token, response_mask[rows], "token-mean", normalizer, response_len)
         share.backward()
         total = total + share.detach()
-    actor.optimizer_step(total)
+    return total
 
 
-def _memory_case(head: str, vocab: int, hidden: int, rows: int, response_len: int):
-    """Inputs of one memory case and the callable running one update (module-level: spawn-safe)."""
+def _update(actor: Actor, batch, response_len: int, micro_batch: int) -> None:
+    """One optimizer update over the batch: `_backward`, then `Actor.optimizer_step`."""
+    actor.optimizer_step(_backward(actor, batch, response_len, micro_batch))
+
+
+def _memory_case(head: str, vocab: int, hidden: int, rows: int, response_len: int) -> dict[str, float]:
+    """MiB beyond the inputs at the peak of the forward + backward, and of the whole update (with the
+    optimizer step), for one head; run in a fresh process (module-level: spawn-safe)."""
     layout = _init_single_rank()
     if head == "eager":
         actor_module.head_logprobs = eager_head_logprobs
@@ -116,17 +124,22 @@ def _memory_case(head: str, vocab: int, hidden: int, rows: int, response_len: in
                          head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
     actor = _actor(config, layout, pack=False)
     batch = _batch(vocab, [response_len] * rows, [16] * rows, 16, response_len)
-    return lambda: _update(actor, batch, response_len, rows)
+    base = reset_peak_rss()
+    loss = _backward(actor, batch, response_len, rows)
+    backward = peak_rss_since(base)
+    actor.optimizer_step(loss)
+    return {"forward + backward": backward / 2**20, "whole update": peak_rss_since(base) / 2**20}
 
 
 def run_memory(quick: bool) -> None:
     vocab, hidden, rows, response_len = (8192, 256, 2, 256) if quick else (151936, 1024, 4, 1024)
-    peaks = {head: peak_memory(_memory_case, head, vocab, hidden, rows, response_len) / 2**20
+    peaks = {head: in_fresh_process(_memory_case, head, vocab, hidden, rows, response_len)
              for head in ("fused", "eager")}
     print(f"actor update, V={vocab} H={hidden}, {rows * response_len} response tokens, fp32, one micro-batch")
-    print("| head | peak extra (MiB) | / eager |\n|---|---:|---:|")
-    for head, mib in peaks.items():
-        print(f"| {head} | {mib:.1f} | {mib / peaks['eager']:.1%} |")
+    print("| head | phase | peak extra (MiB) | / eager |\n|---|---|---:|---:|")
+    for head, phases in peaks.items():
+        for phase, mib in phases.items():
+            print(f"| {head} | {phase} | {mib:.1f} | {mib / peaks['eager'][phase]:.1%} |")
 
 
 def run_packing(quick: bool) -> None:
