@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megalign.parallel.logprob import fused_linear_token_logprob
+
 from .config import ModelConfig
 from .decoder import Decoder, LayerFactory
 
@@ -69,6 +71,26 @@ class LMHead(nn.Module):
         need the whole distribution (the last position while decoding), not for training log-probs.
         """
         return self.factory.gather_vocab(logits)[..., : self.vocab_size]
+
+    def token_logprob(self, hidden: torch.Tensor, targets: torch.Tensor, group, temperature: float = 1.0,
+                      return_entropy: bool = False, chunk_size: int = 1024):
+        """log p(target) (and the entropy) of softmax(head(hidden) / temperature) without the `[N, V]` logits.
+
+        Args:
+            hidden: `[..., H]` final hidden states (replicated over the tp group).
+            targets: `[...]` int64 global token ids.
+            group: the tensor-parallel group of this head's vocabulary shards (None at tp = 1).
+        Returns fp32 `[...]` (and the entropy `[...]`), both differentiable, the same on every tp rank.
+        `megalign.parallel.fused_linear_token_logprob` in chunks of `chunk_size` tokens (Liger-Kernel's
+        fused linear cross entropy, vocab-parallel): neither the logits nor their gradient exist whole.
+        Under autocast the head runs in the autocast dtype, as `forward`'s `F.linear` would; otherwise
+        in the hidden states' dtype.
+        """
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        return fused_linear_token_logprob(hidden.to(dtype), self.proj.weight.to(dtype), targets, group,
+                                          self.vocab_start, chunk_size, temperature, return_entropy=return_entropy,
+                                          vocab_size=self.vocab_size)
 
 
 class ValueHead(nn.Module):

@@ -32,10 +32,10 @@ The model of memory (formulas and their sources in `megalign.plan.formulas`):
   recipe, the Korthikanti et al. 2022 count (generalised to SwiGLU / GQA / no dropout / flash) for the
   others; times the layers of the stage and the micro-batches 1F1B keeps in flight (pp - stage);
   plus the token ids and RoPE tables on the first stage, the final norm and the head input on the last.
-- Loss path: megalign's trainers apply the LM head and `vocab_parallel_token_logprob` (eager): the
-  [b, positions, V / tp] logits in the compute dtype and their gradient (positions: the R response
+- Loss path: `loss_path: eager` (the default) applies the LM head and `vocab_parallel_token_logprob`:
+  the [b, positions, V / tp] logits in the compute dtype and their gradient (positions: the R response
   tokens for the online trainers, every token for the supervised ones); `loss_path: fused`
-  (`fused_linear_token_logprob`, not yet used by the trainers) keeps one chunk instead.
+  (`fused_linear_token_logprob`, which megalign's trainers use since issue 12) keeps one chunk instead.
 - Scoring (no grad): the residual stream, a norm output and three SwiGLU intermediates of one layer,
   plus the logits of the micro-batch. Rollout: megalign's hybrid engine generates with the actor's
   own weights; its KV cache is 2 x layers x B x (P + R) x kv_heads / tp x head_dim in the weights'

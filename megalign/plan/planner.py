@@ -67,7 +67,7 @@ class PlanConfig:
         None, doc="sequences generated at once per generating dp rank; null: the rank's whole share of the step (megalign)")
     recompute_old_logprobs: bool = option(False, doc="online: the actor re-scores the rollout (old_logprobs=recompute)")
     attention: Literal["flash", "sdpa"] = option("flash", doc="flash: flash-attn (no s x s tensor); sdpa: PyTorch SDPA over a padded batch (saves the [b, 1, s, s] mask)")
-    loss_path: Literal["eager", "fused"] = option("eager", doc="eager: LM head then vocab-parallel log-prob ([tokens, V/tp] logits and their gradient; megalign's trainers today); fused: fused_linear_token_logprob")
+    loss_path: Literal["eager", "fused"] = option("eager", doc="eager: LM head then vocab-parallel log-prob ([tokens, V/tp] logits and their gradient; megalign's trainers before issue 12); fused: fused_linear_token_logprob (megalign's trainers now)")
     fused_chunk: int = option(1024, doc="fused loss path: tokens per logits chunk")
     actor: Optional[RolePlan] = option(RolePlan(), doc="the trained policy (sft/dpo/kto: the trained model; rm: the trained reward model)")
     critic: Optional[RolePlan] = option(None, doc="PPO's value model (trained, scalar head)")

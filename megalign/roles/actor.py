@@ -5,9 +5,10 @@ Design choices:
 - Hybrid engine: the actor's rollout runs `megalign.rollout.rollout` (shared-prompt prefill, continuous
   batching) on the very modules it trains (KV-cache decode on the tp shards), so there is no inference
   copy of the weights to refresh after each update and no weight-sync step.
-- Log-probs of response tokens come from one forward over prompt + response, the LM head applied
-  only to the positions that predict response tokens, and the vocab-parallel log-prob
-  (`megalign.parallel.vocab_parallel_token_logprob`), which never gathers `[tokens, V]`. The
+- Log-probs of response tokens come from one forward over prompt + response (padded rows, or the
+  rows' real tokens packed, `megalign.roles.packing`), then the fused LM head
+  (`LMHead.token_logprob`: `fused_linear_token_logprob`, vocab-parallel, chunks of tokens) on only
+  the real response tokens, so neither `[tokens, V]` logits nor their gradient ever exist. The
   temperature divides the logits exactly as during sampling, so on-policy ratios start at 1.
 - Precision: the actor keeps fp32 master weights and computes in bf16 under autocast when its dtype
   is bf16 (`megalign.parallel.MixedPrecision`); the frozen reference simply stores bf16 weights.
@@ -30,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from megalign.models import CausalLM
-from megalign.parallel import (MixedPrecision, ParallelLayout, Pipeline, all_finite, allreduce_gradients,
-                               clip_grad_norm_, vocab_parallel_token_logprob)
+from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline, all_finite, allreduce_gradients, clip_grad_norm_
 from megalign.roles.base import ModelRole, optimizer_slots
+from megalign.roles.packing import response_hidden, scatter_response
 from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, pipeline_rollout, rollout
 
 
@@ -42,48 +43,57 @@ def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor,
 
     Args:
         hidden: [B, R, H] the trunk's output at the positions predicting each target (response
-            position t - 1 for response token t); on a pipeline, the last stage's output.
+            position t - 1 for response token t); on a pipeline, the last stage's output. Any leading
+            shape works ([N, H] with targets [N] for positions already selected).
         targets: [B, R] int64 token ids.
-    The LM head of `model` (vocab-sharded over `layout.tp_group`) then the vocab-parallel log-prob.
-    `hidden` is made contiguous first: a response slice of the trunk's [B, T, H] output is not, and
-    without grad `F.linear` then runs a batched matmul against a broadcast weight, 2.5x the time of
-    the same product as one [B * R, H] x [H, V] matmul (measured, one CPU thread; BENCHMARKS.md, PPO vs TRL).
+    The fused LM head of `model` (`LMHead.token_logprob`: vocab-sharded over `layout.tp_group`, in
+    chunks of tokens, so the [B, R, V/tp] logits and their gradient never exist); the entropy comes
+    from the same pass and is differentiable (PPO's entropy bonus).
     """
-    logits = model.lm_head(hidden.contiguous())
-    return vocab_parallel_token_logprob(logits, targets, layout.tp_group, model.lm_head.vocab_start,
-                                        temperature=temperature, return_entropy=with_entropy,
-                                        vocab_size=model.config.vocab_size)
+    return model.lm_head.token_logprob(hidden, targets, layout.tp_group if layout.tp > 1 else None, temperature,
+                                       with_entropy)
 
 
 def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                      response_len: int, temperature: float, with_entropy: bool = False):
+                      response_len: int, temperature: float, with_entropy: bool = False, pack: bool = False,
+                      pack_tokens: Optional[int] = None):
     """log p(response token) [B, R] fp32 (and entropy [B, R]) under softmax(logits / temperature).
 
     Args:
         sequences: [B, P + R] left-padded prompts then responses (`GenerationOutput.sequences`).
         attention_mask: [B, P + R] 1 for real tokens.
         response_len: R, the response columns at the end of `sequences`.
-    Positions that are padding give finite values that the caller masks out.
+        pack / pack_tokens: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
+    The head runs only on the real response tokens; other positions are 0, which the caller masks out.
     """
-    hidden = model.model(sequences, attention_mask)
-    return head_logprobs(model, layout, hidden[:, -response_len - 1:-1], sequences[:, -response_len:], temperature,
-                         with_entropy)
+    hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens)
+    out = head_logprobs(model, layout, hidden, sequences[:, -response_len:][rows, cols], temperature, with_entropy)
+    b = sequences.shape[0]
+    if with_entropy:
+        return tuple(scatter_response(x, rows, cols, b, response_len) for x in out)
+    return scatter_response(out, rows, cols, b, response_len)
 
 
 class PolicyRole(ModelRole):
-    """A causal LM role that scores responses (the reference, and the base of the actor)."""
+    """A causal LM role that scores responses (the reference, and the base of the actor).
+
+    `pack` / `pack_tokens`: its response forwards run on packed rows (`megalign.roles.packing`; pp = 1 only).
+    """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
-                 offload_weights: bool, extra_switches: Optional[dict[str, bool]] = None):
+                 offload_weights: bool, extra_switches: Optional[dict[str, bool]] = None, *, pack: bool = False,
+                 pack_tokens: Optional[int] = None):
         super().__init__(name, model, layout, offload_weights, extra_switches)
         self.precision = precision
+        self.pack, self.pack_tokens = pack, pack_tokens
 
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                  temperature: float) -> torch.Tensor:
         """[B, R] fp32 log-probs of the responses, without gradient (old or reference log-probs)."""
         with self.precision.autocast(self.layout.device):
-            return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature)
+            return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
+                                     pack=self.pack, pack_tokens=self.pack_tokens)
 
     @torch.no_grad()
     def pipeline_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -112,9 +122,10 @@ class PolicyRole(ModelRole):
 class Reference(PolicyRole):
     """The frozen reference policy of the KL term; never trained, so its weights may be stored in bf16."""
 
-    def __init__(self, model: CausalLM, layout: ParallelLayout, offload_weights: bool):
+    def __init__(self, model: CausalLM, layout: ParallelLayout, offload_weights: bool, **packing):
+        """`packing`: `pack`, `pack_tokens` of `PolicyRole`."""
         model.requires_grad_(False).eval()
-        super().__init__("reference", model, layout, MixedPrecision(None), offload_weights)
+        super().__init__("reference", model, layout, MixedPrecision(None), offload_weights, **packing)
 
 
 class TrainableRole(PolicyRole):
@@ -130,9 +141,10 @@ class TrainableRole(PolicyRole):
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
                  offload_weights: bool, offload_optimizer: bool, optimizer: torch.optim.Optimizer,
-                 grad_clip: Optional[float]):
+                 grad_clip: Optional[float], **packing):
+        """`packing`: `pack`, `pack_tokens` of `PolicyRole`."""
         precision.check_model(model)
-        super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer})
+        super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer}, **packing)
         self.optimizer = optimizer
         self.grad_clip = grad_clip
 
@@ -184,4 +196,4 @@ class Actor(TrainableRole):
                                  temperature, with_entropy=True)
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
-                                     with_entropy=True)
+                                     with_entropy=True, pack=self.pack, pack_tokens=self.pack_tokens)

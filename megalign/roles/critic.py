@@ -13,6 +13,8 @@ Design choices:
 - Which positions: V(s_t) for the state before response token t, i.e. the hidden state of the
   position that predicts token t (`hidden[:, P-1 : P+R-1]`), the same slice the actor's log-probs use
   (verl's `values[:, -response_length - 1:-1]`), so values, log-probs and rewards line up [B, R].
+  With packing (`rollout.pack`, `megalign.roles.packing`) the same states come from the rows'
+  real tokens packed back to back, and only the real response tokens go through the head.
 - Export (`TOKEN_CLASSIFICATION` names the architecture; the trainer writes it with
   `megalign.checkpoint.export_hf`): HF `*ForTokenClassification` with one label and no bias
   (`token_classification_bias: false`), which is what verl's critic loads; transformers' logits
@@ -27,44 +29,48 @@ import torch
 from megalign.models import ValueModel
 from megalign.parallel import MixedPrecision, ParallelLayout
 from megalign.roles.actor import TrainableRole
+from megalign.roles.packing import response_hidden, scatter_response
 
 TOKEN_CLASSIFICATION = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
                         "mistral": "MistralForTokenClassification"}
 
 
 def response_values(model: ValueModel, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                    response_len: int) -> torch.Tensor:
+                    response_len: int, pack: bool = False, pack_tokens: Optional[int] = None) -> torch.Tensor:
     """Values V(s_t) [B, R] fp32 of the states before each response token (module doc).
 
     Args:
         sequences / attention_mask: [B, P + R] left-padded prompts then right-padded responses.
         response_len: R, the response columns at the end of `sequences`.
-    Padding positions give finite values that the caller masks out.
+        pack / pack_tokens: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
+    Only real response tokens go through the head; other positions are 0, which the caller masks out.
     """
-    hidden = model.model(sequences, attention_mask)
-    return model.head(hidden[:, -response_len - 1:-1]).float()
+    hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens)
+    return scatter_response(model.head(hidden).float(), rows, cols, sequences.shape[0], response_len)
 
 
 class Critic(TrainableRole):
     """The value model of PPO (module doc): `values` for GAE, `values_with_grad` for the value loss."""
 
     def __init__(self, model: ValueModel, layout: ParallelLayout, precision: MixedPrecision, offload_weights: bool,
-                 offload_optimizer: bool, optimizer: torch.optim.Optimizer, grad_clip: Optional[float]):
+                 offload_optimizer: bool, optimizer: torch.optim.Optimizer, grad_clip: Optional[float], **packing):
+        """`packing`: `pack`, `pack_tokens` of `megalign.roles.actor.PolicyRole`."""
         if not isinstance(model, ValueModel) or type(model).head_cls is not ValueModel.head_cls:
             raise TypeError(f"Critic needs a per-token ValueModel, got {type(model).__name__}")
         model.train()
-        super().__init__("critic", model, layout, precision, offload_weights, offload_optimizer, optimizer, grad_clip)
+        super().__init__("critic", model, layout, precision, offload_weights, offload_optimizer, optimizer, grad_clip,
+                         **packing)
 
     @torch.no_grad()
     def values(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
         """[B, R] fp32 values without gradient (the old values of GAE and the value clip)."""
         with self.precision.autocast(self.layout.device):
-            return response_values(self.model, sequences, attention_mask, response_len)
+            return response_values(self.model, sequences, attention_mask, response_len, self.pack, self.pack_tokens)
 
     def values_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
         """[B, R] fp32 values with gradient, for the value loss."""
         with self.precision.autocast(self.layout.device):
-            return response_values(self.model, sequences, attention_mask, response_len)
+            return response_values(self.model, sequences, attention_mask, response_len, self.pack, self.pack_tokens)
 
 
 __all__ = ["Critic", "TOKEN_CLASSIFICATION", "response_values"]

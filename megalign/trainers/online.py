@@ -24,7 +24,9 @@ Design choices:
 
 - Shapes are fixed per run: prompts are left-padded to the longest prompt of the dataset and
   responses right-padded to `max_response_length`, so rounds of sampling concatenate without
-  re-padding and every forward sees one shape. At start-up the longest prompt plus the response
+  re-padding. The scoring and training forwards of the roles then pack each row's real tokens
+  (`rollout.pack`, `megalign.roles.packing`; pp = 1), so long-tail lengths cost what they hold;
+  with `rollout.pack=false` they run on the padded rows. At start-up the longest prompt plus the response
   length is checked against every model's `max_position_embeddings`.
 - Data parallelism: each dp rank samples its own prompts (`PromptSampler` with the dp rank) and keeps
   its own groups. Sampling rounds are agreed over all ranks (one all-reduce per round) so sampler
@@ -116,6 +118,10 @@ class RolloutConfig:
         "rollout", doc="old log-probs of the ratio: those recorded while sampling, or a fresh forward after it")
     engine: EngineConfig = option(EngineConfig(), doc="how the rollout engine batches (max_batch, sync_every, static, "
                                                       "cuda_graphs); it never changes the samples")
+    pack: bool = option(True, doc="scoring and training forwards (actor, reference, critic) run on the rows' real tokens "
+                                  "packed (cu_seqlens) instead of padded rows; the same log-probs and values (pp = 1 only)")
+    pack_tokens: Optional[int] = option(None, doc="tokens per packed forward at most (null: one padded row, longest "
+                                                  "prompt + max_response_length; larger pays off with flash-attn)")
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -126,6 +132,8 @@ class RolloutConfig:
             raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.pack_tokens is not None and self.pack_tokens < 1:
+            raise ValueError(f"pack_tokens must be >= 1 (or null), got {self.pack_tokens}")
 
 
 @dataclasses.dataclass
@@ -274,14 +282,14 @@ class OnlineTrainer(Trainer):
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
         self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,
-                           build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip)
+                           build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip, **self.packing())
         self.reference = None
         if self.needs_reference():
             ref_layout = self.role_layout("reference", cfg.reference)
             ref_model = self.load_role_model("reference", cfg.reference, ref_layout, cfg.reference.path or cfg.actor.path,
                                              dtype=DTYPES[cfg.reference.dtype])
             self.check_model(ref_model, "reference.path", cfg.reference.path or cfg.actor.path, longest, what)
-            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
+            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights, **self.packing())
         self.reward = Reward(cfg.reward, [self.reward_model(key, model_cfg, longest, what)
                                           for key, model_cfg in cfg.reward.reward_models()])
         self.roles: list[Role] = [r for r in (self.actor, self.reference) if r is not None] + self.reward.models
@@ -342,6 +350,10 @@ class OnlineTrainer(Trainer):
         self.check_model(model, f"{key}.path", cfg.path, longest + len(separator) - 1, what + " and the step separator")
         return ProcessReward(cfg, model, layout, (tokens["negative"], tokens["positive"]), separator,
                              self.tokenizer.eos_id)
+
+    def packing(self) -> dict[str, Any]:
+        """The roles' packing switches (`megalign.roles.packing`), from `rollout.pack` / `rollout.pack_tokens`."""
+        return {"pack": self.cfg.rollout.pack, "pack_tokens": self.cfg.rollout.pack_tokens}
 
     # ----- phases
 

@@ -197,7 +197,8 @@ class PPOTrainer(OnlineTrainer):
         self.check_model(model, "critic.path", path, *self.longest)
         precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
         self.critic = Critic(model, layout, precision, cfg.critic.offload_weights, cfg.critic.offload_optimizer,
-                             build_optimizer(model, cfg.critic.optim, layout), cfg.critic.optim.grad_clip)
+                             build_optimizer(model, cfg.critic.optim, layout), cfg.critic.optim.grad_clip,
+                             **self.packing())
         logger.info("critic from %s (%s head)", path, "fresh" if fresh else "its")
         self.roles.append(self.critic)
         self.kl = AdaptiveKL(algo.kl_coef, algo.kl_target, algo.kl_horizon)

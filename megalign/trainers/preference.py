@@ -39,7 +39,7 @@ from megalign.config import option
 from megalign.data import (IGNORE_INDEX, PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
                            load_prompts, make_splits, write_preference_jsonl)
 from megalign.models import CausalLM
-from megalign.parallel import ParallelLayout, fused_linear_token_logprob
+from megalign.parallel import ParallelLayout
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.evaluation import eval_count
@@ -124,7 +124,7 @@ def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) ->
 
     Only the positions with a target (the response tokens; no prompt, no padding) go through the LM
     head: their final hidden states are gathered into [N, H] (N = the batch's response tokens) and
-    `fused_linear_token_logprob` projects them chunk by chunk onto this rank's vocabulary shard, so
+    `LMHead.token_logprob` (`fused_linear_token_logprob`) projects them chunk by chunk onto this rank's vocabulary shard, so
     no [R, T, V] (nor [N, V]) logits exist and the head's matmuls cost N rows instead of R x T.
     log p(y) = sum over the row's response tokens of log softmax(h_t W^T)[y_t] (DPO's summed
     log-probs, Rafailov et al. eq. 7), the same sum as the full-logits path in another order.
@@ -138,12 +138,8 @@ def hidden_sequence_logps(model: CausalLM, hidden: torch.Tensor, targets: torch.
     """`sequence_logps` from the trunk's output `hidden` [R, T, H] (on a pipeline, the last stage's) and the
     `targets` [R, T] (IGNORE_INDEX: no loss): [R] summed log-probs."""
     rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    logp = fused_linear_token_logprob(hidden[rows, cols].to(dtype), model.lm_head.proj.weight.to(dtype),
-                                      targets[rows, cols],
-                                      layout.tp_group if layout.tp > 1 else None, model.lm_head.vocab_start,
-                                      vocab_size=model.config.vocab_size)  # [N] fp32
+    logp = model.lm_head.token_logprob(hidden[rows, cols], targets[rows, cols],
+                                       layout.tp_group if layout.tp > 1 else None)  # [N] fp32
     return logp.new_zeros(targets.shape[0]).index_add(0, rows, logp)
 
 

@@ -12,8 +12,9 @@ Design choices:
   each rank sums its tokens' -log p and divides by the global token count (the objective's `count`,
   all-reduced by the trainer before the forward), and gradients are summed over dp. Every token
   weighs the same whatever the padding or the split over ranks, so the loss and the update do not
-  depend on dp. Log-probs come from `vocab_parallel_token_logprob` on the LM head's vocab-sharded
-  logits (no gather of the vocabulary at tp > 1; no collective at tp = 1).
+  depend on dp. Log-probs come from the fused LM head (`LMHead.token_logprob`:
+  `fused_linear_token_logprob`, vocab-parallel, chunks of tokens) on the response tokens only, so
+  neither the `[B, T, V/tp]` logits nor their gradient exist (no collective at tp = 1).
 - A non-finite loss or gradient norm (on any rank) skips the update with a warning and is counted
   (`nan_skips`); the step still consumes its batch and counts, so the schedule stays aligned with the data.
 - The embedded default (`examples/sft_arith.yaml`, the defaults here) is sized to land at *partial*
@@ -28,9 +29,9 @@ import torch
 
 from megalign.config import option
 from megalign.data import PromptExample, Tokenizer, load_prompts, make_splits
-from megalign.data.sft import SFTExample, collate_sft, encode_sft, load_sft
+from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_sft, load_sft
 from megalign.models import CausalLM
-from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
+from megalign.parallel import ParallelLayout
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.supervised import Objective, SupervisedConfig, SupervisedTrainer
@@ -88,11 +89,13 @@ def build_data(cfg: SFTDataConfig, tokenizer: Tokenizer, max_prompt_length: int)
     return train, held_out
 
 
-def nll_sum(model: CausalLM, logits: torch.Tensor, targets: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
-    """Summed -log p of the `targets` [B, T] (IGNORE_INDEX: left out) under `logits` [B, T, V_local] (0-dim fp32)."""
-    tp_group = layout.tp_group if layout.tp > 1 else None
-    logp = vocab_parallel_token_logprob(logits, targets, tp_group, model.lm_head.vocab_start,
-                                        vocab_size=model.config.vocab_size)  # [B, T], 0 where ignored
+def nll_sum(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """Summed -log p of the `targets` [B, T] (IGNORE_INDEX: left out) from the trunk's output `hidden` [B, T, H]
+    (on a pipeline, the last stage's), 0-dim fp32: the fused head (`LMHead.token_logprob`) on the target
+    positions only, so the [B, T, V_local] logits never exist."""
+    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    logp = model.lm_head.token_logprob(hidden[rows, cols], targets[rows, cols],
+                                       layout.tp_group if layout.tp > 1 else None)  # [N] response tokens
     return -logp.sum()
 
 
@@ -102,8 +105,7 @@ def sft_loss(model: CausalLM, batch: SFTBatch, layout: ParallelLayout, global_to
     `global_tokens`: the number of response tokens over all dp ranks (0-dim). Summed over dp ranks
     the returned values give the mean.
     """
-    logits = model(batch.input_ids, batch.attention_mask)  # [B, T, V_local]
-    return nll_sum(model, logits, batch.targets, layout) / global_tokens.clamp(min=1)
+    return nll_sum(model, model.model(batch.input_ids, batch.attention_mask), batch.targets, layout) / global_tokens.clamp(min=1)
 
 
 class SFTObjective(Objective[SFTExample]):
@@ -130,7 +132,7 @@ class SFTObjective(Objective[SFTExample]):
 
     def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
                    layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
-        return nll_sum(model, model.lm_head(hidden), rows["targets"], layout), {}
+        return nll_sum(model, hidden, rows["targets"], layout), {}
 
 
 def train_sft(cfg: SFTConfig) -> TrainResult:

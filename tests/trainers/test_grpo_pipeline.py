@@ -48,8 +48,10 @@ def _train(policy, run_dir, *overrides):
 def test_pp2_step_equals_unpipelined(policy, tmp_path, reference_pp):
     """The reference on the actor's layout (pp=2: its scores broadcast from its last stage), or at pp=1 beside
     it (dp=2 for the reference: each rank scores the whole batch its actor pp group holds)."""
+    # padded forwards at pp=1 too (the pipeline's are; packed vs padded is tests/roles/test_packed_forward.py):
+    # the same sums in the same order, so AdamW's step on near-zero gradients does not amplify their rounding
     overrides = ("algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute", "save_every=1",
-                 "export_hf=false")
+                 "export_hf=false", "rollout.pack=false")
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "pp2"), "actor.pp=2", f"reference.pp={reference_pp}", *overrides,
                     world_size=2)
@@ -60,8 +62,10 @@ def test_pp2_step_equals_unpipelined(policy, tmp_path, reference_pp):
 @pytest.mark.slow
 def test_tp2_pp2_step_equals_unpipelined(policy, tmp_path):
     """4 processes on 2 cores: actor and reference at tp=2 x pp=2 (dp=1)."""
+    # padded forwards at pp=1 too (the pipeline's are; packed vs padded is tests/roles/test_packed_forward.py):
+    # the same sums in the same order, so AdamW's step on near-zero gradients does not amplify their rounding
     overrides = ("algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute", "save_every=1",
-                 "export_hf=false")
+                 "export_hf=false", "rollout.pack=false")
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "tp2pp2"), "actor.tp=2", "actor.pp=2", "reference.tp=2",
                     "reference.pp=2", *overrides, world_size=4)
