@@ -190,7 +190,7 @@ def pipeline_generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: 
     Every rank of the pp group (and of each stage's tp group) calls it with the same prompts and gets the
     same output; only the last stage's `generator` is used. At pp == 1 it is `generate`.
     `draw(logits [B, V], step, agree) -> (tokens [B], log-probs [B])` replaces the last stage's `sample_next`
-    (e.g. the rollout engine's per-sample streams, `megalign.rollout.engine.pipeline_rollout`); pp > 1 only.
+    (e.g. the rollout engine's per-sample streams); pp > 1 only.
     """
     if layout.pp == 1:
         return generate(model, input_ids, attention_mask, params, generator)
