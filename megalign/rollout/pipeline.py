@@ -20,6 +20,10 @@ next needs micro-batch j's tokens m visits later, and the last stage produced th
 after stage s sent j on, so with m >= pp no stage waits after the fill (the pipeline's fill and
 drain, and the tail where fewer than pp micro-batches are still live, remain). Messages between two
 ranks go in one direction per kind and are matched in order (hidden states tag 0, tokens tag 1).
+A stage posts the receive of a micro-batch's next tokens right after sending it on and waits for it
+at its next visit. Tested on gloo (CPU) only: NCCL runs all point-to-point ops of one communicator
+on one stream, so there the next hidden-state send queues behind that pending token receive and the
+overlap would be lost; giving the tokens their own process group would avoid it (not built).
 
 Kept from `rollout` (its module doc): the per-sample counter-based streams (`stream_keys`,
 `stream_uniforms`, inverse-CDF `pick_tokens`), so a sample depends only on (seed, prompt key, g) and
