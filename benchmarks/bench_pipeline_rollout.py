@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime
 import os
-import statistics
 import sys
 import tempfile
 import time
