@@ -120,13 +120,13 @@ class EngineConfig:
     static: bool = option(False, doc="static-shape decode step: attend the whole cache, batch sizes in powers of two")
     cuda_graphs: bool = option(False, doc="capture the static decode step as CUDA graphs, one per batch size (CUDA only)")
     pp_microbatches: int = option(0, doc="micro-batches of rows in flight in `pipeline_rollout` at pp > 1 (at least pp "
-                                         "keeps every stage busy); 0 = pp")
+                                         "keeps every stage busy); 0 = 2 * pp")
 
     def __post_init__(self):
         if self.max_batch < 0:
             raise ValueError(f"max_batch must be >= 0 (0 = all samples at once), got {self.max_batch}")
         if self.pp_microbatches < 0:
-            raise ValueError(f"pp_microbatches must be >= 0 (0 = pp), got {self.pp_microbatches}")
+            raise ValueError(f"pp_microbatches must be >= 0 (0 = 2 * pp), got {self.pp_microbatches}")
         if self.sync_every < 1 or self.prefill_batch < 1:
             raise ValueError(f"sync_every and prefill_batch must be >= 1, got {self.sync_every} and {self.prefill_batch}")
 

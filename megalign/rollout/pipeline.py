@@ -5,10 +5,11 @@
 and returns what `rollout` returns on the unsplit model (same tokens and log-probs for the same seed,
 up to fp32 rounding of the split forward), on every rank of the pp group.
 
-Schedule. The U * G samples (prompt-major) are split into m = `config.pp_microbatches` (default pp,
+Schedule. The U * G samples (prompt-major) are split into m = `config.pp_microbatches` (default 2 pp,
 at most U G) contiguous micro-batches of near-equal size. m = pp is the least that keeps every stage
-busy; more only adds forwards (a decode step over few rows costs nearly as much as over many: the
-weights are read once per forward), which is why it is the default (BENCHMARKS.md, "Pipeline rollout"). Every stage keeps one slot KV cache
+busy if the tokens' trip back took no time; 2 pp leaves the first stage a micro-batch of slack for it
+and measured faster (BENCHMARKS.md, "Pipeline rollout"), though each extra micro-batch adds forwards
+(a decode step over few rows costs nearly as much as over many: the weights are read once per forward). Every stage keeps one slot KV cache
 (`SlotKVCache`) per micro-batch for its own layers and visits the live micro-batches round-robin:
 round 0 prefills micro-batch 0, 1, ..., m-1, every later round decodes one token of each. A visit on
 stage s runs its layers on what stage s-1 sent for that micro-batch (token ids on the first stage) and
@@ -90,7 +91,7 @@ class _PipelineRollout:
         self.hidden_size = model.config.hidden_size
         self.hidden_dtype = next(model.parameters()).dtype
         self.agree = model.model.factory.broadcast_from_first
-        m = min(config.pp_microbatches or layout.pp, self.n_samples)
+        m = min(config.pp_microbatches or 2 * layout.pp, self.n_samples)
         bounds = [i * self.n_samples // m for i in range(m + 1)]
         self.micro = [_MicroBatch(model, a, b, self.max_len, params.max_new_tokens, self.device)
                       for a, b in zip(bounds[:-1], bounds[1:])]

@@ -12,9 +12,9 @@ from megalign.rollout import EngineConfig, SamplingParams, pipeline_rollout, rol
 
 GROUP = 3
 LENGTHS = [3, 9, 6, 5]  # uneven prompts; 4 x 3 = 12 rows
-# the default m = pp = 2; m = 3 > pp (4-row micro-batches cut through the prompts' groups of 3); m = 5 with 12 rows not
-# divisible by 5 and one prompt per prefill chunk
-CONFIGS = [EngineConfig(), EngineConfig(pp_microbatches=3), EngineConfig(pp_microbatches=5, prefill_batch=1)]
+# m = pp = 2; the default m = 2 pp = 4; m = 5 with 12 rows not divisible by 5 (micro-batches cut through the prompts'
+# groups of 3) and one prompt per prefill chunk
+CONFIGS = [EngineConfig(pp_microbatches=2), EngineConfig(), EngineConfig(pp_microbatches=5, prefill_batch=1)]
 
 
 def _check(path, tp, ids, mask, cases):
