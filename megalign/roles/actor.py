@@ -17,7 +17,8 @@ Design choices:
   (`head_logprobs` on its hidden states), so logits exist one micro-batch at a time. Scores
   (`pipeline_logprobs`) are broadcast from the last stage over the pp group: every rank of a pp group
   holds the whole rollout batch, and every phase after scoring reads them there. Rollouts go through
-  `pipeline_rollout` (the engine's per-sample streams, so the same samples as at pp = 1).
+  `pipeline_rollout` (micro-batches of rows in flight across the stages, `rollout.engine.pp_microbatches`;
+  the engine's per-sample streams, so the same samples as at pp = 1).
 - `TrainableRole` is what the PPO critic (`megalign.roles.critic`) reuses: a model, a ZeRO-1 AdamW whose state is the
   "optimizer" offload part, gradient sync over dp, global-norm clipping and a skipped update when
   anything is non-finite.
@@ -181,7 +182,7 @@ class Actor(TrainableRole):
         seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device))
         with self.precision.autocast(self.layout.device):
             if self.layout.pp > 1:
-                return pipeline_rollout(self.model, input_ids, attention_mask, group_size, params, seed, self.layout)
+                return pipeline_rollout(self.model, input_ids, attention_mask, group_size, params, seed, self.layout, engine)
             return rollout(self.model, input_ids, attention_mask, group_size, params, seed, engine)
 
     def logprobs_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

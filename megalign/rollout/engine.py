@@ -35,8 +35,8 @@ with far less work:
 - Tensor parallelism: every tp rank runs the same schedule (its decisions come from tokens that are
   identical on all ranks: the logits are all-gathered exactly and the sampled token is broadcast from
   tp rank 0, as in `generate`; the seed is broadcast once), so the ranks stay in lock step.
-- Pipeline parallelism is not handled here: `pipeline_rollout` gives the same samples through
-  `pipeline_generate`'s simple loop (the same streams, none of the batching above).
+- Pipeline parallelism: `megalign.rollout.pipeline.pipeline_rollout` runs the same prefill, streams and
+  finished-row rule over micro-batches in flight across the stages (its module doc).
 
 Costs (for U prompts, G samples, lengths n_i): prefill sum_p |prompt p| tokens instead of G times
 that; decode sum_i n_i row-steps plus at most (sync_every - 1) per sample, instead of U * G * max_i n_i.
@@ -55,10 +55,7 @@ from megalign.config import option
 from megalign.models import CausalLM
 from megalign.models.decoder import KVCache, SlotKVCache
 
-from megalign.parallel.layout import ParallelLayout
-
-from .generate import (GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits,
-                       pipeline_generate)
+from .generate import GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits
 
 _U64 = 2 ** 64
 _GOLDEN = 0x9E3779B97F4A7C15 - _U64  # as int64
@@ -122,10 +119,14 @@ class EngineConfig:
     prefill_batch: int = option(16, doc="prompts prefilled together at most")
     static: bool = option(False, doc="static-shape decode step: attend the whole cache, batch sizes in powers of two")
     cuda_graphs: bool = option(False, doc="capture the static decode step as CUDA graphs, one per batch size (CUDA only)")
+    pp_microbatches: int = option(0, doc="micro-batches of rows in flight in `pipeline_rollout` at pp > 1 (at least pp "
+                                         "keeps every stage busy); 0 = 2 * pp")
 
     def __post_init__(self):
         if self.max_batch < 0:
             raise ValueError(f"max_batch must be >= 0 (0 = all samples at once), got {self.max_batch}")
+        if self.pp_microbatches < 0:
+            raise ValueError(f"pp_microbatches must be >= 0 (0 = 2 * pp), got {self.pp_microbatches}")
         if self.sync_every < 1 or self.prefill_batch < 1:
             raise ValueError(f"sync_every and prefill_batch must be >= 1, got {self.sync_every} and {self.prefill_batch}")
 
@@ -139,6 +140,9 @@ class RolloutStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_steps: int = 0
+    recv_wait_s: float = 0.0
+    """Seconds this rank waited on pipeline receives (`pipeline_rollout` at pp > 1; 0 otherwise): over
+    prefill_s + decode_s it is the stage's bubble fraction."""
 
     def __add__(self, other: "RolloutStats") -> "RolloutStats":
         """Totals over several rollouts (e.g. a step's sampling rounds)."""
@@ -205,6 +209,25 @@ class _Slots:
             tensor[:n] = tensor[keep]
 
 
+def right_aligned(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Left-padded prompts `[U, P]` with `lengths` `[U]` real tokens -> row p's tokens at columns [0, lengths[p])."""
+    width = input_ids.shape[1]
+    index = (torch.arange(width, device=input_ids.device)[None] + (width - lengths)[:, None]).clamp(max=width - 1)
+    return input_ids.gather(1, index)
+
+
+def assemble_output(input_ids: torch.Tensor, mask: torch.Tensor, group: int, tokens: torch.Tensor,
+                    logp: torch.Tensor, lengths: torch.Tensor, pad_token_id: int) -> GenerationOutput:
+    """The `generate` layout from harvested responses (`tokens` / `logp` `[U G, max_new]`, `lengths` `[U G]`):
+    left-padded prompts `[U, P]` (each repeated G times), then N = longest response columns."""
+    n = int(lengths.max())
+    response = torch.arange(n, device=tokens.device)[None] < lengths[:, None]
+    tokens = tokens[:, :n].masked_fill(~response, pad_token_id)
+    logp = logp[:, :n].masked_fill(~response, 0.0)
+    ids, mask = (x.repeat_interleave(group, 0) for x in (input_ids, mask))
+    return GenerationOutput(torch.cat([ids, tokens], 1), torch.cat([mask, response.long()], 1), logp)
+
+
 def _bucket(n: int, cap: int, static: bool) -> int:
     """Decode batch for n live rows: n, or the next power of two (at most cap) in static mode."""
     return min(cap, 1 << (n - 1).bit_length()) if static else n
@@ -222,11 +245,7 @@ class _Rollout:
         self.input_ids, self.mask = input_ids, mask
         self.lengths = mask.sum(-1)
         lengths = self.lengths.tolist()
-        width = input_ids.shape[1]
-        # right-aligned copies of the left-padded prompts: row p's tokens at [0, lengths[p])
-        shift = width - self.lengths
-        index = (torch.arange(width, device=self.device)[None] + shift[:, None]).clamp(max=width - 1)
-        self.prompts = input_ids.gather(1, index)
+        self.prompts = right_aligned(input_ids, self.lengths)
         self.prompt_lengths = lengths
         self.n_samples = len(lengths) * group_size
         self.slots = min(config.max_batch or self.n_samples, self.n_samples)
@@ -371,15 +390,9 @@ class _Rollout:
         return self._output()
 
     def _output(self) -> GenerationOutput:
-        """The `generate` layout: left-padded prompts (each repeated G times), then N = longest response columns."""
-        state, pad = self.state, self.params.pad_token_id
-        lengths = state.out_lengths[:self.n_samples]
-        n = int(lengths.max())
-        response = torch.arange(n, device=self.device)[None] < lengths[:, None]
-        tokens = state.out_tokens[:self.n_samples, :n].masked_fill(~response, pad)
-        logp = state.out_logp[:self.n_samples, :n].masked_fill(~response, 0.0)
-        ids, mask = (x.repeat_interleave(self.group, 0) for x in (self.input_ids, self.mask))
-        return GenerationOutput(torch.cat([ids, tokens], 1), torch.cat([mask, response.long()], 1), logp)
+        state, n = self.state, self.n_samples
+        return assemble_output(self.input_ids, self.mask, self.group, state.out_tokens[:n], state.out_logp[:n],
+                               state.out_lengths[:n], self.params.pad_token_id)
 
 
 @torch.no_grad()
@@ -408,34 +421,3 @@ def rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tens
                      keys.to(device=input_ids.device, dtype=torch.long), logits_processor)
     out = state.run()
     return out, state.stats
-
-
-@torch.no_grad()
-def pipeline_rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int,
-                     params: SamplingParams, seed: int, layout: ParallelLayout) -> tuple[GenerationOutput, RolloutStats]:
-    """`rollout` for `model` this rank's pipeline stage (`layout.pp > 1`): the same samples for the same `seed`
-    (each sample's tokens drawn from its own stream, `stream_keys(seed, prompt p, sample g)` at response step s,
-    as the engine draws them), decoded by `pipeline_generate`'s simple loop over the prompts repeated G times
-    (no shared-prompt prefill or continuous batching, and the stages take turns: see `pipeline_generate`).
-
-    Every rank of the pp group passes the same prompts and seed and gets the same output; the statistics count
-    the whole call as decode time (`prefill_s` 0: the loop does not time its prefill apart).
-    """
-    start = time.perf_counter()
-    mask = _check_prompts(input_ids, attention_mask)
-    prompts = input_ids.shape[0]
-    device = input_ids.device
-    keys = stream_keys(seed, torch.arange(prompts, device=device).repeat_interleave(group_size),
-                       torch.arange(group_size, device=device).repeat(prompts))
-
-    def draw(logits: torch.Tensor, step: int, agree) -> tuple[torch.Tensor, torch.Tensor]:
-        uniforms = None if params.temperature == 0 else stream_uniforms(keys, torch.full_like(keys, step))
-        return pick_tokens(logits, params, uniforms, agree)
-
-    out = pipeline_generate(model, input_ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0),
-                            params, layout, draw=draw)
-    _sync(device)
-    generated = out.attention_mask[:, input_ids.shape[1]:]
-    stats = RolloutStats(prefill_tokens=int(mask.sum()) * group_size, decode_tokens=int(generated.sum()),
-                         decode_s=time.perf_counter() - start, decode_steps=generated.shape[1])
-    return out, stats

@@ -184,13 +184,11 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
 @torch.no_grad()
 def pipeline_generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       params: SamplingParams, layout: ParallelLayout,
-                      generator: Optional[torch.Generator] = None, draw: Optional[Callable] = None) -> GenerationOutput:
+                      generator: Optional[torch.Generator] = None) -> GenerationOutput:
     """`generate` with `model` this rank's pipeline stage (`megalign.models.stage_from_pretrained`) over `layout.pp_group`.
 
     Every rank of the pp group (and of each stage's tp group) calls it with the same prompts and gets the
     same output; only the last stage's `generator` is used. At pp == 1 it is `generate`.
-    `draw(logits [B, V], step, agree) -> (tokens [B], log-probs [B])` replaces the last stage's `sample_next`
-    (e.g. the rollout engine's per-sample streams, `megalign.rollout.engine.pipeline_rollout`); pp > 1 only.
     """
     if layout.pp == 1:
         return generate(model, input_ids, attention_mask, params, generator)
@@ -222,9 +220,7 @@ def pipeline_generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: 
         hidden = stage_forward(step_ids)
         if layout.is_last_stage:
             logits = model.lm_head.gather_logits(model.lm_head(hidden[:, -1]))
-            agree = model.model.factory.broadcast_from_first
-            token, logprob = (sample_next(logits, params, generator, agree=agree) if draw is None else
-                              draw(logits, step, agree))
+            token, logprob = sample_next(logits, params, generator, agree=model.model.factory.broadcast_from_first)
         else:
             token = torch.empty(batch, dtype=torch.long, device=device)
             logprob = torch.empty(batch, dtype=torch.float32, device=device)
