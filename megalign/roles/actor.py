@@ -57,17 +57,18 @@ def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor,
 
 def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       response_len: int, temperature: float, with_entropy: bool = False, pack: bool = False,
-                      pack_tokens: Optional[int] = None):
+                      pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0):
     """log p(response token) [B, R] fp32 (and entropy [B, R]) under softmax(logits / temperature).
 
     Args:
         sequences: [B, P + R] left-padded prompts then responses (`GenerationOutput.sequences`).
         attention_mask: [B, P + R] 1 for real tokens.
         response_len: R, the response columns at the end of `sequences`.
-        pack / pack_tokens: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
+        pack / pack_tokens / pack_max_fill: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
     The head runs only on the real response tokens; other positions are 0, which the caller masks out.
     """
-    hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens)
+    hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens,
+                                         pack_max_fill)
     out = head_logprobs(model, layout, hidden, sequences[:, -response_len:][rows, cols], temperature, with_entropy)
     b = sequences.shape[0]
     if with_entropy:
@@ -78,15 +79,16 @@ def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.
 class PolicyRole(ModelRole):
     """A causal LM role that scores responses (the reference, and the base of the actor).
 
-    `pack` / `pack_tokens`: its response forwards run on packed rows (`megalign.roles.packing`; pp = 1 only).
+    `pack` / `pack_tokens` / `pack_max_fill`: its response forwards run on packed rows (`megalign.roles.packing`;
+    pp = 1 only).
     """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
                  offload_weights: bool, extra_switches: Optional[dict[str, bool]] = None, *, pack: bool = False,
-                 pack_tokens: Optional[int] = None):
+                 pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0):
         super().__init__(name, model, layout, offload_weights, extra_switches)
         self.precision = precision
-        self.pack, self.pack_tokens = pack, pack_tokens
+        self.pack, self.pack_tokens, self.pack_max_fill = pack, pack_tokens, pack_max_fill
 
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -94,7 +96,7 @@ class PolicyRole(ModelRole):
         """[B, R] fp32 log-probs of the responses, without gradient (old or reference log-probs)."""
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
-                                     pack=self.pack, pack_tokens=self.pack_tokens)
+                                     pack=self.pack, pack_tokens=self.pack_tokens, pack_max_fill=self.pack_max_fill)
 
     @torch.no_grad()
     def pipeline_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -124,7 +126,7 @@ class Reference(PolicyRole):
     """The frozen reference policy of the KL term; never trained, so its weights may be stored in bf16."""
 
     def __init__(self, model: CausalLM, layout: ParallelLayout, offload_weights: bool, **packing):
-        """`packing`: `pack`, `pack_tokens` of `PolicyRole`."""
+        """`packing`: `pack`, `pack_tokens`, `pack_max_fill` of `PolicyRole`."""
         model.requires_grad_(False).eval()
         super().__init__("reference", model, layout, MixedPrecision(None), offload_weights, **packing)
 
@@ -143,7 +145,7 @@ class TrainableRole(PolicyRole):
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
                  offload_weights: bool, offload_optimizer: bool, optimizer: torch.optim.Optimizer,
                  grad_clip: Optional[float], **packing):
-        """`packing`: `pack`, `pack_tokens` of `PolicyRole`."""
+        """`packing`: `pack`, `pack_tokens`, `pack_max_fill` of `PolicyRole`."""
         precision.check_model(model)
         super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer}, **packing)
         self.optimizer = optimizer
@@ -197,4 +199,5 @@ class Actor(TrainableRole):
                                  temperature, with_entropy=True)
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
-                                     with_entropy=True, pack=self.pack, pack_tokens=self.pack_tokens)
+                                     with_entropy=True, pack=self.pack, pack_tokens=self.pack_tokens,
+                                     pack_max_fill=self.pack_max_fill)

@@ -36,16 +36,18 @@ TOKEN_CLASSIFICATION = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2F
 
 
 def response_values(model: ValueModel, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                    response_len: int, pack: bool = False, pack_tokens: Optional[int] = None) -> torch.Tensor:
+                    response_len: int, pack: bool = False, pack_tokens: Optional[int] = None,
+                    pack_max_fill: float = 1.0) -> torch.Tensor:
     """Values V(s_t) [B, R] fp32 of the states before each response token (module doc).
 
     Args:
         sequences / attention_mask: [B, P + R] left-padded prompts then right-padded responses.
         response_len: R, the response columns at the end of `sequences`.
-        pack / pack_tokens: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
+        pack / pack_tokens / pack_max_fill: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
     Only real response tokens go through the head; other positions are 0, which the caller masks out.
     """
-    hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens)
+    hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens,
+                                          pack_max_fill)
     return scatter_response(model.head(hidden).float(), rows, cols, sequences.shape[0], response_len)
 
 
@@ -54,7 +56,7 @@ class Critic(TrainableRole):
 
     def __init__(self, model: ValueModel, layout: ParallelLayout, precision: MixedPrecision, offload_weights: bool,
                  offload_optimizer: bool, optimizer: torch.optim.Optimizer, grad_clip: Optional[float], **packing):
-        """`packing`: `pack`, `pack_tokens` of `megalign.roles.actor.PolicyRole`."""
+        """`packing`: `pack`, `pack_tokens`, `pack_max_fill` of `megalign.roles.actor.PolicyRole`."""
         if not isinstance(model, ValueModel) or type(model).head_cls is not ValueModel.head_cls:
             raise TypeError(f"Critic needs a per-token ValueModel, got {type(model).__name__}")
         model.train()
@@ -65,12 +67,14 @@ class Critic(TrainableRole):
     def values(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
         """[B, R] fp32 values without gradient (the old values of GAE and the value clip)."""
         with self.precision.autocast(self.layout.device):
-            return response_values(self.model, sequences, attention_mask, response_len, self.pack, self.pack_tokens)
+            return response_values(self.model, sequences, attention_mask, response_len, self.pack, self.pack_tokens,
+                                   self.pack_max_fill)
 
     def values_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
         """[B, R] fp32 values with gradient, for the value loss."""
         with self.precision.autocast(self.layout.device):
-            return response_values(self.model, sequences, attention_mask, response_len, self.pack, self.pack_tokens)
+            return response_values(self.model, sequences, attention_mask, response_len, self.pack, self.pack_tokens,
+                                   self.pack_max_fill)
 
 
 __all__ = ["Critic", "TOKEN_CLASSIFICATION", "response_values"]

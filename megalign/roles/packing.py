@@ -42,7 +42,7 @@ def _packs(lengths: list[int], pack_tokens: int) -> list[tuple[int, int]]:
 
 
 def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                    pack: bool, pack_tokens: Optional[int] = None):
+                    pack: bool, pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0):
     """(hidden [N, H], rows [N], cols [N]): the trunk's outputs predicting the response tokens (module doc).
 
     Args:
@@ -51,6 +51,9 @@ def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch
         response_len: R, the response columns at the end of `sequences` (1 <= R < P + R).
         pack: the packed layout instead of the padded one.
         pack_tokens: tokens per packed forward at most (None: P + R).
+        pack_max_fill: pack only when the real tokens fill at most this fraction of the padded [B, P + R]
+            (1.0: always). Packing runs one trunk forward per pack, so on nearly full rows it saves few
+            tokens and costs many more, smaller forwards; those rows run padded.
     (rows, cols) index the [B, R] response grid: the real response tokens whose previous column is real.
     """
     b, width = sequences.shape
@@ -61,7 +64,7 @@ def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch
         raise ValueError(f"response_len must be in [1, {width - 1}] (a prompt column must precede it), got {response_len}")
     real = attention_mask.bool()
     rows, cols = (real[:, -response_len:] & real[:, -response_len - 1:-1]).nonzero(as_tuple=True)
-    if not pack:
+    if not pack or float(real.sum()) > pack_max_fill * real.numel():
         hidden = trunk(sequences, attention_mask)
         return hidden[:, -response_len - 1:-1][rows, cols], rows, cols
     runs = (real & ~torch.nn.functional.pad(real, (1, 0))[:, :-1]).sum(1)

@@ -25,7 +25,8 @@ Design choices:
 - Shapes are fixed per run: prompts are left-padded to the longest prompt of the dataset and
   responses right-padded to `max_response_length`, so rounds of sampling concatenate without
   re-padding. The scoring and training forwards of the roles then pack each row's real tokens
-  (`rollout.pack`, `megalign.roles.packing`; pp = 1), so long-tail lengths cost what they hold;
+  (`rollout.pack`, `megalign.roles.packing`; pp = 1; only forwards whose rows' real tokens fill at most
+  `rollout.pack_max_fill` of the padded rows), so long-tail lengths cost what they hold;
   with `rollout.pack=false` they run on the padded rows. At start-up the longest prompt plus the response
   length is checked against every model's `max_position_embeddings`.
 - Data parallelism: each dp rank samples its own prompts (`PromptSampler` with the dp rank) and keeps
@@ -122,6 +123,9 @@ class RolloutConfig:
                                   "packed (cu_seqlens) instead of padded rows; the same log-probs and values (pp = 1 only)")
     pack_tokens: Optional[int] = option(None, doc="tokens per packed forward at most (null: one padded row, longest "
                                                   "prompt + max_response_length; larger pays off with flash-attn)")
+    pack_max_fill: float = option(0.5, doc="pack a forward's rows only when their real tokens fill at most this fraction "
+                                           "of the padded rows (1.0: always): packing runs one trunk forward per pack, "
+                                           "which on nearly full rows costs more than it saves")
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -134,6 +138,8 @@ class RolloutConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.pack_tokens is not None and self.pack_tokens < 1:
             raise ValueError(f"pack_tokens must be >= 1 (or null), got {self.pack_tokens}")
+        if not 0 <= self.pack_max_fill <= 1:
+            raise ValueError(f"pack_max_fill must be in [0, 1], got {self.pack_max_fill}")
 
 
 @dataclasses.dataclass
@@ -352,8 +358,9 @@ class OnlineTrainer(Trainer):
                              self.tokenizer.eos_id)
 
     def packing(self) -> dict[str, Any]:
-        """The roles' packing switches (`megalign.roles.packing`), from `rollout.pack` / `rollout.pack_tokens`."""
-        return {"pack": self.cfg.rollout.pack, "pack_tokens": self.cfg.rollout.pack_tokens}
+        """The roles' packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`, `pack_max_fill`."""
+        rollout = self.cfg.rollout
+        return {"pack": rollout.pack, "pack_tokens": rollout.pack_tokens, "pack_max_fill": rollout.pack_max_fill}
 
     # ----- phases
 

@@ -184,6 +184,23 @@ def test_packing_positions_packs_and_bad_masks():
     assert hidden[:, 0].long().tolist() == ids[:, PROMPT - 1:-1][rows, cols].tolist()
     assert _packs([13, 5, 6, 4, 7], 13) == [(0, 1), (1, 3), (3, 5)]
     assert _packs([13, 5], 4) == [(0, 1), (1, 2)]  # a row longer than a pack gets its own
+    # pack_max_fill: packed only while the real tokens (35) fill at most that fraction of the padded batch
+    seen.clear()
+    padded_calls = []
+
+    def counting(x, attention_mask=None, cu_seqlens=None):
+        if cu_seqlens is None:
+            padded_calls.append(tuple(x.shape))
+            return x[..., None].float()
+        return trunk(x, cu_seqlens=cu_seqlens)
+
+    fill = float(mask.sum()) / mask.numel()
+    response_hidden(counting, ids, mask, RESPONSE, pack=True, pack_tokens=1000, pack_max_fill=fill)
+    assert len(seen) == 1 and not padded_calls  # at the threshold: packed
+    hidden_padded, rows_padded, cols_padded = response_hidden(counting, ids, mask, RESPONSE, pack=True,
+                                                              pack_tokens=1000, pack_max_fill=fill - 0.01)
+    assert len(seen) == 1 and padded_calls == [tuple(ids.shape)]  # fuller than allowed: one padded forward
+    assert torch.equal(hidden_padded, hidden) and torch.equal(rows_padded, rows) and torch.equal(cols_padded, cols)
     gapped = mask.clone()
     gapped[0, 8] = 0
     with pytest.raises(ValueError, match="one run"):
@@ -223,7 +240,8 @@ def _trainers_packed_and_padded(policy, root):
     from megalign.trainers.grpo import train_grpo
     from megalign.trainers.ppo import train_ppo
     for pack in ("true", "false"):
-        common = ("steps=1", "rollout.old_logprobs=recompute", "export_hf=false", f"rollout.pack={pack}")
+        common = ("steps=1", "rollout.old_logprobs=recompute", "export_hf=false", f"rollout.pack={pack}",
+                  "rollout.pack_max_fill=1.0")  # pack whatever the rows' fill
         train_grpo(tiny_config(policy, f"{root}/grpo_{pack}", "algo.beta=0.05", *common))
         train_ppo(tiny_ppo_config(policy, f"{root}/ppo_{pack}", "algo.kl_coef=0.05", "algo.entropy_coef=0.01",
                                   *common))
