@@ -34,12 +34,12 @@ struct IsaKernels {
                                  const void* entropy, const void* grad_logp, const void* grad_entropy,
                                  int64_t vocab_start, double inv_temperature, int64_t ignore_index,
                                  void* grad, int64_t grad_row_stride);
-  void (*kl_penalty_fwd)(const KlArgs& a, void* out);
+  void (*kl_penalty_fwd)(const KlArgs& a, void* out, void* dlogp);
   void (*kl_penalty_bwd)(const KlArgs& a, const StridedView& grad, void* grad_logp);
-  void (*kl_masked_mean_fwd)(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count);
+  void (*kl_masked_mean_fwd)(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void* dlogp);
   void (*kl_masked_mean_bwd)(const KlArgs& a, const KlMaskArg& m, const void* grad_mean,
                              const int64_t* count, void* grad_logp);
-  void (*policy_loss_fwd)(const PolicyLossArgs& a, void* loss, float* stats);
+  void (*policy_loss_fwd)(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp);
   void (*policy_loss_bwd)(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp);
 };
 

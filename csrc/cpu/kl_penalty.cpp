@@ -23,13 +23,14 @@ bool vector_ok(const KlArgs& a, const StridedView& mask = {}, const StridedView&
 }
 
 template <typename T, KlKind K, bool Dense>
-void fwd_impl(const KlArgs& a, acc_t<T>* out) {
+void fwd_impl(const KlArgs& a, acc_t<T>* out, acc_t<T>* dlogp) {
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
-#pragma omp simd
     for (int64_t c = c0; c < c1; ++c) {
       const auto lp = load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols));
       const auto ref = load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols));
-      out[r * a.cols + c] = kl_estimate(K, lp, ref).value;
+      const KlValue<acc_t<T>> k = kl_estimate(K, lp, ref);
+      out[r * a.cols + c] = k.value;
+      if (dlogp) dlogp[r * a.cols + c] = k.dlogp;
     }
   });
 }
@@ -49,7 +50,7 @@ void bwd_impl(const KlArgs& a, const StridedView& grad, T* grad_logp) {
 }
 
 template <typename T, typename M, KlKind K, bool Dense>
-KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
+KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m, acc_t<T>* dlogp) {
   using A = acc_t<T>;
   return detail::parallel_reduce_chunks<KlMeanPartial<double>>(
       a.rows, a.cols, [&](KlMeanPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
@@ -63,10 +64,10 @@ KlMeanPartial<double> masked_sum(const KlArgs& a, const KlMaskArg& m) {
           for (int64_t j = 0; j < len; ++j) {
             const int64_t c = b0 + j;
             const bool valid = load_valid<M>(m.mask, offset<Dense>(m.mask, r, c, a.cols));
-            const A kl = kl_estimate(K, load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols)),
-                                     load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols)))
-                             .value;
-            v_kl[j] = select_acc(valid, kl, A(0));
+            const KlValue<A> kl = kl_estimate(K, load_acc<T>(a.logp, offset<Dense>(a.logp, r, c, a.cols)),
+                                              load_acc<T>(a.ref_logp, offset<Dense>(a.ref_logp, r, c, a.cols)));
+            v_kl[j] = select_acc(valid, kl.value, A(0));
+            if (dlogp) dlogp[r * a.cols + c] = select_acc(valid, kl.dlogp, A(0));
             v_count[j] = select_acc(valid, A(1), A(0));
           }
 #pragma omp simd reduction(+ : sum, count)
@@ -96,12 +97,13 @@ void masked_bwd_impl(const KlArgs& a, const KlMaskArg& m, acc_t<T> scale, T* gra
 
 }  // namespace
 
-void kl_penalty_fwd(const KlArgs& a, void* out) {
-  if (vector_ok(a)) return isa_kernels().kl_penalty_fwd(a, out);
+void kl_penalty_fwd(const KlArgs& a, void* out, void* dlogp) {
+  if (vector_ok(a)) return isa_kernels().kl_penalty_fwd(a, out, dlogp);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_penalty_fwd", [&] {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
       dispatch_bool(all_dense(a), [&](auto dense) {
-        fwd_impl<scalar_t, decltype(kind)::value, decltype(dense)::value>(a, static_cast<acc_t<scalar_t>*>(out));
+        fwd_impl<scalar_t, decltype(kind)::value, decltype(dense)::value>(a, static_cast<acc_t<scalar_t>*>(out),
+                                                                           static_cast<acc_t<scalar_t>*>(dlogp));
       });
     });
   });
@@ -118,14 +120,15 @@ void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
   });
 }
 
-void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
-  if (vector_ok(a, m.mask)) return isa_kernels().kl_masked_mean_fwd(a, m, mean, count);
+void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void* dlogp) {
+  if (vector_ok(a, m.mask)) return isa_kernels().kl_masked_mean_fwd(a, m, mean, count, dlogp);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_masked_mean_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
       detail::dispatch_kl_kind(a.kind, [&](auto kind) {
         dispatch_bool(all_dense(a, m.mask), [&](auto dense) {
           const KlMeanPartial<double> total =
-              masked_sum<scalar_t, mask_t, decltype(kind)::value, decltype(dense)::value>(a, m);
+              masked_sum<scalar_t, mask_t, decltype(kind)::value, decltype(dense)::value>(
+                  a, m, static_cast<acc_t<scalar_t>*>(dlogp));
           *static_cast<acc_t<scalar_t>*>(mean) = static_cast<acc_t<scalar_t>>(total.mean());
           *count = total.count;
         });

@@ -49,15 +49,20 @@ struct GradChunk {
   MEGALIGN_SIMD_FN Vec at(int64_t j, int64_t len) const { return broadcast ? Vec(*p) : ld(p + j, len); }
 };
 
+// dlogp (null: not wanted) receives d kl / d logp per token, the backward's gradient per unit
+// upstream gradient, from the same evaluation of the estimator.
 template <typename T, KlKind K>
-void kl_fwd(const KlArgs& a, float* out) {
+void kl_fwd(const KlArgs& a, float* out, float* dlogp) {
   detail::parallel_chunks(a.rows, a.cols, [&](int64_t, int64_t r, int64_t c0, int64_t c1) {
     const T* lp = row_ptr<T>(a.logp, r, c0);
     const T* ref = row_ptr<T>(a.ref_logp, r, c0);
     float* o = out + r * a.cols + c0;
+    float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
     for (int64_t j = 0; j < c1 - c0; j += W) {
       const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
-      st(o + j, kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).value, len);
+      const KlValue<Vec> k = kl_estimate(K, ld(lp + j, len), ld(ref + j, len));
+      st(o + j, k.value, len);
+      if (d) st(d + j, k.dlogp, len);
     }
   });
 }
@@ -76,19 +81,24 @@ void kl_bwd(const KlArgs& a, const StridedView& grad, T* grad_logp) {
   });
 }
 
+// dlogp (null: not wanted) receives valid ? d kl / d logp : 0 per token (not yet divided by the
+// count, which is known only after the reduction).
 template <typename T, typename M, KlKind K>
-KlMeanPartial<double> kl_masked_sum(const KlArgs& a, const KlMaskArg& m) {
+KlMeanPartial<double> kl_masked_sum(const KlArgs& a, const KlMaskArg& m, float* dlogp) {
   return detail::parallel_reduce_chunks<KlMeanPartial<double>>(
       a.rows, a.cols, [&](KlMeanPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
         const T* lp = row_ptr<T>(a.logp, r, c0);
         const T* ref = row_ptr<T>(a.ref_logp, r, c0);
         const M* mk = row_ptr<M>(m.mask, r, c0);
+        float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
         Vec sum(0.0f);
         i32v count{};
         for (int64_t j = 0; j < c1 - c0; j += W) {
           const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
           const Mask valid = ld_mask(mk + j, len);
-          sum += select_acc(valid, kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).value, Vec(0.0f));
+          const KlValue<Vec> k = kl_estimate(K, ld(lp + j, len), ld(ref + j, len));
+          sum += select_acc(valid, k.value, Vec(0.0f));
+          if (d) st(d + j, select_acc(valid, k.dlogp, Vec(0.0f)), len);
           count -= valid.m;  // a set lane is -1
         }
         part.merge(KlMeanPartial<double>{simd::MEGALIGN_ISA::hsum(sum), simd::MEGALIGN_ISA::hcount(count)});
@@ -131,8 +141,9 @@ inline PolicyCoeffs<Vec> vector_coeffs(const PolicyLossArgs& a) {
   return {Vec(p.eps_low), Vec(p.eps_high), Vec(p.dual_clip), Vec(p.beta)};
 }
 
+// dlogp (null: not wanted) receives d loss / d logp per token (0 at masked tokens).
 template <typename T, typename M, bool HasRef>
-PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss) {
+PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss, float* dlogp) {
   using simd::MEGALIGN_ISA::vmax;
   using simd::MEGALIGN_ISA::vmin;
   const PolicyCoeffs<Vec> p = vector_coeffs(a);
@@ -140,6 +151,7 @@ PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss) {
       a.rows, a.cols, [&](PolicyPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
         const PolicyChunk<T, M> in(a, r, c0);
         float* o = loss + r * a.cols + c0;
+        float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
         i32v count{}, clipped{}, dual{};
         Vec neg_log_ratio(0.0f), kl(0.0f), ratio_min(1e30f), ratio_max(0.0f);
         for (int64_t j = 0; j < c1 - c0; j += W) {
@@ -147,6 +159,7 @@ PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss) {
           const Mask valid = ld_mask(in.mask + j, len);
           const PolicyToken<Vec> t = in.template token<HasRef>(j, len, p);
           st(o + j, select_acc(valid, t.loss, Vec(0.0f)), len);
+          if (d) st(d + j, select_acc(valid, t.dlogp, Vec(0.0f)), len);
           const Mask valid_clipped = valid & t.clipped;
           const Mask valid_dual = valid & t.dual_clipped;
           count -= valid.m;  // a set lane is -1
@@ -197,10 +210,10 @@ void dispatch_f32_lanes(DType dtype, const char* op, Fn&& fn) {
   }
 }
 
-void kl_penalty_fwd(const KlArgs& a, void* out) {
+void kl_penalty_fwd(const KlArgs& a, void* out, void* dlogp) {
   dispatch_f32_lanes(a.dtype, "kl_penalty_fwd", [&](auto t) {
     detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-      kl_fwd<decltype(t), decltype(kind)::value>(a, static_cast<float*>(out));
+      kl_fwd<decltype(t), decltype(kind)::value>(a, static_cast<float*>(out), static_cast<float*>(dlogp));
     });
   });
 }
@@ -213,11 +226,12 @@ void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp) {
   });
 }
 
-void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
+void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void* dlogp) {
   dispatch_f32_lanes(a.dtype, "kl_masked_mean_fwd", [&](auto t) {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
       detail::dispatch_kl_kind(a.kind, [&](auto kind) {
-        const KlMeanPartial<double> total = kl_masked_sum<decltype(t), mask_t, decltype(kind)::value>(a, m);
+        const KlMeanPartial<double> total =
+            kl_masked_sum<decltype(t), mask_t, decltype(kind)::value>(a, m, static_cast<float*>(dlogp));
         *static_cast<float*>(mean) = static_cast<float>(total.mean());
         *count = total.count;
       });
@@ -239,11 +253,13 @@ void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_me
   });
 }
 
-void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp) {
   dispatch_f32_lanes(a.dtype, "policy_loss_fwd", [&](auto t) {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
       dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) {
-        policy_fwd<decltype(t), mask_t, decltype(has_ref)::value>(a, static_cast<float*>(loss)).finalize(stats);
+        policy_fwd<decltype(t), mask_t, decltype(has_ref)::value>(a, static_cast<float*>(loss),
+                                                                   static_cast<float*>(dlogp))
+            .finalize(stats);
       });
     });
   });

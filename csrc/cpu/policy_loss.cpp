@@ -45,7 +45,7 @@ MEGALIGN_HD_INLINE PolicyToken<acc_t<T>> token_at(const PolicyLossArgs& a, const
 constexpr int64_t kStatBlock = 512;
 
 template <typename T, typename M, bool Dense, bool HasRef>
-PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss) {
+PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>* dlogp) {
   using A = acc_t<T>;
   const PolicyCoeffs<A> p = policy_coeffs<A>(a);
   return detail::parallel_reduce_chunks<PolicyPartial<double>>(
@@ -61,6 +61,7 @@ PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss) {
             const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
             const PolicyToken<A> t = token_at<T, Dense, HasRef>(a, p, r, c);
             loss[r * a.cols + c] = select_acc(valid, t.loss, A(0));
+            if (dlogp) dlogp[r * a.cols + c] = select_acc(valid, t.dlogp, A(0));
             v_count[j] = select_acc(valid, A(1), A(0));
             v_clipped[j] = select_acc(valid & t.clipped, A(1), A(0));
             v_dual[j] = select_acc(valid & t.dual_clipped, A(1), A(0));
@@ -117,13 +118,13 @@ void dispatch_layout(const PolicyLossArgs& a, Fn&& fn) {
 
 }  // namespace
 
-void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats) {
-  if (vector_ok(a)) return isa_kernels().policy_loss_fwd(a, loss, stats);
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp) {
+  if (vector_ok(a)) return isa_kernels().policy_loss_fwd(a, loss, stats, dlogp);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
       dispatch_layout(a, [&](auto dense, auto has_ref) {
         fwd_impl<scalar_t, mask_t, decltype(dense)::value, decltype(has_ref)::value>(
-            a, static_cast<acc_t<scalar_t>*>(loss))
+            a, static_cast<acc_t<scalar_t>*>(loss), static_cast<acc_t<scalar_t>*>(dlogp))
             .finalize(stats);
       });
     });

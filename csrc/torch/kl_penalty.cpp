@@ -1,14 +1,18 @@
 // Schemas of the kl_penalty ops and their CPU implementations (glue in kl_policy_glue.h).
 //   kl_penalty_fwd/bwd:      elementwise estimate; the backward returns d/d logp only
-//                            (d/d ref_logp is its negation).
+//                            (d/d ref_logp is its negation). With with_dlogp the forward also
+//                            returns d kl / d logp (else an empty tensor; CPU only), which
+//                            autograd then only scales instead of running the backward.
 //   kl_masked_mean_fwd/bwd:  sum(kl * valid) / count(valid) in one pass, returning the count
-//                            for the backward.
+//                            for the backward (and, with with_dlogp, valid * d kl / d logp).
 #include "kl_policy_glue.h"
 
 TORCH_LIBRARY_FRAGMENT(megalign, m) {
-  m.def("kl_penalty_fwd(Tensor logp, Tensor ref_logp, str kind) -> Tensor");
+  m.def("kl_penalty_fwd(Tensor logp, Tensor ref_logp, str kind, bool with_dlogp=False) -> (Tensor, Tensor)");
   m.def("kl_penalty_bwd(Tensor grad, Tensor logp, Tensor ref_logp, str kind) -> Tensor");
-  m.def("kl_masked_mean_fwd(Tensor logp, Tensor ref_logp, Tensor mask, str kind) -> (Tensor, Tensor)");
+  m.def(
+      "kl_masked_mean_fwd(Tensor logp, Tensor ref_logp, Tensor mask, str kind, bool with_dlogp=False) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def("kl_masked_mean_bwd(Tensor grad, Tensor count, Tensor logp, Tensor ref_logp, Tensor mask, str kind) -> Tensor");
 }
 
@@ -17,9 +21,10 @@ namespace {
 using namespace megalign;
 using namespace megalign::torch_glue;
 
-at::Tensor kl_penalty_fwd_cpu(const at::Tensor& logp, const at::Tensor& ref_logp, c10::string_view kind) {
-  return kl_penalty_fwd_glue(logp, ref_logp, std::string(kind),
-                             [](const KlArgs& a, void* out) { cpu::kl_penalty_fwd(a, out); });
+std::tuple<at::Tensor, at::Tensor> kl_penalty_fwd_cpu(const at::Tensor& logp, const at::Tensor& ref_logp,
+                                                      c10::string_view kind, bool with_dlogp) {
+  return kl_penalty_fwd_glue(logp, ref_logp, std::string(kind), with_dlogp,
+                             [](const KlArgs& a, void* out, void* dlogp) { cpu::kl_penalty_fwd(a, out, dlogp); });
 }
 
 at::Tensor kl_penalty_bwd_cpu(const at::Tensor& grad, const at::Tensor& logp, const at::Tensor& ref_logp,
@@ -30,11 +35,13 @@ at::Tensor kl_penalty_bwd_cpu(const at::Tensor& grad, const at::Tensor& logp, co
                              });
 }
 
-std::tuple<at::Tensor, at::Tensor> kl_masked_mean_fwd_cpu(const at::Tensor& logp, const at::Tensor& ref_logp,
-                                                          const at::Tensor& mask, c10::string_view kind) {
-  return kl_masked_mean_fwd_glue(logp, ref_logp, mask, std::string(kind),
-                                 [](const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
-                                   cpu::kl_masked_mean_fwd(a, m, mean, count);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_masked_mean_fwd_cpu(const at::Tensor& logp,
+                                                                      const at::Tensor& ref_logp,
+                                                                      const at::Tensor& mask, c10::string_view kind,
+                                                                      bool with_dlogp) {
+  return kl_masked_mean_fwd_glue(logp, ref_logp, mask, std::string(kind), with_dlogp,
+                                 [](const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void* dlogp) {
+                                   cpu::kl_masked_mean_fwd(a, m, mean, count, dlogp);
                                  });
 }
 

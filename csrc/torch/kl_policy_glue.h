@@ -102,14 +102,29 @@ inline KlCall prepare_kl(const at::Tensor& logp, const at::Tensor& ref_logp, con
   return call;
 }
 
-// launch(args, out)
+// The forward's optional d out / d logp output (acc dtype, shaped like logp), or an empty tensor
+// when it is not wanted; its pointer for the launcher is null then.
+inline at::Tensor dlogp_output(const at::Tensor& logp, bool with_dlogp) {
+  const auto options = logp.options().dtype(acc_scalar_type(logp));
+  return with_dlogp ? at::empty(logp.sizes(), options) : at::empty({0}, options);
+}
+
+inline void* dlogp_ptr(const at::Tensor& dlogp) { return dlogp.numel() > 0 ? dlogp.data_ptr() : nullptr; }
+
+// The CUDA launchers write no dlogp (their backward recomputes at the GPU's bandwidth).
+inline void check_no_dlogp(bool with_dlogp, const char* op) {
+  TORCH_CHECK(!with_dlogp, "megalign::", op, ": with_dlogp=True is a CPU-kernel option; on CUDA pass False");
+}
+
+// launch(args, out, dlogp); returns (out, dlogp).
 template <typename Launch>
-at::Tensor kl_penalty_fwd_glue(const at::Tensor& logp, const at::Tensor& ref_logp, const std::string& kind,
-                               Launch&& launch) {
+std::tuple<at::Tensor, at::Tensor> kl_penalty_fwd_glue(const at::Tensor& logp, const at::Tensor& ref_logp,
+                                                       const std::string& kind, bool with_dlogp, Launch&& launch) {
   const KlCall call = prepare_kl(logp, ref_logp, kind, nullptr, "kl_penalty_fwd");
   at::Tensor out = at::empty(logp.sizes(), logp.options().dtype(acc_scalar_type(logp)));
-  if (out.numel() > 0) launch(call.args, out.data_ptr());
-  return out;
+  at::Tensor dlogp = dlogp_output(logp, with_dlogp);
+  if (out.numel() > 0) launch(call.args, out.data_ptr(), dlogp_ptr(dlogp));
+  return {out, dlogp};
 }
 
 // launch(args, grad_view, grad_logp)
@@ -124,16 +139,18 @@ at::Tensor kl_penalty_bwd_glue(const at::Tensor& grad, const at::Tensor& logp, c
   return grad_logp;
 }
 
-// launch(args, mask_arg, mean, count); returns (mean, count) as 0-d tensors.
+// launch(args, mask_arg, mean, count, dlogp); returns (mean, count) as 0-d tensors and dlogp.
 template <typename Launch>
-std::tuple<at::Tensor, at::Tensor> kl_masked_mean_fwd_glue(const at::Tensor& logp, const at::Tensor& ref_logp,
-                                                           const at::Tensor& mask, const std::string& kind,
-                                                           Launch&& launch) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_masked_mean_fwd_glue(const at::Tensor& logp,
+                                                                       const at::Tensor& ref_logp,
+                                                                       const at::Tensor& mask, const std::string& kind,
+                                                                       bool with_dlogp, Launch&& launch) {
   const KlCall call = prepare_kl(logp, ref_logp, kind, &mask, "kl_masked_mean_fwd");
   at::Tensor mean = at::empty({}, logp.options().dtype(acc_scalar_type(logp)));
   at::Tensor count = at::empty({}, logp.options().dtype(at::kLong));
-  launch(call.args, call.mask_arg, mean.data_ptr(), count.data_ptr<int64_t>());
-  return {mean, count};
+  at::Tensor dlogp = dlogp_output(logp, with_dlogp);
+  launch(call.args, call.mask_arg, mean.data_ptr(), count.data_ptr<int64_t>(), dlogp_ptr(dlogp));
+  return {mean, count, dlogp};
 }
 
 // launch(args, mask_arg, grad_mean, count, grad_logp)
@@ -197,19 +214,19 @@ inline PolicyCall prepare_policy(const at::Tensor& logp, const at::Tensor& old_l
   return call;
 }
 
-// launch(args, loss, stats); returns (per-token loss, fp32 stats[kNumPolicyStats]).
+// launch(args, loss, stats, dlogp); returns (per-token loss, fp32 stats[kNumPolicyStats], dlogp).
 template <typename Launch>
-std::tuple<at::Tensor, at::Tensor> policy_loss_fwd_glue(const at::Tensor& logp, const at::Tensor& old_logp,
-                                                        const at::Tensor& advantages, const at::Tensor& mask,
-                                                        double eps_low, double eps_high,
-                                                        std::optional<double> dual_clip, double beta,
-                                                        const std::optional<at::Tensor>& ref_logp, Launch&& launch) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_loss_fwd_glue(
+    const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
+    double eps_low, double eps_high, std::optional<double> dual_clip, double beta,
+    const std::optional<at::Tensor>& ref_logp, bool with_dlogp, Launch&& launch) {
   const PolicyCall call = prepare_policy(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta,
                                          ref_logp, "policy_loss_fwd");
   at::Tensor loss = at::empty(logp.sizes(), logp.options().dtype(acc_scalar_type(logp)));
   at::Tensor stats = at::empty({kNumPolicyStats}, logp.options().dtype(at::kFloat));
-  launch(call.args, loss.data_ptr(), stats.data_ptr<float>());
-  return {loss, stats};
+  at::Tensor dlogp = dlogp_output(logp, with_dlogp);
+  launch(call.args, loss.data_ptr(), stats.data_ptr<float>(), dlogp_ptr(dlogp));
+  return {loss, stats, dlogp};
 }
 
 // launch(args, grad_view, grad_logp)

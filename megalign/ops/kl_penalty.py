@@ -20,7 +20,11 @@ cannot round below zero.
 Inputs: `logp` and `ref_logp` of one float dtype (fp32, fp64, bf16, fp16), same shape, any
 strides. Outputs and all arithmetic are fp32 (fp64 for fp64 inputs). Gradients flow to both
 inputs (d/d ref_logp = -d/d logp, as every estimator depends on logp - ref_logp only) in their
-dtype. The masked mean reads `mask` (bool, uint8, int32, int64 or float; nonzero = valid token,
+dtype. On the CPU kernels with fp32 / fp64 inputs that need a gradient, the forward pass also
+writes d kl / d logp per token from the same evaluation of the estimator (`with_dlogp`), and the
+backward only scales that buffer in place by the upstream gradient: one evaluation of the
+estimator per token instead of two, and no fresh buffer for grad_logp. A second backward through
+a retained graph recomputes it with the backward kernel. The masked mean reads `mask` (bool, uint8, int32, int64 or float; nonzero = valid token,
 never a weight) in the same single pass; with no valid token it returns 0, not NaN, and zero
 gradients.
 """
@@ -66,12 +70,36 @@ def check_operands(op: str, logp: torch.Tensor, mask: torch.Tensor | None = None
         raise TypeError(f"{op}: mask must be bool, uint8, int32, int64 or a float dtype, got {mask.dtype}")
 
 
+def wants_dlogp(logp: torch.Tensor, *differentiable: torch.Tensor | None) -> bool:
+    """Whether a kernel forward should also write d out / d logp for its backward (module doc).
+
+    Only the CPU kernels write it, and only for fp32 / fp64 inputs, whose gradient dtype is the
+    buffer's (acc) dtype so the backward can scale it in place; only when autograd will need a
+    gradient for one of `differentiable` (logp and the other inputs with a gradient).
+    """
+    return (logp.device.type == "cpu" and logp.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (logp, *differentiable)))
+
+
+def take_dlogp(ctx) -> torch.Tensor | None:
+    """The forward's d out / d logp buffer, handed out once: the first backward scales it in place
+    into the gradient, so a second backward (retain_graph) gets None and recomputes."""
+    dlogp, ctx.dlogp = ctx.dlogp, None
+    return dlogp
+
+
+def scale_dlogp(dlogp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dlogp * scale, in place on a real tensor; out of place while tracing (torch.compile,
+    opcheck: fake / functional tensors), where a backward may not mutate a forward output."""
+    return dlogp.mul_(scale) if type(dlogp) is torch.Tensor else dlogp * scale
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL estimate `kind` of logp against ref_logp; [*] -> [*] in fp32 (fp64 for fp64)."""
     kind = resolve_kind(kind)
     check_operands("kl_penalty", logp, ref_logp=ref_logp)
     if _backend.use_kernels(logp):
-        return torch.ops.megalign.kl_penalty_fwd(logp, ref_logp, kind)
+        return torch.ops.megalign.kl_penalty_fwd(logp, ref_logp, kind, wants_dlogp(logp, ref_logp))[0]
     return reference_kl_penalty(logp, ref_logp, kind)
 
 
@@ -81,7 +109,7 @@ def kl_penalty_masked_mean(logp: torch.Tensor, ref_logp: torch.Tensor, mask: tor
     kind = resolve_kind(kind)
     check_operands("kl_penalty_masked_mean", logp, mask=mask, ref_logp=ref_logp)
     if _backend.use_kernels(logp):
-        return torch.ops.megalign.kl_masked_mean_fwd(logp, ref_logp, mask, kind)[0]
+        return torch.ops.megalign.kl_masked_mean_fwd(logp, ref_logp, mask, kind, wants_dlogp(logp, ref_logp))[0]
     return reference_kl_penalty_masked_mean(logp, ref_logp, mask, kind)
 
 
@@ -92,43 +120,60 @@ def _grads_for_pair(ctx, grad_logp: torch.Tensor):
 
 
 def _kl_setup(ctx, inputs, output):
-    logp, ref_logp, kind = inputs
+    logp, ref_logp, kind, with_dlogp = inputs
     ctx.save_for_backward(logp, ref_logp)
     ctx.kind = kind
+    ctx.mark_non_differentiable(output[1])
+    ctx.dlogp = output[1] if with_dlogp else None
 
 
-def _kl_backward(ctx, grad):
-    logp, ref_logp = ctx.saved_tensors
-    grad_logp = torch.ops.megalign.kl_penalty_bwd(grad, logp, ref_logp, ctx.kind)
-    return (*_grads_for_pair(ctx, grad_logp), None)
+def _kl_backward(ctx, grad, _grad_dlogp):
+    dlogp = take_dlogp(ctx)
+    if dlogp is None:
+        logp, ref_logp = ctx.saved_tensors
+        grad_logp = torch.ops.megalign.kl_penalty_bwd(grad, logp, ref_logp, ctx.kind)
+    else:
+        grad_logp = scale_dlogp(dlogp, grad)
+    return (*_grads_for_pair(ctx, grad_logp), None, None)
 
 
 def _masked_setup(ctx, inputs, output):
-    logp, ref_logp, mask, kind = inputs
+    logp, ref_logp, mask, kind, with_dlogp = inputs
     ctx.save_for_backward(logp, ref_logp, mask, output[1])
     ctx.kind = kind
+    ctx.mark_non_differentiable(output[2])
+    ctx.dlogp = output[2] if with_dlogp else None
 
 
-def _masked_backward(ctx, grad_mean, _grad_count):
+def _masked_backward(ctx, grad_mean, _grad_count, _grad_dlogp):
     logp, ref_logp, mask, count = ctx.saved_tensors
-    grad_logp = torch.ops.megalign.kl_masked_mean_bwd(grad_mean, count, logp, ref_logp, mask, ctx.kind)
-    return (*_grads_for_pair(ctx, grad_logp), None, None)
+    dlogp = take_dlogp(ctx)
+    if dlogp is None:
+        grad_logp = torch.ops.megalign.kl_masked_mean_bwd(grad_mean, count, logp, ref_logp, mask, ctx.kind)
+    else:
+        # The kernel backward's scale: grad_mean / count, the guard only avoids 0 / 0 (no valid token).
+        grad_logp = scale_dlogp(dlogp, grad_mean / count.clamp(min=1))
+    return (*_grads_for_pair(ctx, grad_logp), None, None, None)
 
 
 def _register() -> None:
     acc = acc_dtype
 
+    def dlogp_like(logp, with_dlogp):
+        return logp.new_empty(logp.shape if with_dlogp else (0,), dtype=acc(logp.dtype))
+
     @torch.library.register_fake("megalign::kl_penalty_fwd")
-    def _(logp, ref_logp, kind):
-        return logp.new_empty(logp.shape, dtype=acc(logp.dtype))
+    def _(logp, ref_logp, kind, with_dlogp=False):
+        return logp.new_empty(logp.shape, dtype=acc(logp.dtype)), dlogp_like(logp, with_dlogp)
 
     @torch.library.register_fake("megalign::kl_penalty_bwd")
     def _(grad, logp, ref_logp, kind):
         return torch.empty_like(logp, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("megalign::kl_masked_mean_fwd")
-    def _(logp, ref_logp, mask, kind):
-        return logp.new_empty((), dtype=acc(logp.dtype)), logp.new_empty((), dtype=torch.int64)
+    def _(logp, ref_logp, mask, kind, with_dlogp=False):
+        return (logp.new_empty((), dtype=acc(logp.dtype)), logp.new_empty((), dtype=torch.int64),
+                dlogp_like(logp, with_dlogp))
 
     @torch.library.register_fake("megalign::kl_masked_mean_bwd")
     def _(grad, count, logp, ref_logp, mask, kind):

@@ -24,16 +24,22 @@ int32, int64 or float with nonzero = valid (0/1 semantics, not a weight). The lo
 for fp64 inputs). Inputs may be non-contiguous.
 
 Gradient: w.r.t. logp only. old_logp, advantages and ref_logp are constants of the RL step
-(sampled-policy log-probs, estimated advantages, frozen reference) and get None. The backward
-recomputes every token from the saved inputs in one pass and writes grad_logp; no [B, T]
-intermediate is saved. The statistics carry no gradient.
+(sampled-policy log-probs, estimated advantages, frozen reference) and get None. On the CPU
+kernels with fp32 / fp64 inputs and logp requiring a gradient, the forward pass also writes
+d loss / d logp per token (`with_dlogp`, as in megalign.ops.kl_penalty), and the backward only
+scales that buffer in place by the upstream gradient, which then is grad_logp: the backward reads
+no input again and allocates nothing. Otherwise (CUDA, bf16 / fp16, or a second backward through
+a retained graph) the backward recomputes every token from the saved inputs in one pass. Either
+way no [B, T] intermediate is kept beyond the loss and the buffer that becomes grad_logp. The
+statistics carry no gradient. An upstream gradient that is inf / NaN at a masked token gives
+NaN there on the in-place path (0 * inf) and 0 on the recompute path.
 """
 from __future__ import annotations
 
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.kl_penalty import check_operands
+from megalign.ops.kl_penalty import check_operands, scale_dlogp, take_dlogp, wants_dlogp
 from megalign.ops.reference.kl_penalty import acc_dtype
 from megalign.ops.reference.policy_loss import PolicyLossStats
 from megalign.ops.reference.policy_loss import policy_loss as reference_policy_loss
@@ -66,32 +72,37 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     check_operands("policy_loss", logp, mask=mask, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp)
     if not _backend.use_kernels(logp):
         return reference_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp)
-    loss, stats = torch.ops.megalign.policy_loss_fwd(
+    loss, stats, _ = torch.ops.megalign.policy_loss_fwd(
         logp, old_logp, advantages, mask, float(eps_low), float(eps_high),
-        None if dual_clip is None else float(dual_clip), float(beta), ref_logp)
+        None if dual_clip is None else float(dual_clip), float(beta), ref_logp, wants_dlogp(logp))
     return loss, PolicyLossStats.from_tensor(stats)
 
 
 def _setup(ctx, inputs, output):
-    logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp = inputs
+    logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp = inputs
     ctx.save_for_backward(logp, old_logp, advantages, mask, ref_logp)
     ctx.coefficients = (eps_low, eps_high, dual_clip, beta)
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.dlogp = output[2] if with_dlogp else None
 
 
-def _backward(ctx, grad_loss, _grad_stats):
+def _backward(ctx, grad_loss, _grad_stats, _grad_dlogp):
+    dlogp = take_dlogp(ctx)
+    if dlogp is not None:
+        return scale_dlogp(dlogp, grad_loss), None, None, None, None, None, None, None, None, None
     logp, old_logp, advantages, mask, ref_logp = ctx.saved_tensors
     eps_low, eps_high, dual_clip, beta = ctx.coefficients
     grad_logp = torch.ops.megalign.policy_loss_bwd(grad_loss, logp, old_logp, advantages, mask, eps_low, eps_high,
                                                    dual_clip, beta, ref_logp)
-    return grad_logp, None, None, None, None, None, None, None, None
+    return grad_logp, None, None, None, None, None, None, None, None, None
 
 
 def _register() -> None:
     @torch.library.register_fake("megalign::policy_loss_fwd")
-    def _(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp):
+    def _(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp=False):
         return (logp.new_empty(logp.shape, dtype=acc_dtype(logp.dtype)),
-                logp.new_empty((_STATS,), dtype=torch.float32))
+                logp.new_empty((_STATS,), dtype=torch.float32),
+                logp.new_empty(logp.shape if with_dlogp else (0,), dtype=acc_dtype(logp.dtype)))
 
     @torch.library.register_fake("megalign::policy_loss_bwd")
     def _(grad, logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp):

@@ -345,6 +345,119 @@ def test_reference_path_matches_kernels(monkeypatch):
     torch.testing.assert_close(kl_penalty_masked_mean(logp, ref, mask, "low_var_kl"), want_kl)
 
 
+# ---- the gradient written by the forward (with_dlogp) ----------------------------------------------
+
+def dlogp_operands(dtype, strided):
+    """(logp, ref, old, adv, mask) of shape (4, 257): contiguous (vector kernels for fp32 / bf16 /
+    fp16) or every other column of a wider tensor (the scalar loops), an all-masked row included."""
+    width = 514 if strided else 257
+    logp, old, adv, ref, mask = policy_inputs((4, width), dtype, seed=11)
+    mask[1] = False
+    cols = slice(None, None, 2) if strided else slice(None)
+    return tuple(t[:, cols] for t in (logp, ref, old, adv, mask))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_kl_forward_dlogp_is_the_unit_gradient(kernels, kind, dtype, strided):
+    # The forward's dlogp (acc dtype) is the backward kernel's gradient for an upstream gradient of
+    # 1 (and, for the masked mean, of count, so grad_mean / count = 1), up to the last bit (FMA
+    # contraction may differ between the two loops), and the float64 oracle's d kl / d logp within
+    # the oracle rule.
+    logp, ref, _, _, mask = dlogp_operands(dtype, strided)
+    ops = torch.ops.megalign
+    acc = ref_kl.acc_dtype(dtype)
+    kl, dlogp = ops.kl_penalty_fwd(logp, ref, kind, True)
+    assert dlogp.dtype == acc and dlogp.shape == logp.shape
+    torch.testing.assert_close(kl, ops.kl_penalty_fwd(logp, ref, kind)[0])
+    ones = torch.ones(logp.shape, dtype=acc)
+    torch.testing.assert_close(dlogp.to(dtype), ops.kl_penalty_bwd(ones, logp, ref, kind))
+    oracle = kl_run(ref_kl.kl_penalty, logp, ref, kind, ones, torch.float64)[1]
+    eager = kl_run(ref_kl.kl_penalty, logp, ref, kind, ones, compute_dtype=torch.float32)[1]
+    check_vs_oracle(f"{kind} forward dlogp", dlogp, oracle, eager, acc)
+
+    mean, count, masked = ops.kl_masked_mean_fwd(logp, ref, mask, kind, True)
+    torch.testing.assert_close(mean, ops.kl_masked_mean_fwd(logp, ref, mask, kind)[0])
+    assert masked.dtype == acc and (masked[1] == 0).all()
+    unit = ops.kl_masked_mean_bwd(count.to(acc), count, logp, ref, mask, kind)
+    torch.testing.assert_close(masked.to(dtype), unit)
+    torch.testing.assert_close(masked, torch.where(mask, dlogp, 0.0))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", POLICY_CONFIGS)
+def test_policy_forward_dlogp_is_the_unit_gradient(kernels, cfg, dtype, strided):
+    logp, ref, old, adv, mask = dlogp_operands(dtype, strided)
+    lo, hi, c, beta, with_ref = cfg
+    hi = lo if hi is None else hi
+    args = (logp, old, adv, mask, lo, hi, c, beta, ref if with_ref else None)
+    ops = torch.ops.megalign
+    acc = ref_kl.acc_dtype(dtype)
+    loss, stats, dlogp = ops.policy_loss_fwd(*args, True)
+    plain = ops.policy_loss_fwd(*args)
+    assert plain[2].numel() == 0 and dlogp.dtype == acc and dlogp.shape == logp.shape
+    torch.testing.assert_close(loss, plain[0])
+    torch.testing.assert_close(stats, plain[1])
+    unit = ops.policy_loss_bwd(torch.ones(logp.shape, dtype=acc), *args)
+    torch.testing.assert_close(dlogp.to(dtype), unit)
+    assert (dlogp[~mask] == 0).all()
+
+    def unit_grad(cast, **kw):
+        lp = logp.detach().to(cast).requires_grad_()
+        loss, _ = ref_pl.policy_loss(lp, old.to(cast), adv.to(cast), mask, lo, hi, c, beta,
+                                     ref.to(cast) if with_ref else None, **kw)
+        return torch.autograd.grad(loss.sum(), lp)[0]
+
+    eager = unit_grad(dtype, compute_dtype=torch.float32)
+    check_vs_oracle("policy forward dlogp", dlogp, unit_grad(torch.float64), eager, acc)
+
+
+def test_dlogp_only_when_the_cpu_kernels_need_a_gradient(kernels):
+    from megalign.ops.kl_penalty import wants_dlogp
+
+    x = torch.zeros(3)
+    assert not wants_dlogp(x, x)
+    assert wants_dlogp(x, x.clone().requires_grad_())
+    assert wants_dlogp(x.clone().double().requires_grad_())
+    assert not wants_dlogp(x.bfloat16().requires_grad_())  # its gradient dtype is not the buffer's
+    with torch.no_grad():
+        assert not wants_dlogp(x.clone().requires_grad_())
+
+
+def test_retained_graph_backward_twice(kernels):
+    # The first backward scales the forward's dlogp in place, the second recomputes it with the
+    # backward kernel: both give the float64 reference's gradients, for logp and ref_logp alike.
+    logp, old, adv, ref, mask = policy_inputs((3, 37), torch.float32, seed=3)
+    weights = make(logp.shape, torch.float32, 1.0, 4)
+
+    def cases(kl, masked_mean, policy):
+        return {
+            "kl_penalty": lambda a, b: (kl(a, b, "low_var_kl") * weights.to(a.dtype)).sum(),
+            "masked_mean": lambda a, b: masked_mean(a, b, mask, "k3"),
+            "policy_loss": lambda a, b: policy(a, old.to(a.dtype), adv.to(a.dtype), mask, 0.2, 0.28, 3.0, 0.1,
+                                               b.detach())[0].sum(),
+        }
+
+    kernel_cases = cases(kl_penalty, kl_penalty_masked_mean, policy_loss)
+    oracle_cases = cases(ref_kl.kl_penalty, ref_kl.kl_penalty_masked_mean, ref_pl.policy_loss)
+    for name, fn in kernel_cases.items():
+        oracle_fn = oracle_cases[name]
+        a, b = logp.clone().requires_grad_(), ref.clone().requires_grad_()
+        out = fn(a, b)
+        first = torch.autograd.grad(out, (a, b), retain_graph=True, allow_unused=True)
+        second = torch.autograd.grad(out, (a, b), allow_unused=True)
+        a64, b64 = logp.double().requires_grad_(), ref.double().requires_grad_()
+        want = torch.autograd.grad(oracle_fn(a64, b64), (a64, b64), allow_unused=True)
+        for got, w, which in zip(zip(first, second), want, ("logp", "ref_logp")):
+            if w is None:
+                assert got == (None, None), f"{name} d/d {which}"
+                continue
+            torch.testing.assert_close(got[0], got[1], msg=f"{name} d/d {which}")
+            torch.testing.assert_close(got[0].double(), w, atol=1e-5, rtol=1e-5, msg=f"{name} d/d {which}")
+
+
 # ---- gradcheck and opcheck --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -370,9 +483,17 @@ def test_opcheck(kernels):
     rf = ref.clone().requires_grad_()
     ops = torch.ops.megalign
     torch.library.opcheck(ops.kl_penalty_fwd, (lp, rf, "k3"))
+    # with_dlogp: the dlogp output is autograd's buffer, which the first backward scales in place
+    # into the gradient, so opcheck's eager-vs-AOT comparison of the outputs after a backward does
+    # not apply to it (torch.compile multiplies out of place: scale_dlogp).
+    dlogp_checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.kl_penalty_fwd, (lp, rf, "low_var_kl", True), test_utils=dlogp_checks)
+    torch.library.opcheck(ops.kl_masked_mean_fwd, (lp, rf, mask, "k3", True), test_utils=dlogp_checks)
+    torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref, True),
+                          test_utils=dlogp_checks)
     torch.library.opcheck(ops.kl_penalty_bwd, (torch.ones(3, 8), logp, ref, "low_var_kl"))
     torch.library.opcheck(ops.kl_masked_mean_fwd, (lp, rf, mask, "k2"))
-    mean, count = ops.kl_masked_mean_fwd(logp, ref, mask, "k2")
+    mean, count, _ = ops.kl_masked_mean_fwd(logp, ref, mask, "k2")
     torch.library.opcheck(ops.kl_masked_mean_bwd, (torch.ones(()), count, logp, ref, mask, "k2"))
     torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref))
     torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.2, None, 0.0, None))

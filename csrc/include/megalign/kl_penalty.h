@@ -31,12 +31,16 @@ struct KlMaskArg {
 
 namespace megalign::cpu {
 
-// out[i] = kl(logp[i], ref_logp[i]).
-void kl_penalty_fwd(const KlArgs& a, void* out);
+// out[i] = kl(logp[i], ref_logp[i]). With dlogp (dense, acc_t<T>; null: not wanted), also
+// dlogp[i] = dkl/dlogp from the same evaluation: the gradient per unit upstream gradient, which
+// the backward then only scales (CPU only: the CUDA backward recomputes, at the GPU's bandwidth).
+void kl_penalty_fwd(const KlArgs& a, void* out, void* dlogp = nullptr);
 // grad_logp[i] = grad[i] * dkl/dlogp; grad is acc_t<T>, viewed like the inputs.
 void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp);
-// mean = sum(kl * valid) / count(valid) (0 when count is 0), count = count(valid).
-void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count);
+// mean = sum(kl * valid) / count(valid) (0 when count is 0), count = count(valid); with dlogp
+// (as kl_penalty_fwd's) also dlogp[i] = valid ? dkl/dlogp : 0, not yet divided by the count.
+void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count,
+                        void* dlogp = nullptr);
 // grad_logp[i] = valid ? grad_mean / count * dkl/dlogp : 0; grad_mean is one acc_t<T> value.
 void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_mean,
                         const int64_t* count, void* grad_logp);

@@ -39,7 +39,10 @@ inline PolicyCoeffs<A> policy_coeffs(const PolicyLossArgs& a) {
 
 namespace megalign::cpu {
 
-void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats);
+// With dlogp (dense, acc_t<T>; null: not wanted) the same pass also writes d loss / d logp per
+// token (0 at masked tokens): the backward's gradient per unit upstream gradient, which the
+// backward then only scales.
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp = nullptr);
 // grad is acc_t<T>, viewed like the inputs (autograd often hands a stride-0 expansion).
 void policy_loss_bwd(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp);
 

@@ -10,11 +10,13 @@ namespace {
 using namespace megalign;
 using namespace megalign::torch_glue;
 
-at::Tensor kl_penalty_fwd_cuda(const at::Tensor& logp, const at::Tensor& ref_logp, c10::string_view kind) {
+std::tuple<at::Tensor, at::Tensor> kl_penalty_fwd_cuda(const at::Tensor& logp, const at::Tensor& ref_logp,
+                                                       c10::string_view kind, bool with_dlogp) {
+  check_no_dlogp(with_dlogp, "kl_penalty_fwd");
   const c10::cuda::CUDAGuard guard(logp.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  return kl_penalty_fwd_glue(logp, ref_logp, std::string(kind),
-                             [&](const KlArgs& a, void* out) { cuda::kl_penalty_fwd(a, out, stream); });
+  return kl_penalty_fwd_glue(logp, ref_logp, std::string(kind), false,
+                             [&](const KlArgs& a, void* out, void*) { cuda::kl_penalty_fwd(a, out, stream); });
 }
 
 at::Tensor kl_penalty_bwd_cuda(const at::Tensor& grad, const at::Tensor& logp, const at::Tensor& ref_logp,
@@ -27,12 +29,16 @@ at::Tensor kl_penalty_bwd_cuda(const at::Tensor& grad, const at::Tensor& logp, c
                              });
 }
 
-std::tuple<at::Tensor, at::Tensor> kl_masked_mean_fwd_cuda(const at::Tensor& logp, const at::Tensor& ref_logp,
-                                                           const at::Tensor& mask, c10::string_view kind) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_masked_mean_fwd_cuda(const at::Tensor& logp,
+                                                                       const at::Tensor& ref_logp,
+                                                                       const at::Tensor& mask, c10::string_view kind,
+                                                                       bool with_dlogp) {
+  check_no_dlogp(with_dlogp, "kl_masked_mean_fwd");
   const c10::cuda::CUDAGuard guard(logp.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   return kl_masked_mean_fwd_glue(
-      logp, ref_logp, mask, std::string(kind), [&](const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count) {
+      logp, ref_logp, mask, std::string(kind), false,
+      [&](const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void*) {
         const int64_t bytes = cuda::kl_masked_mean_workspace_bytes(a.rows, a.cols, a.dtype);
         at::Tensor workspace = at::empty({bytes}, logp.options().dtype(at::kByte));
         cuda::kl_masked_mean_fwd(a, m, mean, count, workspace.data_ptr(), stream);
