@@ -2,7 +2,6 @@
 (loss, gradient norm, updated weights), the HF export reloads in transformers with the same logits, a pp = 2 run
 resumes exactly, and bad placements fail at start-up naming the settings and numbers."""
 import os
-import re
 
 import pytest
 import torch
