@@ -13,7 +13,7 @@ generator, and gives subclasses the pieces of an RL step:
     `score_logprobs(role, batch)`: no-grad log-probs of the responses under a role, in micro-batches
     `train_role(...)`: the epochs x mini-batches x micro-batches update of a role on a loss per response
     token (GRPO, PPO), or per any other unit (`units`: online DPO's pairs)
-    `rollout_sums(generated)` / `step_metrics(...)`: the metrics GRPO and online DPO share (reward, lengths,
+    `rollout_sums(generated)` / `step_metrics(...)`: the metrics GRPO, PPO and online DPO share (reward, lengths,
     errors, data, timers, memory)
 
 The algorithm (advantages, losses, updates, its metrics) is the subclass's `train_step`; a subclass

@@ -59,8 +59,7 @@ from megalign.models import scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig
-from megalign.trainers.base import MetricSums, TrainResult, check_model_path
-from megalign.trainers.logging import memory_report
+from megalign.trainers.base import TrainResult, check_model_path
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
 from megalign.trainers.policy_options import PolicyLossOptions
@@ -278,7 +277,7 @@ class PPOTrainer(OnlineTrainer):
             count = stats.count
             return loss, [stats.clip_frac * count, stats.approx_kl * count, kl_now, (entropy.detach() * m).sum(), count]
 
-        sums = MetricSums()
+        sums = self.rollout_sums(generated)
         with self.phase("critic_update", critic=("weights", "optimizer")):
             critic_norms = self.train_role(self.critic, lr_at(cfg.critic.optim, step, cfg.steps), batch,
                                             self.CRITIC_STATS, critic_loss, sums, "critic")
@@ -295,21 +294,14 @@ class PPOTrainer(OnlineTrainer):
         self.kl.update(float(rollout_kl), cfg.rollout.prompts_per_step * cfg.rollout.group_size)
 
         valid = mask.double()
-        for name, value in (("reward", generated.rewards.double().sum()), ("length", generated.lengths.sum()),
-                            ("responses", len(generated)), ("return", (returns.double() * valid).sum()),
-                            ("old_value", (old_values.double() * valid).sum()),
+        for name, value in (("return", (returns.double() * valid).sum()), ("old_value", (old_values.double() * valid).sum()),
                             ("kl_tokens", (kl.double() * valid).sum()), ("valid_tokens", valid.sum())):
             sums.add(name, value)
-        for name, values in generated.terms.items():
-            sums.add(f"term/{name}", values.double().sum())
         total = sums.reduce(dp, self.layout.device)
-        n, tokens = max(total["responses"], 1.0), max(total["valid_tokens"], 1.0)
+        tokens = max(total["valid_tokens"], 1.0)
         actor_tokens, critic_tokens = max(total["actor/tokens"], 1.0), max(total["critic/tokens"], 1.0)
         updates = algo.ppo_epochs * algo.mini_batches
         metrics = {
-            "reward/mean": total["reward"] / n,
-            **{f"reward/{name}/mean": total[f"term/{name}"] / n for name in generated.terms},
-            "response_length/mean": total["length"] / n,
             "actor/loss": total["actor/loss"] / updates, "actor/clip_frac": total["actor/clipped"] / actor_tokens,
             "actor/approx_kl": total["actor/approx_kl"] / actor_tokens,
             "actor/entropy": total["actor/entropy"] / actor_tokens,
@@ -319,18 +311,10 @@ class PPOTrainer(OnlineTrainer):
             "critic/value_mean": total["critic/value"] / critic_tokens, "critic/old_value_mean": total["old_value"] / tokens,
             "critic/return_mean": total["return"] / tokens, "critic/grad_norm": torch.stack(critic_norms).mean(),
             "critic/lr": lr_at(cfg.critic.optim, step, cfg.steps),
-            "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
-            "time/step": time.perf_counter() - start,
         }
         if algo.kl_in == "loss":
             metrics["actor/loss_kl"] = total["actor/kl"] / actor_tokens
-        if cfg.eval.metric in generated.terms:
-            metrics["accuracy"] = metrics[f"reward/{cfg.eval.metric}/mean"]
-        metrics.update(self.train_set.stats.as_dict())
-        metrics.update(self.timer.metrics())
-        metrics.update(self.memory)
-        metrics.update(memory_report())
-        return {k: float(v) for k, v in metrics.items()}
+        return self.step_metrics(total, generated.terms, metrics, start)
 
     def export(self) -> Optional[str]:
         path = super().export()
