@@ -16,18 +16,41 @@ using simd::MEGALIGN_ISA::Vec;
 using simd::MEGALIGN_ISA::W;
 using simd::MEGALIGN_ISA::i32v;
 
-// len lanes from p (len == W but for the last vector of a chunk).
-template <typename T>
-MEGALIGN_SIMD_FN Vec ld(const T* p, int64_t len) {
-  return len == W ? simd::MEGALIGN_ISA::load(p) : simd::MEGALIGN_ISA::load_tail(p, len, T{});
+// The lane count of a full vector as a type, so `len == W` is decided at compile time in the loop
+// over full vectors (for_vectors) and its loads and stores are plain vector moves.
+using Full = std::integral_constant<int64_t, W>;
+
+// Runs body(j, len) over [0, n) one vector at a time: every full vector with len = Full{}, then
+// the last, partial one (if any) with its int64_t length, so the loop over full vectors carries
+// no per-vector test of the length and no code of the buffered tail loads (as token_logprob's
+// rows already did).
+template <typename Body>
+MEGALIGN_SIMD_FN void for_vectors(int64_t n, Body&& body) {
+  int64_t j = 0;
+  for (; j + W <= n; j += W) body(j, Full{});
+  if (j < n) body(j, n - j);
 }
-template <typename M>
-MEGALIGN_SIMD_FN Mask ld_mask(const M* p, int64_t len) {
-  return len == W ? simd::MEGALIGN_ISA::load_mask(p) : simd::MEGALIGN_ISA::load_mask_tail(p, len);
+
+// len lanes from p (len is Full{} but for the last vector of a chunk).
+template <typename T, typename L>
+MEGALIGN_SIMD_FN Vec ld(const T* p, L len) {
+  if constexpr (std::is_same_v<L, Full>) {
+    return simd::MEGALIGN_ISA::load(p);
+  } else {
+    return simd::MEGALIGN_ISA::load_tail(p, len, T{});
+  }
 }
-template <typename T>
-MEGALIGN_SIMD_FN void st(T* p, Vec v, int64_t len) {
-  if (len == W) {
+template <typename M, typename L>
+MEGALIGN_SIMD_FN Mask ld_mask(const M* p, L len) {
+  if constexpr (std::is_same_v<L, Full>) {
+    return simd::MEGALIGN_ISA::load_mask(p);
+  } else {
+    return simd::MEGALIGN_ISA::load_mask_tail(p, len);
+  }
+}
+template <typename T, typename L>
+MEGALIGN_SIMD_FN void st(T* p, Vec v, L len) {
+  if constexpr (std::is_same_v<L, Full>) {
     simd::MEGALIGN_ISA::store(p, v);
   } else {
     simd::MEGALIGN_ISA::store_tail(p, v, len);
@@ -46,7 +69,8 @@ struct GradChunk {
   bool broadcast;
   GradChunk(const StridedView& g, int64_t r, int64_t c0)
       : p(static_cast<const float*>(g.data) + r * g.row_stride + c0 * g.col_stride), broadcast(g.col_stride == 0) {}
-  MEGALIGN_SIMD_FN Vec at(int64_t j, int64_t len) const { return broadcast ? Vec(*p) : ld(p + j, len); }
+  template <typename L>
+  MEGALIGN_SIMD_FN Vec at(int64_t j, L len) const { return broadcast ? Vec(*p) : ld(p + j, len); }
 };
 
 // dlogp (null: not wanted) receives d kl / d logp per token, the backward's gradient per unit
@@ -58,12 +82,11 @@ void kl_fwd(const KlArgs& a, float* out, float* dlogp) {
     const T* ref = row_ptr<T>(a.ref_logp, r, c0);
     float* o = out + r * a.cols + c0;
     float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
-    for (int64_t j = 0; j < c1 - c0; j += W) {
-      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+    for_vectors(c1 - c0, [&](int64_t j, auto len) {
       const KlValue<Vec> k = kl_estimate(K, ld(lp + j, len), ld(ref + j, len));
       st(o + j, k.value, len);
       if (d) st(d + j, k.dlogp, len);
-    }
+    });
   });
 }
 
@@ -74,10 +97,9 @@ void kl_bwd(const KlArgs& a, const StridedView& grad, T* grad_logp) {
     const T* ref = row_ptr<T>(a.ref_logp, r, c0);
     const GradChunk g(grad, r, c0);
     T* o = grad_logp + r * a.cols + c0;
-    for (int64_t j = 0; j < c1 - c0; j += W) {
-      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+    for_vectors(c1 - c0, [&](int64_t j, auto len) {
       st(o + j, g.at(j, len) * kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).dlogp, len);
-    }
+    });
   });
 }
 
@@ -93,14 +115,13 @@ KlMeanPartial<double> kl_masked_sum(const KlArgs& a, const KlMaskArg& m, float* 
         float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
         Vec sum(0.0f);
         i32v count{};
-        for (int64_t j = 0; j < c1 - c0; j += W) {
-          const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+        for_vectors(c1 - c0, [&](int64_t j, auto len) {
           const Mask valid = ld_mask(mk + j, len);
           const KlValue<Vec> k = kl_estimate(K, ld(lp + j, len), ld(ref + j, len));
           sum += select_acc(valid, k.value, Vec(0.0f));
           if (d) st(d + j, select_acc(valid, k.dlogp, Vec(0.0f)), len);
           count -= valid.m;  // a set lane is -1
-        }
+        });
         part.merge(KlMeanPartial<double>{simd::MEGALIGN_ISA::hsum(sum), simd::MEGALIGN_ISA::hcount(count)});
       });
 }
@@ -113,11 +134,10 @@ void kl_masked_bwd(const KlArgs& a, const KlMaskArg& m, float scale, T* grad_log
     const M* mk = row_ptr<M>(m.mask, r, c0);
     T* o = grad_logp + r * a.cols + c0;
     const Vec vs(scale);
-    for (int64_t j = 0; j < c1 - c0; j += W) {
-      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+    for_vectors(c1 - c0, [&](int64_t j, auto len) {
       const Vec g = vs * kl_estimate(K, ld(lp + j, len), ld(ref + j, len)).dlogp;
       st(o + j, select_acc(ld_mask(mk + j, len), g, Vec(0.0f)), len);
-    }
+    });
   });
 }
 
@@ -129,8 +149,8 @@ struct PolicyChunk {
   PolicyChunk(const PolicyLossArgs& a, int64_t r, int64_t c0)
       : lp(row_ptr<T>(a.logp, r, c0)), old(row_ptr<T>(a.old_logp, r, c0)), adv(row_ptr<T>(a.advantages, r, c0)),
         ref(a.ref_logp.data ? row_ptr<T>(a.ref_logp, r, c0) : nullptr), mask(row_ptr<M>(a.mask, r, c0)) {}
-  template <bool HasRef>
-  MEGALIGN_SIMD_FN PolicyToken<Vec> token(int64_t j, int64_t len, const PolicyCoeffs<Vec>& p) const {
+  template <bool HasRef, typename L>
+  MEGALIGN_SIMD_FN PolicyToken<Vec> token(int64_t j, L len, const PolicyCoeffs<Vec>& p) const {
     const Vec r = HasRef ? ld(ref + j, len) : Vec(0.0f);
     return policy_token(ld(lp + j, len), ld(old + j, len), ld(adv + j, len), HasRef, r, p);
   }
@@ -154,8 +174,7 @@ PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss, float* dl
         float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
         i32v count{}, clipped{}, dual{};
         Vec neg_log_ratio(0.0f), kl(0.0f), ratio_min(1e30f), ratio_max(0.0f);
-        for (int64_t j = 0; j < c1 - c0; j += W) {
-          const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+        for_vectors(c1 - c0, [&](int64_t j, auto len) {
           const Mask valid = ld_mask(in.mask + j, len);
           const PolicyToken<Vec> t = in.template token<HasRef>(j, len, p);
           st(o + j, select_acc(valid, t.loss, Vec(0.0f)), len);
@@ -169,7 +188,7 @@ PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss, float* dl
           kl += select_acc(valid, t.kl, Vec(0.0f));
           ratio_min = select_acc(valid, vmin(ratio_min, t.ratio), ratio_min);
           ratio_max = select_acc(valid, vmax(ratio_max, t.ratio), ratio_max);
-        }
+        });
         PolicyPartial<double> chunk;
         chunk.count = simd::MEGALIGN_ISA::hcount(count);
         chunk.clipped = simd::MEGALIGN_ISA::hcount(clipped);
@@ -189,11 +208,10 @@ void policy_bwd(const PolicyLossArgs& a, const StridedView& grad, T* grad_logp) 
     const PolicyChunk<T, M> in(a, r, c0);
     const GradChunk g(grad, r, c0);
     T* o = grad_logp + r * a.cols + c0;
-    for (int64_t j = 0; j < c1 - c0; j += W) {
-      const int64_t len = std::min<int64_t>(W, c1 - c0 - j);
+    for_vectors(c1 - c0, [&](int64_t j, auto len) {
       const Vec d = g.at(j, len) * in.template token<HasRef>(j, len, p).dlogp;
       st(o + j, select_acc(ld_mask(in.mask + j, len), d, Vec(0.0f)), len);
-    }
+    });
   });
 }
 
