@@ -54,6 +54,11 @@ def assert_close_to_oracle(actual: torch.Tensor, oracle: torch.Tensor, torch_res
     err = (a - o).abs().max().item()
     torch_err = (t - o).abs().nan_to_num(nan=0.0, posinf=0.0).max().item()  # torch's inf/NaN sets no bound
     scale = scale or o.abs().max().item() or 1.0
+    if actual.dtype == torch.float64:
+        # The oracle is then no more precise than the result, and two float64 torch paths may agree
+        # by chance, so torch's error bounds nothing: allow the oracle's own rounding as well (a
+        # reduction over V terms is off by a few ulps; 6e-16 at scale 0.82 seen on an AVX-512 CPU).
+        ulps = max(ulps, 8.0)
     floor = ulps * torch.finfo(actual.dtype).eps * scale
     bound = k * torch_err + floor
     assert err <= bound, (f"{name}: max |error| vs the float64 oracle is {err:.3g} > {k} x torch's {torch_err:.3g} "
