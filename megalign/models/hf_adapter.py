@@ -375,12 +375,18 @@ def scalar_head_from_pretrained(path: Union[str, os.PathLike], kind: str, layout
     From a policy checkpoint (no `score.weight`, e.g. an SFT export) the head starts fresh (`fresh`
     True): a small normal init with std 1/(H+1) (OpenRLHF's), drawn from `seed` on the host, so it
     is the same on every rank and every tp size. From a reward model (or critic) export it is read.
+    At `layout.pp > 1` the model is this rank's pipeline stage (`stage_from_pretrained`, layers split
+    evenly): the head exists on the last stage only, read or drawn there the same way, and `fresh`
+    is the same on every stage (it depends on the checkpoint only).
     """
     if kind not in ("value", "reward"):
         raise ValueError(f"scalar_head_from_pretrained: kind must be 'value' or 'reward', got {kind!r}")
     fresh = not checkpoint_has_tensor(path, "score.weight")
-    model = from_pretrained(path, kind=kind, layout=layout, dtype=dtype, new_head=fresh)
-    if fresh:
+    if layout.pp > 1:
+        model = stage_from_pretrained(path, layout, kind, dtype=dtype, new_head=fresh)
+    else:
+        model = from_pretrained(path, kind=kind, layout=layout, dtype=dtype, new_head=fresh)
+    if fresh and model.head is not None:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             weight = model.head.score.weight

@@ -15,8 +15,9 @@ Design choices:
 - Pipeline stages (`layout.pp > 1`, the model from `stage_from_pretrained`): the pipeline runs the
   trunk (`model.model`) and the head runs inside the last stage's per-micro-batch function
   (`head_logprobs` on its hidden states), so logits exist one micro-batch at a time. Scores
-  (`pipeline_logprobs`) are broadcast from the last stage over the pp group: every rank of a pp group
-  holds the whole rollout batch, and every phase after scoring reads them there. Rollouts go through
+  (`pipeline_scores`: the actor's and reference's `pipeline_logprobs`, the critic's `pipeline_values`)
+  are broadcast from the last stage over the pp group: every rank of a pp group holds the whole
+  rollout batch, and every phase after scoring reads them there. Rollouts go through
   `pipeline_rollout` (micro-batches of rows in flight across the stages, `rollout.engine.pp_microbatches`;
   the engine's per-sample streams, so the same samples as at pp = 1).
 - `TrainableRole` is what the PPO critic (`megalign.roles.critic`) reuses: a model, a ZeRO-1 AdamW whose state is the
@@ -26,7 +27,7 @@ Design choices:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from megalign.models import CausalLM
 from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline, all_finite, allreduce_gradients, clip_grad_norm_
 from megalign.roles.base import ModelRole, optimizer_slots
-from megalign.roles.packing import response_hidden, scatter_response
+from megalign.roles.packing import response_hidden, response_positions, scatter_response
 from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, pipeline_rollout, rollout
 
 
@@ -99,27 +100,41 @@ class PolicyRole(ModelRole):
                                      pack=self.pack, pack_tokens=self.pack_tokens, pack_max_fill=self.pack_max_fill)
 
     @torch.no_grad()
-    def pipeline_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                          temperature: float, micro_batch_size: int) -> torch.Tensor:
-        """`logprobs` of a pipeline stage (`layout.pp > 1`): the forward-only schedule over micro-batches of
-        `micro_batch_size` rows (B must be a multiple of it, in at least pp micro-batches), the head on the last
-        stage, the [B, R] result broadcast from it to every rank of the pp group (module doc)."""
-        layout, model = self.layout, self.model
+    def pipeline_scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                        micro_batch_size: int, head: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor],
+                        batch: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """[B, R] fp32 no-grad scores of the responses on a pipeline stage (`layout.pp > 1`; module doc).
+
+        The forward-only schedule over micro-batches of `micro_batch_size` rows (B must be a multiple of it, in at
+        least pp micro-batches); on the last stage `head(hidden [b, R, H], that micro-batch's rows of batch)` -> [b, R]
+        runs on the states predicting each response token; the result is broadcast from the last stage to every rank
+        of the pp group. Positions without a real predicted token are 0, as at pp = 1 (`response_positions`).
+        `pipeline_logprobs` and the critic's `pipeline_values` are this with their heads.
+        """
+        layout = self.layout
         b = sequences.shape[0]
         if b % micro_batch_size or b // micro_batch_size < layout.pp:
             raise ValueError(f"{self.name} at pp={layout.pp}: {b} rows must split into at least pp micro-batches of "
                              f"micro_batch_size={micro_batch_size}")
 
         def score(hidden: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-            return head_logprobs(model, layout, hidden[:, -response_len - 1:-1], rows["targets"], temperature)
+            return head(hidden[:, -response_len - 1:-1], rows).float()
 
         with self.precision.autocast(layout.device):
-            out = Pipeline(model.model, layout, b // micro_batch_size).score(
-                sequences, score, attention_mask=attention_mask, batch={"targets": sequences[:, -response_len:]})
+            out = Pipeline(self.model.model, layout, b // micro_batch_size).score(
+                sequences, score, attention_mask=attention_mask, batch=batch or {})
         if out is None:
             out = torch.empty(b, response_len, dtype=torch.float32, device=layout.device)
         dist.broadcast(out, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
-        return out
+        return out.masked_fill_(~response_positions(attention_mask, response_len), 0.0)
+
+    def pipeline_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                          temperature: float, micro_batch_size: int) -> torch.Tensor:
+        """`logprobs` of a pipeline stage (`layout.pp > 1`): `pipeline_scores` with the fused LM head."""
+        return self.pipeline_scores(
+            sequences, attention_mask, response_len, micro_batch_size,
+            lambda hidden, rows: head_logprobs(self.model, self.layout, hidden, rows["targets"], temperature),
+            {"targets": sequences[:, -response_len:]})
 
 
 class Reference(PolicyRole):
@@ -140,16 +155,22 @@ class TrainableRole(PolicyRole):
     losses are normalised by global counts, see `megalign.algos.grpo.loss_normalizer`), clips the
     global norm, and steps only when the loss and the norm are finite on every rank; otherwise it
     drops the gradients (a skipped update).
+
+    `batch_copies`: how many of this role's dp replicas train on the same batch (1 when its dp is the
+    trainer's data dp). A role whose dp is larger than the data layout's (a pp = 1 critic beside a
+    pp = 2 actor: two critic replicas inside one actor replica, each holding that replica's whole
+    batch) computes the same gradient on each copy, so the summed gradient is divided by the copies.
     """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
                  offload_weights: bool, offload_optimizer: bool, optimizer: torch.optim.Optimizer,
-                 grad_clip: Optional[float], **packing):
+                 grad_clip: Optional[float], batch_copies: int = 1, **packing):
         """`packing`: `pack`, `pack_tokens`, `pack_max_fill` of `PolicyRole`."""
         precision.check_model(model)
         super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer}, **packing)
         self.optimizer = optimizer
         self.grad_clip = grad_clip
+        self.batch_copies = batch_copies
 
     def parts(self):
         return {**super().parts(), "optimizer": optimizer_slots(getattr(self.optimizer, "optim", self.optimizer))}
@@ -160,6 +181,10 @@ class TrainableRole(PolicyRole):
         A collective over the world: every rank calls it once per mini-batch.
         """
         allreduce_gradients(self.model.parameters(), self.layout.dp_group, average=False)
+        if self.batch_copies > 1:  # the same batch's gradient summed once per copy (class doc)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.batch_copies)
         norm = clip_grad_norm_(self.model, self.grad_clip or math.inf, self.layout)
         stepped = all_finite([loss.detach(), norm])
         if stepped:

@@ -41,6 +41,13 @@ def _packs(lengths: list[int], pack_tokens: int) -> list[tuple[int, int]]:
     return packs
 
 
+def response_positions(attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+    """bool [B, R]: the response tokens that have a predictor (the token and the column before it are real),
+    i.e. the positions a head scores; every other position of a [B, R] result is 0."""
+    real = attention_mask.bool()
+    return real[:, -response_len:] & real[:, -response_len - 1:-1]
+
+
 def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                     pack: bool, pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0):
     """(hidden [N, H], rows [N], cols [N]): the trunk's outputs predicting the response tokens (module doc).
@@ -63,7 +70,7 @@ def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch
     if not 1 <= response_len < width:
         raise ValueError(f"response_len must be in [1, {width - 1}] (a prompt column must precede it), got {response_len}")
     real = attention_mask.bool()
-    rows, cols = (real[:, -response_len:] & real[:, -response_len - 1:-1]).nonzero(as_tuple=True)
+    rows, cols = response_positions(attention_mask, response_len).nonzero(as_tuple=True)
     if not pack or float(real.sum()) > pack_max_fill * real.numel():
         hidden = trunk(sequences, attention_mask)
         return hidden[:, -response_len - 1:-1][rows, cols], rows, cols
@@ -91,4 +98,4 @@ def scatter_response(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
     return out.index_put((rows, cols), values)
 
 
-__all__ = ["response_hidden", "scatter_response"]
+__all__ = ["response_hidden", "response_positions", "scatter_response"]
