@@ -43,9 +43,14 @@ Design choices:
   inside one actor replica (`check_same_batch`), because data never moves between layouts: every rank of
   an actor tp x pp replica holds the replica's whole rollout batch (its stages sample the same prompts
   and get the same `pipeline_rollout` output), a pp = 1 role scores it on every rank, and a pp > 1
-  role's log-probs are broadcast from its last stage over its pp group (`PolicyRole.pipeline_logprobs`).
-  The update at pp > 1 runs each mini-batch through 1F1B (`train_role`: `micro_loss(rows, hidden)` gets
-  the last stage's hidden states). Reward models and PPO's critic are pp = 1 only.
+  role's scores (log-probs, the PPO critic's values) are broadcast from its last stage over its pp group
+  (`PolicyRole.pipeline_scores`, through `score_responses`). The update at pp > 1 runs each mini-batch
+  through 1F1B (`train_role`: `micro_loss(rows, hidden)` gets the last stage's hidden states); a trained
+  role with more dp replicas than the actor (a pp = 1 critic beside a pp = 2 actor) trains each copy on
+  the same batch and divides the summed gradient by the copies (`batch_copies`). Micro-batches are
+  `algo.micro_batch_size` rows at every pp (`<role>.microbatches` must stay 0), and pipelined forwards
+  run on padded rows (`rollout.pack` applies to the pp = 1 roles; a warning names the others). Reward
+  models are pp = 1 only.
 - Placement: every role lives on every rank; before each phase every role is told which of its parts
   the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
   and phase is logged as `memory/<phase>/<role>_mib`.
@@ -79,6 +84,14 @@ from megalign.trainers.logging import memory_report
 from megalign.trainers.optim import OptimConfig, build_optimizer, set_lr
 
 logger = logging.getLogger(__name__)
+
+
+def check_microbatches(key: str, cfg: ModelRoleConfig) -> None:
+    """ValueError naming `key`.microbatches unless it is 0: the online trainers' pipeline micro-batches are
+    `algo.micro_batch_size` rows (module doc), so the key would be ignored."""
+    if cfg.microbatches:
+        raise ValueError(f"{key}.microbatches={cfg.microbatches}: the online trainers split each rank's responses "
+                         f"into pipeline micro-batches of algo.micro_batch_size rows; leave {key}.microbatches at 0")
 
 
 @dataclasses.dataclass
@@ -259,6 +272,7 @@ class OnlineTrainer(Trainer):
 
     def __init__(self, cfg: OnlineConfig):
         super().__init__(cfg)
+        check_microbatches("actor", cfg.actor)
         self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor")
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
@@ -288,14 +302,16 @@ class OnlineTrainer(Trainer):
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
         self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,
-                           build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip, **self.packing())
+                           build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip,
+                           **self.packing("actor", self.layout))
         self.reference = None
         if self.needs_reference():
             ref_layout = self.role_layout("reference", cfg.reference)
             ref_model = self.load_role_model("reference", cfg.reference, ref_layout, cfg.reference.path or cfg.actor.path,
                                              dtype=DTYPES[cfg.reference.dtype])
             self.check_model(ref_model, "reference.path", cfg.reference.path or cfg.actor.path, longest, what)
-            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights, **self.packing())
+            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights,
+                                       **self.packing("reference", ref_layout))
         self.reward = Reward(cfg.reward, [self.reward_model(key, model_cfg, longest, what)
                                           for key, model_cfg in cfg.reward.reward_models()])
         self.roles: list[Role] = [r for r in (self.actor, self.reference) if r is not None] + self.reward.models
@@ -316,6 +332,7 @@ class OnlineTrainer(Trainer):
     def role_layout(self, key: str, cfg: ModelRoleConfig) -> ParallelLayout:
         """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a
         role at pp = 1 beside a pp > 1 actor scores the batch on every rank of the actor's pp group)."""
+        check_microbatches(key, cfg)
         layout = self.layout_for(cfg.tp, cfg.pp, key)
         check_same_batch(layout, key, self.layout, "actor")
         return layout
@@ -357,10 +374,37 @@ class OnlineTrainer(Trainer):
         return ProcessReward(cfg, model, layout, (tokens["negative"], tokens["positive"]), separator,
                              self.tokenizer.eos_id)
 
-    def packing(self) -> dict[str, Any]:
-        """The roles' packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`, `pack_max_fill`."""
+    def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
+        """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
+        `pack_max_fill`; off at pp > 1, where the pipeline schedule takes padded micro-batches only (warned once
+        per role when `rollout.pack` is on)."""
         rollout = self.cfg.rollout
-        return {"pack": rollout.pack, "pack_tokens": rollout.pack_tokens, "pack_max_fill": rollout.pack_max_fill}
+        pack = rollout.pack and layout.pp == 1
+        if rollout.pack and not pack:
+            logger.warning("rollout.pack=true: %s.pp=%d runs its forwards on padded rows (the pipeline schedule takes "
+                           "padded micro-batches only); roles at pp=1 pack", key, layout.pp)
+        return {"pack": pack, "pack_tokens": rollout.pack_tokens, "pack_max_fill": rollout.pack_max_fill}
+
+    def batch_copies(self, layout: ParallelLayout) -> int:
+        """How many dp replicas of a role on `layout` hold the same batch: its dp over the actor's (`check_same_batch`
+        put each of its replicas inside one actor replica); `TrainableRole` divides its summed gradient by it."""
+        return layout.dp // self.layout.dp
+
+    def check_pipeline_batch(self, key: str, layout: ParallelLayout, trained: bool) -> None:
+        """Start-up check of role `key` at pp > 1, naming the settings: each rank's responses (a fixed number when
+        every step keeps all its groups) split into pipeline micro-batches of `algo.micro_batch_size` rows, at least
+        pp of them per scoring forward and, for a `trained` role, per mini-batch."""
+        cfg, algo = self.cfg, self.cfg.algo
+        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // self.layout.dp
+        mini = algo.mini_batches if trained else 1
+        if layout.pp == 1 or (rows % mini == 0 and (rows // mini) % algo.micro_batch_size == 0
+                              and rows // mini // algo.micro_batch_size >= layout.pp):
+            return
+        what = f"algo.mini_batches={mini} mini-batches of " if trained else ""
+        raise ValueError(f"{key}.pp={layout.pp}: each rank's {rows} responses (rollout.prompts_per_step="
+                         f"{cfg.rollout.prompts_per_step} x rollout.group_size={cfg.rollout.group_size} / dp="
+                         f"{self.layout.dp}) must split into {what}at least pp={layout.pp} micro-batches of "
+                         f"algo.micro_batch_size={algo.micro_batch_size} rows")
 
     # ----- phases
 
@@ -551,13 +595,23 @@ class OnlineTrainer(Trainer):
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
         """[N, R] no-grad log-probs of the batch's responses under `role`, in micro-batches."""
+        temperature = self.cfg.rollout.temperature
+        return self.score_responses(role, batch, micro_batch_size,
+                                    lambda *inputs: role.logprobs(*inputs, temperature),
+                                    lambda *inputs: role.pipeline_logprobs(*inputs[:3], temperature, inputs[3]))
+
+    def score_responses(self, role: Role, batch: RolloutBatch, micro_batch_size: int, score: Callable[..., torch.Tensor],
+                        pipeline_score: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """[N, R] no-grad scores of the batch's responses under `role` (log-probs, values): at pp = 1
+        `score(sequences, attention_mask, R)` per micro-batch of `micro_batch_size` rows, at pp > 1
+        `pipeline_score(sequences, attention_mask, R, micro_batch_size)` on the whole batch (the forward-only
+        schedule, the result on every rank of the role's pp group)."""
+        response_len = self.cfg.rollout.max_response_length
         if role.layout.pp > 1:
-            return role.pipeline_logprobs(batch.sequences, batch.attention_mask, self.cfg.rollout.max_response_length,
-                                          self.cfg.rollout.temperature, micro_batch_size)
-        n = len(batch)
-        parts = [role.logprobs(*self.logprob_inputs(batch, slice(s, s + micro_batch_size)), self.cfg.rollout.temperature)
-                 for s in range(0, n, micro_batch_size)]
-        return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(0, self.cfg.rollout.max_response_length)
+            return pipeline_score(batch.sequences, batch.attention_mask, response_len, micro_batch_size)
+        parts = [score(*self.logprob_inputs(batch, slice(s, s + micro_batch_size)))
+                 for s in range(0, len(batch), micro_batch_size)]
+        return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(0, response_len)
 
     # ----- metrics shared by the algorithms
 

@@ -21,6 +21,18 @@ Design choices:
   `old_logprobs`, `reference`, `values`, `critic_update`, `update`) brings in only what it uses; with
   the offload switches on, the rest waits in host memory. Memory per role and phase is logged
   (`memory/<phase>/<role>_mib`). Offload moves storage only, so results are identical on and off.
+- Layouts: every role has its own tp x pp (`OnlineTrainer.role_layout`). At pp > 1 the actor rolls out
+  and trains as GRPO's does (`pipeline_rollout`, forward-only scoring, 1F1B updates in `train_role`
+  with `micro_loss(rows, hidden)` on the last stage), the reference scores with the forward-only
+  schedule, and the critic is a pipeline stage too (its value head on the last stage; old values by
+  `Critic.pipeline_values`, the value loss inside 1F1B). The critic's layout is independent of the
+  actor's within `check_same_batch`: e.g. critic.pp=1 beside actor.pp=2 (each rank holds its actor
+  replica's batch; the critic's two dp replicas there train on the same rows and its summed gradient
+  is divided by 2, `TrainableRole.batch_copies`), or critic.pp=2. Each rank's responses must split
+  into at least pp micro-batches of `algo.micro_batch_size` per mini-batch (checked at start-up,
+  naming the keys); pipelined forwards run padded (`rollout.pack` packs only the pp = 1 roles).
+  Checkpoints hold each stage's shards under its tp x pp coordinates and resume at the same layout;
+  the critic's HF export (critic_hf/) from stages is a sharded checkpoint.
 - The critic's update runs before the actor's, one after the other on the same ranks (as verl's
   colocated workers do): it costs the critic's forward + backward per mini-batch on top of the
   actor's, and with offload each update phase also pays the copies of its role's weights and
@@ -55,11 +67,11 @@ from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns
 from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
-from megalign.models import scalar_head_from_pretrained
+from megalign.models import ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig
-from megalign.trainers.base import TrainResult, check_model_path
+from megalign.trainers.base import TrainResult, check_model_path, check_stages
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
 from megalign.trainers.policy_options import PolicyLossOptions
@@ -184,22 +196,25 @@ class PPOTrainer(OnlineTrainer):
         if algo.reward_normalize and not normalized:
             raise ValueError("algo.reward_normalize=true needs a reward model (reward.model or an outcome model of "
                              "reward.models outside reward.gated)")
-        if cfg.actor.pp > 1 or cfg.critic.pp > 1:
-            raise ValueError(f"PPO runs at actor.pp=1 and critic.pp=1 (got {cfg.actor.pp} and {cfg.critic.pp}): the "
-                             f"critic's values have no pipelined path yet")
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         super().__init__(cfg)
         path = cfg.critic.path or (outcome[0].path if outcome else cfg.actor.path)
         check_model_path(path, "critic.path")
         layout = self.role_layout("critic", cfg.critic)
+        if layout.pp > 1:
+            check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, "critic", f"critic.path {path!r}")
         model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed)
         self.check_model(model, "critic.path", path, *self.longest)
         precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
         self.critic = Critic(model, layout, precision, cfg.critic.offload_weights, cfg.critic.offload_optimizer,
                              build_optimizer(model, cfg.critic.optim, layout), cfg.critic.optim.grad_clip,
-                             **self.packing())
+                             self.batch_copies(layout), **self.packing("critic", layout))
         logger.info("critic from %s (%s head)", path, "fresh" if fresh else "its")
         self.roles.append(self.critic)
+        self.check_pipeline_batch("actor", self.layout, trained=True)
+        if self.reference is not None:
+            self.check_pipeline_batch("reference", self.reference.layout, trained=False)
+        self.check_pipeline_batch("critic", layout, trained=True)
         self.kl = AdaptiveKL(algo.kl_coef, algo.kl_target, algo.kl_horizon)
         self.register_state("critic", ModelState(model, layout))
         self.register_state("critic_optim", OptimizerState(model, self.critic.optimizer, layout))
@@ -223,10 +238,9 @@ class PPOTrainer(OnlineTrainer):
             batch.rewards = normalize_scores(batch.rewards, clip=algo.reward_clip)
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N, R] no-grad critic values of the batch, in micro-batches."""
-        step = self.cfg.algo.micro_batch_size
-        parts = [self.critic.values(*self.logprob_inputs(batch, slice(s, s + step))) for s in range(0, len(batch), step)]
-        return torch.cat(parts) if parts else batch.rollout_logp.new_zeros(batch.rollout_logp.shape)
+        """[N, R] no-grad critic values of the batch, in micro-batches (pipelined at critic.pp > 1)."""
+        return self.score_responses(self.critic, batch, self.cfg.algo.micro_batch_size, self.critic.values,
+                                    self.critic.pipeline_values)
 
     def train_step(self) -> dict[str, float]:
         """One PPO step (module doc); returns its metrics, reduced over ranks."""
@@ -258,13 +272,15 @@ class PPOTrainer(OnlineTrainer):
         advantages, returns = advantages_and_returns(rewards, old_values, mask, algo.gamma, algo.lam)
         batch.advantages = whiten(advantages, mask, dp) if algo.whiten_advantages else advantages
 
-        def critic_loss(rows):
-            values = self.critic.values_with_grad(*self.logprob_inputs(batch, rows))
+        # hidden: the last pipeline stage's output for `rows` when the role is at pp > 1 (`train_role`)
+        def critic_loss(rows, hidden=None):
+            values = self.critic.values_with_grad(*self.logprob_inputs(batch, rows), hidden=hidden)
             loss, stats = value_loss(values, old_values[rows], returns[rows], mask[rows], algo.cliprange_value)
             return loss, [stats.clipped, (values.detach() * mask[rows]).sum(), stats.count]
 
-        def actor_loss(rows):
-            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature)
+        def actor_loss(rows, hidden=None):
+            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature,
+                                                          hidden=hidden)
             m = mask[rows]
             loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], m)
             kl_now = torch.zeros((), device=logp.device)
