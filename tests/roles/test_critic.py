@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import tiny_policy
+from trainers.grpo_helpers import policy_and_rm
 
 from megalign.checkpoint import export_hf
-from megalign.models import from_pretrained, save_hf_checkpoint, scalar_head_from_pretrained
+from megalign.models import from_pretrained, scalar_head_from_pretrained
 from megalign.parallel import MixedPrecision, ParallelLayout
 from megalign.roles import TOKEN_CLASSIFICATION, Critic
 from megalign.trainers.optim import OptimConfig, build_optimizer
@@ -18,13 +18,7 @@ from megalign.trainers.optim import OptimConfig, build_optimizer
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(policy folder, reward-model folder): a tiny Llama, and the same trunk with a trained-looking score head."""
-    root = tmp_path_factory.mktemp("critic")
-    policy = tiny_policy(root / "policy")
-    rm = from_pretrained(policy, kind="reward", new_head=True)
-    with torch.no_grad():
-        rm.head.score.weight.copy_(torch.linspace(-1, 1, rm.config.hidden_size)[None])
-    save_hf_checkpoint(rm, root / "rm")
-    return policy, str(root / "rm")
+    return policy_and_rm(tmp_path_factory.mktemp("critic"))
 
 
 def _inputs(vocab, prompt=5, response=4, batch=3):

@@ -6,7 +6,7 @@ import torch
 
 from megalign.config import load_config
 from megalign.data import CharTokenizer
-from megalign.models import CausalLM, ModelConfig, save_hf_checkpoint
+from megalign.models import CausalLM, ModelConfig, from_pretrained, save_hf_checkpoint
 from megalign.trainers.grpo import GRPOConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,6 +42,17 @@ def tiny_policy(path, seed=0, vocab_size=None, model_cls=CausalLM, std=0.1):
                 p.normal_(0.0, std)
     save_hf_checkpoint(model, path)
     return str(path)
+
+
+def policy_and_rm(root):
+    """(policy folder, reward-model folder) under `root`: a `tiny_policy`, and the same trunk with a trained-looking
+    score head (a linear ramp), as an RM export is."""
+    policy = tiny_policy(root / "policy")
+    rm = from_pretrained(policy, kind="reward", new_head=True)
+    with torch.no_grad():
+        rm.head.score.weight.copy_(torch.linspace(-1, 1, rm.config.hidden_size)[None])
+    save_hf_checkpoint(rm, root / "rm")
+    return policy, str(root / "rm")
 
 
 def tiny_overrides(policy, run_dir, *overrides):
