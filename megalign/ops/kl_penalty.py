@@ -24,7 +24,8 @@ dtype. On the CPU kernels with fp32 / fp64 inputs that need a gradient, the forw
 writes d kl / d logp per token from the same evaluation of the estimator (`with_dlogp`), and the
 backward only scales that buffer in place by the upstream gradient: one evaluation of the
 estimator per token instead of two, and no fresh buffer for grad_logp. A second backward through
-a retained graph recomputes it with the backward kernel. The masked mean reads `mask` (bool, uint8, int32, int64 or float; nonzero = valid token,
+a retained graph recomputes it with the backward kernel. The kernels' autograd is C++
+(`csrc/torch/autograd.cpp`: no Python autograd function around a sub-millisecond op). The masked mean reads `mask` (bool, uint8, int32, int64 or float; nonzero = valid token,
 never a weight) in the same single pass; with no valid token it returns 0, not NaN, and zero
 gradients.
 """
@@ -81,19 +82,6 @@ def wants_dlogp(logp: torch.Tensor, *differentiable: torch.Tensor | None) -> boo
             and any(t is not None and t.requires_grad for t in (logp, *differentiable)))
 
 
-def take_dlogp(ctx) -> torch.Tensor | None:
-    """The forward's d out / d logp buffer, handed out once: the first backward scales it in place
-    into the gradient, so a second backward (retain_graph) gets None and recomputes."""
-    dlogp, ctx.dlogp = ctx.dlogp, None
-    return dlogp
-
-
-def scale_dlogp(dlogp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """dlogp * scale, in place on a real tensor; out of place while tracing (torch.compile,
-    opcheck: fake / functional tensors), where a backward may not mutate a forward output."""
-    return dlogp.mul_(scale) if type(dlogp) is torch.Tensor else dlogp * scale
-
-
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL estimate `kind` of logp against ref_logp; [*] -> [*] in fp32 (fp64 for fp64)."""
     kind = resolve_kind(kind)
@@ -111,49 +99,6 @@ def kl_penalty_masked_mean(logp: torch.Tensor, ref_logp: torch.Tensor, mask: tor
     if _backend.use_kernels(logp):
         return torch.ops.megalign.kl_masked_mean_fwd(logp, ref_logp, mask, kind, wants_dlogp(logp, ref_logp))[0]
     return reference_kl_penalty_masked_mean(logp, ref_logp, mask, kind)
-
-
-def _grads_for_pair(ctx, grad_logp: torch.Tensor):
-    """(d/d logp, d/d ref_logp) from d/d logp: the estimators depend on logp - ref_logp only."""
-    return (grad_logp if ctx.needs_input_grad[0] else None,
-            -grad_logp if ctx.needs_input_grad[1] else None)
-
-
-def _kl_setup(ctx, inputs, output):
-    logp, ref_logp, kind, with_dlogp = inputs
-    ctx.save_for_backward(logp, ref_logp)
-    ctx.kind = kind
-    ctx.mark_non_differentiable(output[1])
-    ctx.dlogp = output[1] if with_dlogp else None
-
-
-def _kl_backward(ctx, grad, _grad_dlogp):
-    dlogp = take_dlogp(ctx)
-    if dlogp is None:
-        logp, ref_logp = ctx.saved_tensors
-        grad_logp = torch.ops.megalign.kl_penalty_bwd(grad, logp, ref_logp, ctx.kind)
-    else:
-        grad_logp = scale_dlogp(dlogp, grad)
-    return (*_grads_for_pair(ctx, grad_logp), None, None)
-
-
-def _masked_setup(ctx, inputs, output):
-    logp, ref_logp, mask, kind, with_dlogp = inputs
-    ctx.save_for_backward(logp, ref_logp, mask, output[1])
-    ctx.kind = kind
-    ctx.mark_non_differentiable(output[2])
-    ctx.dlogp = output[2] if with_dlogp else None
-
-
-def _masked_backward(ctx, grad_mean, _grad_count, _grad_dlogp):
-    logp, ref_logp, mask, count = ctx.saved_tensors
-    dlogp = take_dlogp(ctx)
-    if dlogp is None:
-        grad_logp = torch.ops.megalign.kl_masked_mean_bwd(grad_mean, count, logp, ref_logp, mask, ctx.kind)
-    else:
-        # The kernel backward's scale: grad_mean / count, the guard only avoids 0 / 0 (no valid token).
-        grad_logp = scale_dlogp(dlogp, grad_mean / count.clamp(min=1))
-    return (*_grads_for_pair(ctx, grad_logp), None, None, None)
 
 
 def _register() -> None:
@@ -178,9 +123,6 @@ def _register() -> None:
     @torch.library.register_fake("megalign::kl_masked_mean_bwd")
     def _(grad, count, logp, ref_logp, mask, kind):
         return torch.empty_like(logp, memory_format=torch.contiguous_format)
-
-    torch.library.register_autograd("megalign::kl_penalty_fwd", _kl_backward, setup_context=_kl_setup)
-    torch.library.register_autograd("megalign::kl_masked_mean_fwd", _masked_backward, setup_context=_masked_setup)
 
 
 if _backend.HAVE_EXTENSION:

@@ -30,16 +30,16 @@ d loss / d logp per token (`with_dlogp`, as in megalign.ops.kl_penalty), and the
 scales that buffer in place by the upstream gradient, which then is grad_logp: the backward reads
 no input again and allocates nothing. Otherwise (CUDA, bf16 / fp16, or a second backward through
 a retained graph) the backward recomputes every token from the saved inputs in one pass. Either
-way no [B, T] intermediate is kept beyond the loss and the buffer that becomes grad_logp. The
-statistics carry no gradient. An upstream gradient that is inf / NaN at a masked token gives
-NaN there on the in-place path (0 * inf) and 0 on the recompute path.
+way (autograd in C++, as for megalign.ops.kl_penalty) no [B, T] intermediate is kept beyond the
+loss and the buffer that becomes grad_logp. The statistics carry no gradient. An upstream
+gradient that is inf / NaN at a masked token gives NaN there on the in-place path (0 * inf) and 0 on the recompute path.
 """
 from __future__ import annotations
 
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.kl_penalty import check_operands, scale_dlogp, take_dlogp, wants_dlogp
+from megalign.ops.kl_penalty import check_operands, wants_dlogp
 from megalign.ops.reference.kl_penalty import acc_dtype
 from megalign.ops.reference.policy_loss import PolicyLossStats
 from megalign.ops.reference.policy_loss import policy_loss as reference_policy_loss
@@ -78,25 +78,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss, PolicyLossStats.from_tensor(stats)
 
 
-def _setup(ctx, inputs, output):
-    logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp = inputs
-    ctx.save_for_backward(logp, old_logp, advantages, mask, ref_logp)
-    ctx.coefficients = (eps_low, eps_high, dual_clip, beta)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.dlogp = output[2] if with_dlogp else None
-
-
-def _backward(ctx, grad_loss, _grad_stats, _grad_dlogp):
-    dlogp = take_dlogp(ctx)
-    if dlogp is not None:
-        return scale_dlogp(dlogp, grad_loss), None, None, None, None, None, None, None, None, None
-    logp, old_logp, advantages, mask, ref_logp = ctx.saved_tensors
-    eps_low, eps_high, dual_clip, beta = ctx.coefficients
-    grad_logp = torch.ops.megalign.policy_loss_bwd(grad_loss, logp, old_logp, advantages, mask, eps_low, eps_high,
-                                                   dual_clip, beta, ref_logp)
-    return grad_logp, None, None, None, None, None, None, None, None, None
-
-
 def _register() -> None:
     @torch.library.register_fake("megalign::policy_loss_fwd")
     def _(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp=False):
@@ -107,8 +88,6 @@ def _register() -> None:
     @torch.library.register_fake("megalign::policy_loss_bwd")
     def _(grad, logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp):
         return torch.empty_like(logp, memory_format=torch.contiguous_format)
-
-    torch.library.register_autograd("megalign::policy_loss_fwd", _backward, setup_context=_setup)
 
 
 if _backend.HAVE_EXTENSION:
