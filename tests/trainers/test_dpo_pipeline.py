@@ -1,6 +1,6 @@
 """DPO with the policy at model.pp = 2 and the frozen reference at pp = 1 beside it (it scores on both stages'
 ranks the batch their pp group holds): one step equals the unpipelined step on the same pairs (loss, gradient
-norm, DPO's reward statistics, updated weights)."""
+norm, DPO's reward statistics, updated weights), also at tp = 2 x pp = 2 and at pp = 2 x dp = 2."""
 import pytest
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import tiny_policy
@@ -9,6 +9,7 @@ from trainers.helpers import compare_runs
 from megalign.config import load_config
 from megalign.trainers.preference import DPOConfig, train_dpo
 
+LAYERS = 2  # tiny_policy's decoder layers
 DPO_METRICS = ("loss", "grad_norm", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -28,8 +29,31 @@ def _train(policy, run_dir, *overrides):
         "optim.eps=1e-6"]))
 
 
+@pytest.fixture(scope="module")
+def unpipelined(policy, tmp_path_factory):
+    """The tp=1 x pp=1 run (one process, cached reference scores) the 4-process layouts are compared with."""
+    run_dir = str(tmp_path_factory.mktemp("unpipelined") / "run")
+    run_distributed(_train, policy, run_dir, world_size=1)
+    return run_dir
+
+
 @pytest.mark.parametrize("mode", ["cache", "online"])
 def test_pp2_step_equals_unpipelined(policy, tmp_path, mode):
     run_distributed(_train, policy, str(tmp_path / "ref"), f"reference.mode={mode}", world_size=1)
     run_distributed(_train, policy, str(tmp_path / "pp2"), "model.pp=2", f"reference.mode={mode}", world_size=2)
-    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, 2, DPO_METRICS)
+    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, DPO_METRICS)
+
+
+def test_tp2_pp2_step_equals_unpipelined(policy, unpipelined, tmp_path):
+    """4 processes: the policy at tp=2 x pp=2 (dp=1), the reference at tp=2 x pp=1 (dp=2: each replica scores the
+    whole batch)."""
+    run_distributed(_train, policy, str(tmp_path / "tp2pp2"), "model.tp=2", "model.pp=2", "reference.tp=2",
+                    world_size=4)
+    compare_runs(unpipelined, tmp_path / "tp2pp2", 2, 2, LAYERS, DPO_METRICS)
+
+
+def test_pp2_dp2_step_equals_unpipelined(policy, unpipelined, tmp_path):
+    """4 processes: the policy at pp=2 x dp=2 (4 pairs per dp rank, 2 per micro-batch), the reference at pp=1
+    (dp=4: each rank scores its pp group's pairs)."""
+    run_distributed(_train, policy, str(tmp_path / "pp2dp2"), "model.pp=2", world_size=4)
+    compare_runs(unpipelined, tmp_path / "pp2dp2", 2, 1, LAYERS, DPO_METRICS)

@@ -1,17 +1,20 @@
 """GRPO at actor.pp = 2: rollouts equal the pp = 1 engine's for the same seed, and one training step (rollout,
 recomputed old log-probs and reference log-probs by the forward-only schedule, the 1F1B update) equals the
-unpipelined step on the same prompts: metrics, gradient norm, updated weights."""
+unpipelined step on the same prompts: metrics, gradient norm, updated weights. At pp = 2 x dp = 2 the global
+batches are recorded once and replayed (each dp rank samples its own responses); stopped after step 2 and
+resumed at pp = 2, step 3 equals the uninterrupted run's."""
 import pytest
 import torch
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import tiny_config, tiny_policy
-from trainers.helpers import compare_runs, metric_rows
+from trainers.helpers import compare_runs, metric_rows, whole_model
 
 from megalign.models import from_pretrained, stage_from_pretrained
 from megalign.parallel import ParallelLayout
 from megalign.rollout import SamplingParams, pipeline_rollout, rollout
-from megalign.trainers.grpo import train_grpo
+from megalign.trainers.grpo import GRPOTrainer, train_grpo
 
+LAYERS = 2  # tiny_policy's decoder layers
 GRPO_METRICS = ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "actor/kl",
                 "actor/entropy", "actor/clip_frac", "actor/approx_kl")
 
@@ -56,7 +59,7 @@ def test_pp2_step_equals_unpipelined(policy, tmp_path, reference_pp):
     run_distributed(_train, policy, str(tmp_path / "pp2"), "actor.pp=2", f"reference.pp={reference_pp}", *overrides,
                     world_size=2)
     assert len(metric_rows(tmp_path / "ref")) == 2
-    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, 2, GRPO_METRICS, role="actor")
+    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, GRPO_METRICS, role="actor")
 
 
 @pytest.mark.slow
@@ -69,4 +72,66 @@ def test_tp2_pp2_step_equals_unpipelined(policy, tmp_path):
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "tp2pp2"), "actor.tp=2", "actor.pp=2", "reference.tp=2",
                     "reference.pp=2", *overrides, world_size=4)
-    compare_runs(tmp_path / "ref", tmp_path / "tp2pp2", 2, 2, 2, GRPO_METRICS, role="actor")
+    compare_runs(tmp_path / "ref", tmp_path / "tp2pp2", 2, 2, LAYERS, GRPO_METRICS, role="actor")
+
+
+class ReplayGRPO(GRPOTrainer):
+    """GRPO whose step s trains recorded global batch s (`_record_then_replay`); dp rank r takes rows
+    [r N/dp, (r+1) N/dp) (whole groups), so the responses are the same at every dp (sampled live, each dp
+    rank draws its own from its own generator)."""
+
+    batch_file = None
+
+    def collect(self):
+        batch = torch.load(self.batch_file, weights_only=False)[self.progress["step"]]
+        per_rank = len(batch) // self.layout.dp
+        mine = batch.select(slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank))
+        return mine, mine, {"rounds": 1, "dropped_groups": 0, "kept_groups": per_rank // self.cfg.rollout.group_size}
+
+
+def _record_then_replay(policy, run_dir, batch_file, *overrides):
+    """One rank: sample and score 2 steps' global batches with the real trainer, save them, then train on them."""
+    recorder = GRPOTrainer(tiny_config(policy, f"{run_dir}_record", *overrides))
+    torch.save([recorder.collect()[0] for _ in range(2)], batch_file)
+    _replay(policy, run_dir, batch_file, *overrides)
+
+
+def _replay(policy, run_dir, batch_file, *overrides):
+    ReplayGRPO.batch_file = batch_file
+    ReplayGRPO(tiny_config(policy, run_dir, *overrides)).train()
+
+
+def test_pp2_dp2_step_equals_unpipelined(policy, tmp_path):
+    """4 processes: actor and reference at pp=2 x dp=2, on the batches the one-process run trained on."""
+    # one mini-batch per epoch: each rank shuffles its own rows into mini-batches, so with more than one the global
+    # mini-batches would hold other rows than dp=1's. Two epochs (the second's ratios differ from 1, clipping) of
+    # 2 micro-batches of 4 rows per rank (16 responses per step, 8 per dp rank: the pp=2 pipeline's 2 micro-batches)
+    overrides = ("algo.micro_batch_size=4", "algo.mini_batches=1", "algo.ppo_epochs=2", "algo.beta=0.1",
+                 "rollout.old_logprobs=recompute", "save_every=1", "export_hf=false", "rollout.pack=false")
+    batch_file = str(tmp_path / "batches.pt")
+    run_distributed(_record_then_replay, policy, str(tmp_path / "ref"), batch_file, *overrides, world_size=1)
+    run_distributed(_replay, policy, str(tmp_path / "pp2dp2"), batch_file, "actor.pp=2", "reference.pp=2", *overrides,
+                    world_size=4)
+    assert len(metric_rows(tmp_path / "ref")) == 2
+    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, GRPO_METRICS, role="actor")
+
+
+def _straight_then_resumed(policy, root):
+    pp2 = ("actor.pp=2", "reference.pp=2", "algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute",
+           "export_hf=false", "optim.schedule=constant")  # constant: the lr does not depend on `steps`
+    _train(policy, f"{root}/straight", "steps=3", *pp2)
+    _train(policy, f"{root}/resumed", "steps=2", *pp2)
+    _train(policy, f"{root}/resumed", "steps=3", *pp2)
+
+
+def test_pp2_resumes_exactly(policy, tmp_path):
+    """Stopped after step 2 and resumed at pp=2 (both stages' actor shards and optimizer states, the sampler, each
+    rank's generator): step 3 equals the uninterrupted run's, its metrics and checkpointed weights bit for bit."""
+    run_distributed(_straight_then_resumed, policy, str(tmp_path))
+    straight, resumed = (metric_rows(tmp_path / name) for name in ("straight", "resumed"))
+    assert [row["step"] for row in straight] == [1, 2, 3] and [row["step"] for row in resumed] == [1, 2, 3]
+    assert straight[2] == resumed[2]
+    a, b = (whole_model(tmp_path / name, 3, 2, 1, LAYERS, "actor") for name in ("straight", "resumed"))
+    assert sorted(a) == sorted(b) and a
+    for name in a:
+        torch.testing.assert_close(b[name][0], a[name][0], rtol=0, atol=0, msg=name)
