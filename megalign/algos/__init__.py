@@ -22,6 +22,7 @@ from megalign.algos.kto import (
     KTOStats,
     check_kto_weight_ratio,
     kto_loss,
+    kto_loss_at,
     kto_reference_point,
     kto_weight_ratio,
 )
@@ -47,7 +48,7 @@ __all__ = [
     "POLICY_LOSSES", "cispo_loss", "gspo_loss", "ppo_loss", "select_policy_loss",
     "DPO_LOSSES", "DPOLoss", "ORPO_MAX_AVG_LOGP", "PreferenceStats", "cpo_loss", "dpo_loss", "orpo_loss",
     "reward_model_loss", "simpo_loss",
-    "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_reference_point",
+    "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_loss_at", "kto_reference_point",
     "kto_weight_ratio",
     "IGNORE_INDEX", "PRMStats", "math_shepherd_labels", "prm_loss", "prm_token_loss",
 ]

@@ -91,14 +91,25 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
 
     Returns: (losses [B], stats with the implicit rewards and z0).
     """
+    return kto_loss_at(policy_logps, ref_logps, desirable, kto_reference_point(kl_logratios, group), beta=beta,
+                       desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+
+
+def kto_loss_at(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, *,
+                beta: float = 0.1, desirable_weight: float = 1.0,
+                undesirable_weight: float = 1.0) -> tuple[torch.Tensor, KTOStats]:
+    """`kto_loss` at a reference point z0 (0-d, detached) computed beforehand: a pipelined trainer takes z0 over
+    the whole batch (`kto_reference_point`) before its micro-batches' losses, each of which sees a part of it."""
     check_positive("beta", beta)
     check_positive("desirable_weight", desirable_weight)
     check_positive("undesirable_weight", undesirable_weight)
     if not isinstance(desirable, torch.Tensor) or desirable.dtype != torch.bool:
         raise ValueError(f"desirable must be a bool tensor [batch], got "
                          f"{desirable.dtype if isinstance(desirable, torch.Tensor) else type(desirable).__name__}")
+    if z0.dim() != 0:
+        raise ValueError(f"z0 must be a 0-d tensor, got shape {tuple(z0.shape)}")
     logp, ref, _ = as_vectors(policy_logps=policy_logps, ref_logps=ref_logps, desirable=desirable)
-    z0 = kto_reference_point(kl_logratios, group).to(logp.dtype)
+    z0 = z0.detach().to(logp.dtype)
     r = logp - ref
     losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))

@@ -150,7 +150,12 @@ def step_logits(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.
     columns are taken. The one reader of a PRM: its trainer (`megalign.trainers.prm`), best-of-N
     reranking and `ProcessReward` all call it.
     """
-    hidden = model.model(input_ids, attention_mask)  # [B, T, H]
+    return hidden_step_logits(model, model.model(input_ids, attention_mask), where, token_ids)
+
+
+def hidden_step_logits(model: CausalLM, hidden: torch.Tensor, where: torch.Tensor,
+                       token_ids: tuple[int, int]) -> torch.Tensor:
+    """`step_logits` from the trunk's output `hidden` [B, T, H] (on a pipeline, the last stage's): [S, 2]."""
     logits = model.lm_head.gather_logits(model.lm_head(hidden[where]))  # [S, V]
     return logits[:, list(token_ids)]
 

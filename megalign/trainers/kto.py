@@ -14,6 +14,11 @@ Design choices:
   let the reference scores be cached per example like DPO's (`reference.mode`).
 - The paper's balance rule is checked once on the training data: a warning when
   w_D n_D / (w_U n_U) lies outside [1, 4/3].
+- Pipeline stages (`model.pp > 1`): z0 is a mean over the whole batch, which no 1F1B micro-batch sees,
+  and the mismatched rows get no gradient (z0 is detached), so they are scored first by the
+  forward-only schedule (`stage_prepare`, `SupervisedTrainer.forward_scores`), z0 is reduced over dp,
+  and only the B labelled rows run the 1F1B update (`kto_loss_at` with that z0): the pp = 1 loss and
+  gradients, with the mismatched rows' activations never held for a backward.
 - Metrics are TRL's KTOTrainer's: `rewards/chosen` / `rewards/rejected` (implicit rewards of the
   desirable / undesirable examples), `logps/chosen` / `logps/rejected`, and `kl` (z0).
 """
@@ -25,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megalign.algos import check_kto_weight_ratio, kto_loss
+from megalign.algos import check_kto_weight_ratio, kto_loss, kto_loss_at, kto_reference_point
 from megalign.config import option
 from megalign.data import (PromptExample, UnpairedExample, collate_replies, load_unpaired, make_splits,
                            write_unpaired_jsonl)
@@ -33,7 +38,7 @@ from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
 from megalign.trainers.base import MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
-from megalign.trainers.preference import PreferenceDataConfig, held_out_prompts, sequence_logps
+from megalign.trainers.preference import PreferenceDataConfig, held_out_prompts, hidden_sequence_logps, sequence_logps
 from megalign.trainers.supervised import (Objective, PolicyModelConfig, ReferenceConfig, SupervisedConfig,
                                           SupervisedTrainer)
 
@@ -78,13 +83,15 @@ class KTOExample:
 @dataclasses.dataclass
 class UnpairedBatch:
     """B labelled rows then their B mismatched pairs, [2B, T] (`collate_unpaired` halves concatenated);
-    `labels` [B] bool (desirable); `ref_scores` [B, 2] reference log-probs (labelled, mismatched)."""
+    `labels` [B] bool (desirable); `ref_scores` [B, 2] reference log-probs (labelled, mismatched); `z0` (0-d,
+    model.pp > 1 only) the reference point, from `KTOObjective.stage_prepare`."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     targets: torch.Tensor
     labels: torch.Tensor
     ref_scores: Optional[torch.Tensor] = None
+    z0: Optional[torch.Tensor] = None
 
 
 class KTOObjective(Objective[KTOExample]):
@@ -138,6 +145,30 @@ class KTOObjective(Objective[KTOExample]):
                                      undesirable_weight=algo.undesirable_weight, group=layout.dp_group)
         stats.add_means(kto_stats.metrics())
         return losses.sum() / global_count.clamp(min=1)
+
+    def stage_prepare(self, model: CausalLM, batch: UnpairedBatch, layout: ParallelLayout, forward_scores) -> None:
+        """z0 of the batch's mismatched rows (module doc), on every rank."""
+        n = batch.labels.numel()
+        kl_logps = forward_scores(batch.input_ids[n:], batch.attention_mask[n:],
+                                  lambda hidden, rows: hidden_sequence_logps(model, hidden, rows["targets"], layout),
+                                  {"targets": batch.targets[n:]})
+        batch.z0 = kto_reference_point(kl_logps - batch.ref_scores[:, 1], layout.dp_group)
+
+    def stage_inputs(self, batch: UnpairedBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The B labelled rows only (the mismatched ones are in `batch.z0`)."""
+        n = batch.labels.numel()
+        return batch.input_ids[:n], batch.attention_mask[:n], {
+            "targets": batch.targets[:n], "ref": batch.ref_scores[:, 0], "desirable": batch.labels,
+            "z0": batch.z0.expand(n)}
+
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        algo = self.cfg.algo
+        losses, kto_stats = kto_loss_at(hidden_sequence_logps(model, hidden, rows["targets"], layout), rows["ref"],
+                                        rows["desirable"], rows["z0"][0], beta=algo.beta,
+                                        desirable_weight=algo.desirable_weight,
+                                        undesirable_weight=algo.undesirable_weight)
+        return losses.sum(), kto_stats.metrics()
 
 
 def train_kto(cfg: KTOConfig) -> TrainResult:

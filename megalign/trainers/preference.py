@@ -19,8 +19,9 @@ Design choices:
   `logps/*`, and `nll_loss` / `log_odds_*` where the loss has them), as means over the global batch.
 - Pipeline stages (`model.pp > 1`): the pairs' rows are interleaved (chosen 0, rejected 0, chosen 1,
   ...) so each 1F1B micro-batch holds whole pairs, and the same per-pair losses (`pair_losses`) run on
-  the last stage's hidden states (`hidden_sequence_logps`); the reference stays at pp = 1 and scores
-  the batch on every rank of the policy's pp group.
+  the last stage's hidden states (`hidden_sequence_logps`; the reward model's scalar head there); the
+  reference stays at pp = 1 and scores the batch on every rank of the policy's pp group. The reward
+  model's held-out pairs are scored through `SupervisedTrainer.forward_scores` at every pp.
 - The embedded task (data.path null): pairs of the arithmetic training problems, the correct
   `\\boxed{}` answer against a wrong one near it (`megalign.data.arith`), and held-out greedy
   accuracy on the arithmetic held-out split, so a DPO run continues the SFT warm start.
@@ -133,6 +134,11 @@ def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) ->
     return hidden_sequence_logps(model, model.model(batch.input_ids, batch.attention_mask), batch.targets, layout)
 
 
+def interleaved_pairs(n: int, device: torch.device) -> torch.Tensor:
+    """[2n] row order chosen 0, rejected 0, chosen 1, ... of a [2n]-row pair batch (chosen rows, then rejected)."""
+    return torch.stack([torch.arange(n), torch.arange(n) + n], 1).flatten().to(device)
+
+
 def hidden_sequence_logps(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
                           layout: ParallelLayout) -> torch.Tensor:
     """`sequence_logps` from the trunk's output `hidden` [R, T, H] (on a pipeline, the last stage's) and the
@@ -207,7 +213,7 @@ class PairwiseObjective(Objective[PreferenceExample]):
         """Rows reordered chosen 0, rejected 0, chosen 1, ...: a pipeline micro-batch (consecutive rows, an even
         number since the per-rank pairs split into the micro-batches) then holds whole pairs."""
         n = batch.margin.numel()
-        order = torch.stack([torch.arange(n), torch.arange(n) + n], 1).flatten().to(batch.input_ids.device)
+        order = interleaved_pairs(n, batch.input_ids.device)
         rows = {"targets": batch.targets[order], "lengths": batch.response_lengths.float()[order]}
         if batch.ref_scores is not None:
             rows["ref"] = batch.ref_scores.flatten()  # [B, 2] (chosen, rejected) -> the same interleaved order
@@ -322,10 +328,27 @@ class RewardModelObjective(Objective[PreferenceExample]):
     def loss(self, model, batch: RewardBatch, layout: ParallelLayout, global_count: torch.Tensor,
              stats: MetricSums) -> torch.Tensor:
         chosen, rejected = self.rewards(model, batch)
-        losses, pair_stats = reward_model_loss(chosen, rejected, margin=batch.margin if self.cfg.algo.margin else None,
-                                               center_coef=self.cfg.algo.center_coef)
+        losses, pair_stats = self.pair_losses(chosen, rejected, batch.margin)
         stats.add_means(pair_stats.metrics())
         return losses.sum() / global_count.clamp(min=1)
+
+    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor):
+        """(per-pair Bradley-Terry losses [B], statistics) from the chosen / rejected rewards [B] and margins [B]."""
+        return reward_model_loss(chosen, rejected, margin=margin if self.cfg.algo.margin else None,
+                                 center_coef=self.cfg.algo.center_coef)
+
+    def stage_inputs(self, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Rows interleaved chosen 0, rejected 0, chosen 1, ... as `PairwiseObjective.stage_inputs`: a pipeline
+        micro-batch holds whole pairs."""
+        order = interleaved_pairs(batch.margin.numel(), batch.input_ids.device)
+        mask = batch.attention_mask[order]
+        return batch.input_ids[order], mask, {"mask": mask, "margin": batch.margin.repeat_interleave(2)}
+
+    def stage_loss(self, model, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        rewards = model.head(hidden, rows["mask"]).float()  # [b]: the last stage's scalar head at each last token
+        losses, pair_stats = self.pair_losses(rewards[0::2], rewards[1::2], rows["margin"][0::2])
+        return losses.sum(), pair_stats.metrics()
 
     _scored: Optional[tuple[int, Optional[dict[str, float]]]] = None
     """(step, sums) of the last held-out pass: the export and the closing evaluation at the same step share it."""
@@ -351,8 +374,11 @@ class RewardModelObjective(Objective[PreferenceExample]):
         for start in range(0, max(len(mine), 1), cfg.batch_size):
             chunk = mine[start:start + cfg.batch_size]
             if chunk:
-                with trainer.policy.precision.autocast(layout.device):
-                    chosen, rejected = self.rewards(model, self.collate(chunk, layout.device))
+                batch = self.collate(chunk, layout.device)
+                rewards = trainer.forward_scores(batch.input_ids, batch.attention_mask,
+                                                 lambda hidden, rows: model.head(hidden, rows["mask"]),
+                                                 {"mask": batch.attention_mask})
+                chosen, rejected = rewards[:len(chunk)], rewards[len(chunk):]
                 both = torch.cat([chosen, rejected]).double()
                 values = ((chosen > rejected).sum(), len(chunk), both.sum(), (both ** 2).sum())
             else:

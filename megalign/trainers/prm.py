@@ -43,7 +43,7 @@ from megalign.data.arith import write_stepwise_jsonl
 from megalign.data.tokenizer import Tokenizer
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
-from megalign.roles.reward import step_logits, step_probs  # noqa: F401  (step_probs re-exported: the PRM reader)
+from megalign.roles.reward import hidden_step_logits, step_logits, step_probs  # noqa: F401  (step_probs re-exported: the PRM reader)
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.evaluation import eval_count
 from megalign.trainers.optim import OptimConfig
@@ -180,9 +180,33 @@ class PRMObjective(Objective[StepwiseExample]):
         stats.add_means(step_stats.metrics())
         return loss_sum / global_count.clamp(min=1)
 
+    def stage_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        return batch.input_ids, batch.attention_mask, {"labels": batch.step_labels}
+
+    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        where = rows["labels"] != IGNORE_INDEX
+        loss_sum, step_stats = prm_loss(hidden_step_logits(model, hidden, where, self.token_ids)[None],
+                                        rows["labels"][where][None])
+        return loss_sum, step_stats.metrics()
+
+    def _held_out_logits(self, trainer: SupervisedTrainer, batch: StepBatch) -> torch.Tensor:
+        """[B, T, 2] fp32 reward-token logits at the labelled positions of `batch` (0 elsewhere), at any pp."""
+        model = trainer.policy.model
+
+        def head(hidden: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+            where = rows["labels"] != IGNORE_INDEX
+            out = hidden.new_zeros(*where.shape, 2, dtype=torch.float32)
+            out[where] = hidden_step_logits(model, hidden, where, self.token_ids).float()
+            return out
+
+        return trainer.forward_scores(batch.input_ids, batch.attention_mask, head, {"labels": batch.step_labels},
+                                      (batch.input_ids.shape[1], 2))
+
     @torch.no_grad()
     def evaluate(self, trainer: SupervisedTrainer) -> Optional[float]:
-        """Step accuracy over the held-out rows' supervised steps (each dp rank scores its share)."""
+        """Step accuracy over the held-out rows' supervised steps (each dp rank scores its share; at pp > 1 through
+        the forward-only schedule)."""
         cfg, layout = self.cfg.eval, trainer.layout
         n = eval_count(cfg, trainer.held_out)
         if not n:
@@ -195,8 +219,8 @@ class PRMObjective(Objective[StepwiseExample]):
         sums.add("correct", 0.0)  # a rank without held-out rows still joins the reduction with the same names
         sums.add("steps", 0.0)
         for start in range(0, len(mine), cfg.batch_size):
-            with trainer.policy.precision.autocast(layout.device):
-                _, step_stats = self._loss_sum(model, self.collate(mine[start:start + cfg.batch_size], layout.device))
+            batch = self.collate(mine[start:start + cfg.batch_size], layout.device)
+            _, step_stats = prm_loss(self._held_out_logits(trainer, batch), batch.step_labels)
             sums.add("correct", step_stats.num_correct)
             sums.add("steps", step_stats.num_steps)
         model.train(was_training)

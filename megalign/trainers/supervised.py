@@ -26,10 +26,14 @@ Design choices:
   of a pp group collates the same whole batch, and the update is `Pipeline.train_step` (1F1B over
   `model.microbatches` micro-batches) with the objective's `stage_loss` (a micro-batch's summed loss on
   the last stage) over the global count, so loss and gradients equal the pp = 1 step; the gradient
-  sync over dp and the clip over tp x pp are `TrainableRole.optimizer_step`'s, as at pp = 1. Only
-  objectives that implement `stage_inputs` / `stage_loss` run at pp > 1 (SFT, the pairwise losses of
-  `preference`); others stop at start-up. Their statistics come from the last stage, broadcast over pp.
-  A frozen reference stays at pp = 1 and scores on every rank the batch its pp group holds.
+  sync over dp and the clip over tp x pp are `TrainableRole.optimizer_step`'s, as at pp = 1. Every
+  objective here implements `stage_inputs` / `stage_loss` (SFT, the pairwise losses and the reward
+  model of `preference`, KTO, the PRM); one without them stops at start-up. A reward model's stage is
+  `scalar_head_from_pretrained`'s (the head on the last stage). A loss that needs a whole-batch
+  quantity of the model's own scores first (KTO's z0) computes it in `stage_prepare` with
+  `forward_scores` (the forward-only schedule), which held-out scoring (RM, PRM) also uses at every
+  pp. Statistics come from the last stage, broadcast over pp. A frozen reference stays at pp = 1 and
+  scores on every rank the batch its pp group holds.
 - Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position and the
   progress counters are checkpoint state; the learning rate is a function of the step
   (`megalign.trainers.optim.lr_at`).
@@ -41,7 +45,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Literal, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -118,6 +122,10 @@ class SupervisedConfig(RunConfig):
 
 
 E = TypeVar("E")
+ScoreHead = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+"""(trunk output [b, T, H], that micro-batch's rows) -> per-row scores [b, ...] (`SupervisedTrainer.forward_scores`)."""
+ForwardScores = Callable[..., torch.Tensor]
+"""`SupervisedTrainer.forward_scores(input_ids, attention_mask, head, rows, shape)` -> [B, *shape]."""
 
 
 class Objective(Generic[E]):
@@ -179,10 +187,15 @@ class Objective(Generic[E]):
                    layout: ParallelLayout) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Pipelined objectives: (the *summed* loss (0-dim) of one micro-batch on the last stage, its statistics as
         {name: (total, count)} like `MetricSums.add_means` takes), from `hidden` (the last stage's trunk output
-        [b, T, H]; the head is `model.lm_head`) and the micro-batch's rows of `stage_inputs`' tensors. The
+        [b, T, H]; the head is `model.lm_head`, a reward model's `model.head`) and the micro-batch's rows of `stage_inputs`' tensors. The
         pipeline divides each loss by the global `count`, so the sum over micro-batches and dp ranks is `loss`'s
         global value; a micro-batch holds `B / microbatches` consecutive rows of `stage_inputs`."""
         raise NotImplementedError
+
+    def stage_prepare(self, model: CausalLM, batch, layout: ParallelLayout, forward_scores: "ForwardScores") -> None:
+        """Pipelined objectives whose micro-batch loss needs a quantity of the whole batch first (KTO's z0 over
+        every mismatched pair): compute it with `forward_scores` (`SupervisedTrainer.forward_scores`: no gradient,
+        on every rank) and keep it on `batch` for `stage_inputs`; called before `stage_inputs`. Default: nothing."""
 
     def pipelined(self) -> bool:
         """Whether the objective implements `stage_inputs` / `stage_loss` (required at model.pp > 1)."""
@@ -327,7 +340,7 @@ class SupervisedTrainer(Trainer):
         """Start-up checks of model.pp > 1, naming the settings: the objective and model kind pipeline, the layers
         split evenly over the stages, and each dp rank's batch splits into the pipeline's micro-batches."""
         pp, micro = cfg.model.pp, cfg.model.n_microbatches
-        if kind != "causal_lm" or not self.objective.pipelined():
+        if not self.objective.pipelined():
             raise ValueError(f"model.pp={pp}: the {name} objective has no pipelined loss ({kind} model); use model.pp=1")
         if micro < pp:
             raise ValueError(f"model.microbatches={micro} must be >= model.pp={pp} (1F1B fills every stage first)")
@@ -422,6 +435,7 @@ class SupervisedTrainer(Trainer):
         The statistics go to `stats` on every pp rank (summed per micro-batch once, `MicroBatchSums`, then
         broadcast from the last stage: one host sync per step)."""
         model, layout = self.policy.model, self.layout
+        self.objective.stage_prepare(model, batch, layout, self.forward_scores)
         input_ids, attention_mask, rows = self.objective.stage_inputs(batch)
         sums = MicroBatchSums(self.cfg.model.n_microbatches, len(input_ids), layout.device)
 
@@ -437,6 +451,33 @@ class SupervisedTrainer(Trainer):
         dist.broadcast_object_list(box, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
         stats.add_means(box[0])
         return loss
+
+    @torch.no_grad()
+    def forward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, head: ScoreHead,
+                       rows: Optional[dict[str, torch.Tensor]] = None, shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """[B, *shape] fp32 per-row scores of the trained model, without gradient, on every rank, at any pp.
+
+        `head(hidden [b, T, H], {name: that micro-batch's rows [b, ...] of rows}) -> [b, *shape]` runs on the
+        trunk's output: of the whole batch at pp = 1; at pp > 1 on the last stage, per micro-batch of the
+        forward-only schedule (`model.microbatches` of them; B is padded to a multiple with copies of its
+        last row, dropped after), and the result is broadcast over pp, so held-out batches of any size work.
+        """
+        model, layout, rows = self.policy.model, self.layout, rows or {}
+        with self.policy.precision.autocast(layout.device):
+            if self.pipeline is None:
+                return head(model.model(input_ids, attention_mask), rows).float()
+            b = input_ids.shape[0]
+            pad = -b % self.pipeline.n_microbatches
+            if pad:
+                take = torch.cat([torch.arange(b), torch.full((pad,), b - 1)]).to(input_ids.device)
+                input_ids, attention_mask = input_ids[take], attention_mask[take]
+                rows = {name: value[take] for name, value in rows.items()}
+            out = self.pipeline.score(input_ids, lambda hidden, mb: head(hidden, mb).float(),
+                                      attention_mask=attention_mask, batch=rows)
+        if out is None:
+            out = torch.empty((b + pad, *shape), dtype=torch.float32, device=layout.device)
+        dist.broadcast(out, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
+        return out[:b]
 
     def evaluate(self) -> Optional[float]:
         return self.objective.evaluate(self)
