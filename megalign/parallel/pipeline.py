@@ -35,6 +35,7 @@ Design choices:
 - Results. `train_step` returns the loss on every pp rank (one broadcast of a scalar, for logging).
   `score` returns its per-row outputs on the last stage only (None elsewhere): losses run on the last
   stage, so that is where scored log-probs / values are consumed; broadcasting `[B, T]` would be waste.
+  `score_broadcast` is for results every stage needs (rewards, held-out metrics), of batches of any size.
   A `score_fn` runs inside the last stage per micro-batch, so full `[B, T, V]` logits never coexist.
 - Inputs. Every rank of the pp group passes the same whole batch: the first stage reads `input_ids`,
   every stage `attention_mask` (each stage builds its attention mask and position ids from it), the
@@ -226,3 +227,28 @@ class Pipeline:
             kwargs["rows"] = rows
         out = ScheduleGPipe(self._stage(module), self.n_microbatches).step(*args, **kwargs)
         return out if self.layout.is_last_stage else None
+
+    def score_broadcast(self, input_ids: torch.Tensor, score_fn: ScoreFn, shape: Sequence[int] = (), *,
+                        attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None) -> torch.Tensor:
+        """`score` of a batch of any size, its `[B, *shape]` fp32 result on every rank of the pp group.
+
+        For scores every stage consumes (a reward model's rewards, held-out metrics, a whole-batch statistic a
+        1F1B loss needs first): B is padded to a multiple of `n_microbatches` with copies of its last row
+        (dropped after), `score_fn` returns `[b, *shape]` per micro-batch, and the last stage's result is
+        broadcast over pp (one message of the result's size).
+        """
+        batch = batch or {}
+        b = input_ids.shape[0]
+        pad = -b % self.n_microbatches
+        if pad:
+            take = torch.cat([torch.arange(b), torch.full((pad,), b - 1)]).to(input_ids.device)
+            input_ids = input_ids[take]
+            attention_mask = None if attention_mask is None else attention_mask[take]
+            batch = {name: value[take] for name, value in batch.items()}
+        out = self.score(input_ids, lambda output, mb: score_fn(output, mb).float(), attention_mask=attention_mask,
+                         batch=batch)
+        if out is None:
+            out = torch.empty((b + pad, *shape), dtype=torch.float32, device=self.layout.device)
+        if self.layout.pp > 1:
+            dist.broadcast(out, src=self.layout.stage_rank(self.layout.pp - 1), group=self.layout.pp_group)
+        return out[:b]

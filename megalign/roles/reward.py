@@ -3,8 +3,10 @@
 Verifiers and user functions run on the host on decoded text, each sample isolated by `SafeReward`
 (a raising function scores 0 and is counted). Reward models are roles of their own (one per entry of
 `reward.models`, plus the single `reward.model` of older configs, named "reward_model"), each on its
-own layout (tp) and dtype with its own offload switch and weight, and each logged as its own term
-(`reward/<name>/mean`):
+own layout (tp x pp) and dtype with its own offload switch and weight, and each logged as its own term
+(`reward/<name>/mean`). At pp > 1 a reward model is this rank's pipeline stage and scores by the
+forward-only schedule in `REWARD_MICROBATCHES_PER_STAGE` x pp micro-batches (`Pipeline.score_broadcast`:
+any batch size; the scores reach every rank of its pp group, which holds one batch):
 
 - `kind: outcome`: an HF sequence-classification checkpoint loaded as `RewardModel`
   (`models.from_pretrained(kind="reward")`); it reads the last real token of prompt + response and its
@@ -32,7 +34,7 @@ import torch
 from megalign.algos.reward_shaping import STEP_SCORES, gated_reward, place_step_scores, prm_inputs, step_ends
 from megalign.config import option
 from megalign.models import CausalLM
-from megalign.parallel import ParallelLayout
+from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import RewardTerm, build_reward
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
@@ -41,6 +43,9 @@ GATED_TERMS = ("gated", "gated_safety_branch")
 """Term names of the gated reward (module doc); no reward model may take them."""
 RESERVED_NAMES = ("actor", "critic", "reference", "reward", *GATED_TERMS)
 """Role and term names a reward model's `name` may not take."""
+REWARD_MICROBATCHES_PER_STAGE = 2
+"""Micro-batches per pipeline stage when a reward model at pp > 1 scores (the rollout engine's default too):
+the forward-only schedule's bubble is (pp - 1) / (m + pp - 1) of its time, a third at pp = 2."""
 
 
 @dataclasses.dataclass
@@ -178,6 +183,16 @@ class ModelReward(Role):
     def parts(self):
         return {"weights": module_slots(self.model)}
 
+    def trunk_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, head, rows: dict[str, torch.Tensor],
+                     shape: Sequence[int] = ()) -> torch.Tensor:
+        """[N, *shape] fp32 of `head(trunk output [n, T, H], those rows of `rows`) -> [n, *shape]` on the device: the
+        whole batch at pp = 1, at pp > 1 the last stage's micro-batches (module doc), on every rank of the pp group."""
+        layout = self.layout
+        if layout.pp == 1:
+            return head(self.model.model(input_ids, attention_mask), rows).float()
+        return Pipeline(self.model.model, layout, REWARD_MICROBATCHES_PER_STAGE * layout.pp).score_broadcast(
+            input_ids, head, shape, attention_mask=attention_mask, batch=rows)
+
 
 class OutcomeReward(ModelReward):
     """An outcome reward model: one linear score per response."""
@@ -186,7 +201,9 @@ class OutcomeReward(ModelReward):
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[N] fp32 (host) scores of prompt + response `sequences` / `attention_mask` [N, P + R]."""
         device = self.layout.device
-        return self.model(sequences.to(device), attention_mask.to(device)).float().cpu()
+        mask = attention_mask.to(device)
+        return self.trunk_scores(sequences.to(device), mask, lambda hidden, rows: self.model.head(hidden, rows["mask"]),
+                                 {"mask": mask}).cpu()
 
 
 class ProcessReward(ModelReward):
@@ -213,8 +230,16 @@ class ProcessReward(ModelReward):
             return torch.zeros(ends.shape), ends
         ids, mask, where = prm_inputs(sequences, attention_mask, response_width, ends, eos_step, self.separator_ids)
         device = self.layout.device
-        probs = step_probs(self.model, ids.to(device), mask.to(device), where.to(device), self.token_ids).cpu()
-        return place_step_scores(probs, ends, self.step_score), ends
+
+        def head(hidden: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+            out = hidden.new_zeros(rows["where"].shape, dtype=torch.float32)  # [n, T]: p(correct) at the step ends
+            logits = hidden_step_logits(self.model, hidden, rows["where"], self.token_ids).float()
+            out[rows["where"]] = torch.softmax(logits, -1)[:, 1]
+            return out
+
+        where = where.to(device)
+        probs = self.trunk_scores(ids.to(device), mask.to(device), head, {"where": where}, where.shape[1:])[where]
+        return place_step_scores(probs.cpu(), ends, self.step_score), ends
 
 
 class Reward:

@@ -49,8 +49,8 @@ Design choices:
   role with more dp replicas than the actor (a pp = 1 critic beside a pp = 2 actor) trains each copy on
   the same batch and divides the summed gradient by the copies (`batch_copies`). Micro-batches are
   `algo.micro_batch_size` rows at every pp (`<role>.microbatches` must stay 0), and pipelined forwards
-  run on padded rows (`rollout.pack` applies to the pp = 1 roles; a warning names the others). Reward
-  models are pp = 1 only.
+  run on padded rows (`rollout.pack` applies to the pp = 1 roles; a warning names the others). A reward
+  model at pp > 1 scores its pp group's batch by the forward-only schedule (`megalign.roles.reward`).
 - Placement: every role lives on every rank; before each phase every role is told which of its parts
   the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
   and phase is logged as `memory/<phase>/<role>_mib`.
@@ -348,12 +348,11 @@ class OnlineTrainer(Trainer):
         return stage_from_pretrained(path, layout, **kwargs)
 
     def reward_model(self, key: str, cfg: RewardModelConfig, longest: int, what: str):
-        """The reward-model role of config `key` on its own layout and dtype, checked against the run."""
-        if cfg.pp > 1:
-            raise ValueError(f"{key}.pp={cfg.pp}: reward models score at pp=1 (beside an actor at any pp); set {key}.pp=1")
+        """The reward-model role of config `key` on its own layout (its pipeline stage at pp > 1) and dtype, checked
+        against the run."""
         layout = self.role_layout(key, cfg)
         if cfg.kind == "outcome":
-            model = from_pretrained(cfg.path, kind="reward", layout=layout, dtype=DTYPES[cfg.dtype])
+            model = self.load_role_model(key, cfg, layout, kind="reward", dtype=DTYPES[cfg.dtype])
             self.check_model(model, f"{key}.path", cfg.path, longest, what)
             return OutcomeReward(cfg, model, layout)
         info = load_prm_info(cfg.path)
@@ -368,7 +367,7 @@ class OnlineTrainer(Trainer):
         separator = self.tokenizer.encode(info["separator"])
         if not separator:
             raise ValueError(f"{key}.path={cfg.path!r}: its step separator {info['separator']!r} encodes to no token")
-        model = from_pretrained(cfg.path, layout=layout, dtype=DTYPES[cfg.dtype])
+        model = self.load_role_model(key, cfg, layout, dtype=DTYPES[cfg.dtype])
         # a finished response's last step is read with the separator in place of its EOS (`prm_inputs`)
         self.check_model(model, f"{key}.path", cfg.path, longest + len(separator) - 1, what + " and the step separator")
         return ProcessReward(cfg, model, layout, (tokens["negative"], tokens["positive"]), separator,

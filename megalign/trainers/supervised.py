@@ -459,25 +459,14 @@ class SupervisedTrainer(Trainer):
 
         `head(hidden [b, T, H], {name: that micro-batch's rows [b, ...] of rows}) -> [b, *shape]` runs on the
         trunk's output: of the whole batch at pp = 1; at pp > 1 on the last stage, per micro-batch of the
-        forward-only schedule (`model.microbatches` of them; B is padded to a multiple with copies of its
-        last row, dropped after), and the result is broadcast over pp, so held-out batches of any size work.
+        forward-only schedule (`Pipeline.score_broadcast` over `model.microbatches`: batches of any size, the
+        result on every rank).
         """
-        model, layout, rows = self.policy.model, self.layout, rows or {}
+        model, layout = self.policy.model, self.layout
         with self.policy.precision.autocast(layout.device):
             if self.pipeline is None:
-                return head(model.model(input_ids, attention_mask), rows).float()
-            b = input_ids.shape[0]
-            pad = -b % self.pipeline.n_microbatches
-            if pad:
-                take = torch.cat([torch.arange(b), torch.full((pad,), b - 1)]).to(input_ids.device)
-                input_ids, attention_mask = input_ids[take], attention_mask[take]
-                rows = {name: value[take] for name, value in rows.items()}
-            out = self.pipeline.score(input_ids, lambda hidden, mb: head(hidden, mb).float(),
-                                      attention_mask=attention_mask, batch=rows)
-        if out is None:
-            out = torch.empty((b + pad, *shape), dtype=torch.float32, device=layout.device)
-        dist.broadcast(out, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
-        return out[:b]
+                return head(model.model(input_ids, attention_mask), rows or {}).float()
+            return self.pipeline.score_broadcast(input_ids, head, shape, attention_mask=attention_mask, batch=rows)
 
     def evaluate(self) -> Optional[float]:
         return self.objective.evaluate(self)

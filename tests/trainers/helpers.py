@@ -104,3 +104,14 @@ def compare_runs(ref_dir, run_dir, pp, tp, layers, metrics, steps=2, role="model
         if copy is not None:  # tied: the last stage's LM-head copy stays equal to the embedding
             torch.testing.assert_close(gathered(copy, ref["model.embed.weight"]), ref["model.embed.weight"],
                                        rtol=1e-5, atol=1e-6)
+
+
+def prompt_response_batch(prompts, responses):
+    """Left-padded prompt + right-padded response ids [N, P + R] and attention, R = the longest response."""
+    p, r = max(map(len, prompts)), max(map(len, responses))
+    ids = torch.zeros(len(prompts), p + r, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for n, (a, b) in enumerate(zip(prompts, responses)):
+        ids[n, p - len(a):p], att[n, p - len(a):p] = torch.tensor(a), 1
+        ids[n, p:p + len(b)], att[n, p:p + len(b)] = torch.tensor(b), 1
+    return ids, att, r

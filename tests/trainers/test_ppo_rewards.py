@@ -11,7 +11,7 @@ import torch
 import transformers
 from parallel.dist_utils import RankFailure, run_distributed
 from trainers.grpo_helpers import HERE, tiny_policy, write_rows
-from trainers.helpers import metric_rows
+from trainers.helpers import metric_rows, prompt_response_batch
 from trainers.test_ppo_trainer import tiny_ppo_config
 
 from megalign.algos import IGNORE_INDEX
@@ -30,7 +30,7 @@ from megalign.trainers.ppo import train_ppo
 from megalign.trainers.prm import PRMConfig, train_prm
 
 TOK = CharTokenizer()
-CPU = SimpleNamespace(device=torch.device("cpu"))  # the roles read only the layout's device
+CPU = SimpleNamespace(device=torch.device("cpu"), pp=1)  # the roles read only the layout's device and pp
 
 
 def tiny_reward_model(path, seed, stats=None):
@@ -50,17 +50,6 @@ def models(tmp_path_factory):
                (("a", 1, (0.2, 0.5)), ("b", 2, (-0.1, 2.0)), ("s", 3, None), ("h", 4, None))}}
 
 
-def _batch(prompts, responses):
-    """Left-padded prompt + right-padded response ids [N, P + R] and attention, R = the longest response."""
-    p, r = max(map(len, prompts)), max(map(len, responses))
-    ids = torch.zeros(len(prompts), p + r, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for n, (a, b) in enumerate(zip(prompts, responses)):
-        ids[n, p - len(a):p], att[n, p - len(a):p] = torch.tensor(a), 1
-        ids[n, p:p + len(b)], att[n, p:p + len(b)] = torch.tensor(b), 1
-    return ids, att, r
-
-
 def test_each_reward_model_is_a_term_and_the_gate_picks_per_row(models):
     cfg = load_config(RewardConfig, None, [
         f"terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]",
@@ -72,7 +61,7 @@ def test_each_reward_model_is_a_term_and_the_gate_picks_per_row(models):
     reward = Reward(cfg, roles)
     prompts = [TOK.encode(t, add_bos=True) for t in ("1+1=", "2+3=", "4+4=", "9-1=")]
     texts = ["2", "5a", "x", "8"]
-    ids, att, _ = _batch(prompts, [TOK.encode(t) + [TOK.eos_id] for t in texts])
+    ids, att, _ = prompt_response_batch(prompts, [TOK.encode(t) + [TOK.eos_id] for t in texts])
     metadata = [{"is_safety": v} for v in (True, False, False, False)]
     # the threshold between the non-safety rows' 2nd and 3rd safety probabilities, so both branches are taken
     p = torch.sigmoid(roles[2].score(ids, att)[1:]).sort().values
@@ -118,7 +107,7 @@ def test_process_reward_places_the_prm_step_probs_at_step_ends(models):
     solutions = [["2*3=6", "1+6=7", "\\boxed{7}"], ["4-1=3", "\\boxed{3}"]]
     # finished (EOS after the last step) and truncated (the last step cut short: not scored)
     responses = [TOK.encode("\n".join(solutions[0])) + [TOK.eos_id], TOK.encode("4-1=3\n\\box")]
-    ids, att, width = _batch(prompts, responses)
+    ids, att, width = prompt_response_batch(prompts, responses)
     rewards, ends = prm.score(ids, att, width)
     # the reference: the PRM trainer's own encoding of the same steps (each step + "\n", right-padded)
     scored = [solutions[0], solutions[1][:1]]
