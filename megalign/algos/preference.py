@@ -62,23 +62,25 @@ class PreferenceStats(NamedTuple):
     log_odds: Optional[torch.Tensor] = None
     """ORPO: log odds(y_w) - log odds(y_l)."""
 
-    def metrics(self) -> dict[str, MetricSum]:
-        """TRL's DPOTrainer / ORPOTrainer metric names, each as a MetricSum over the pairs."""
+    def metrics(self, where: Optional[torch.Tensor] = None) -> dict[str, MetricSum]:
+        """TRL's DPOTrainer / ORPOTrainer metric names, each as a MetricSum over the pairs (those where the bool
+        mask `where` [B] is True, when given: online DPO's tied pairs in a fixed-shape pipeline batch count not)."""
         out = {
-            "rewards/chosen": metric_sum(self.chosen_rewards),
-            "rewards/rejected": metric_sum(self.rejected_rewards),
-            "rewards/accuracies": metric_sum((self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype)),
-            "rewards/margins": metric_sum(self.chosen_rewards - self.rejected_rewards),
+            "rewards/chosen": metric_sum(self.chosen_rewards, where),
+            "rewards/rejected": metric_sum(self.rejected_rewards, where),
+            "rewards/accuracies": metric_sum((self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype),
+                                             where),
+            "rewards/margins": metric_sum(self.chosen_rewards - self.rejected_rewards, where),
         }
         if self.chosen_logps is not None:
-            out["logps/chosen"] = metric_sum(self.chosen_logps)
+            out["logps/chosen"] = metric_sum(self.chosen_logps, where)
         if self.rejected_logps is not None:
-            out["logps/rejected"] = metric_sum(self.rejected_logps)
+            out["logps/rejected"] = metric_sum(self.rejected_logps, where)
         if self.nll is not None:
-            out["nll_loss"] = metric_sum(self.nll)
+            out["nll_loss"] = metric_sum(self.nll, where)
         if self.log_odds is not None:
-            out["log_odds_ratio"] = metric_sum(F.logsigmoid(self.log_odds))
-            out["log_odds_chosen"] = metric_sum(self.log_odds)
+            out["log_odds_ratio"] = metric_sum(F.logsigmoid(self.log_odds), where)
+            out["log_odds_chosen"] = metric_sum(self.log_odds, where)
         return out
 
 

@@ -389,21 +389,25 @@ class OnlineTrainer(Trainer):
         put each of its replicas inside one actor replica); `TrainableRole` divides its summed gradient by it."""
         return layout.dp // self.layout.dp
 
-    def check_pipeline_batch(self, key: str, layout: ParallelLayout, trained: bool) -> None:
+    def check_pipeline_batch(self, key: str, layout: ParallelLayout, trained: bool, per_prompt: Optional[int] = None,
+                             unit: str = "responses") -> None:
         """Start-up check of role `key` at pp > 1, naming the settings: each rank's responses (a fixed number when
-        every step keeps all its groups) split into pipeline micro-batches of `algo.micro_batch_size` rows, at least
+        every step keeps all its groups; `per_prompt` units of `unit` a prompt in place of the group's responses,
+        e.g. online DPO's one pair) split into pipeline micro-batches of `algo.micro_batch_size` units, at least
         pp of them per scoring forward and, for a `trained` role, per mini-batch."""
         cfg, algo = self.cfg, self.cfg.algo
-        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // self.layout.dp
+        per_prompt = cfg.rollout.group_size if per_prompt is None else per_prompt
+        rows = cfg.rollout.prompts_per_step * per_prompt // self.layout.dp
         mini = algo.mini_batches if trained else 1
         if layout.pp == 1 or (rows % mini == 0 and (rows // mini) % algo.micro_batch_size == 0
                               and rows // mini // algo.micro_batch_size >= layout.pp):
             return
         what = f"algo.mini_batches={mini} mini-batches of " if trained else ""
-        raise ValueError(f"{key}.pp={layout.pp}: each rank's {rows} responses (rollout.prompts_per_step="
-                         f"{cfg.rollout.prompts_per_step} x rollout.group_size={cfg.rollout.group_size} / dp="
-                         f"{self.layout.dp}) must split into {what}at least pp={layout.pp} micro-batches of "
-                         f"algo.micro_batch_size={algo.micro_batch_size} rows")
+        times = f"rollout.group_size={cfg.rollout.group_size}" if unit == "responses" else f"{per_prompt}"
+        raise ValueError(f"{key}.pp={layout.pp}: each rank's {rows} {unit} (rollout.prompts_per_step="
+                         f"{cfg.rollout.prompts_per_step} x {times} / dp={self.layout.dp}) must split into "
+                         f"{what}at least pp={layout.pp} micro-batches of algo.micro_batch_size={algo.micro_batch_size} "
+                         f"{'rows' if unit == 'responses' else unit}")
 
     # ----- phases
 
@@ -508,7 +512,9 @@ class OnlineTrainer(Trainer):
 
     def train_role(self, role: TrainableRole, lr: float, batch: RolloutBatch, names: tuple[str, ...],
                    micro_loss: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]],
-                   sums: MetricSums, prefix: str, units: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                   sums: MetricSums, prefix: str, units: Optional[torch.Tensor] = None,
+                   unit_inputs: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
+                   ) -> list[torch.Tensor]:
         """`algo.ppo_epochs` x `algo.mini_batches` optimizer updates of `role` on this rank's batch.
 
         `micro_loss(rows)` gives the per-token loss [b, R] of a micro-batch and the sums named `names`
@@ -521,7 +527,10 @@ class OnlineTrainer(Trainer):
 
         `units` [n, T]: what the loss is aggregated over when it is not one row per response, in place of
         `batch.response_mask`; `micro_loss` then takes rows of `units`. Online DPO passes [pairs, 1] ones
-        (one loss per pair, `loss_agg` token-mean: the mean over the global pairs).
+        (one loss per pair, `loss_agg` token-mean: the mean over the global pairs). `unit_inputs(units rows)` ->
+        (sequences, attention mask) [k b, T] are the pipeline's inputs for b units at pp > 1 (default: the batch's
+        rows), k consecutive rows a unit: online DPO's interleaved chosen / rejected pair; `micro_loss` then gets
+        the hidden states of those k b rows.
         """
         algo, dp = self.cfg.algo, self.layout.dp_group
         set_lr(role.optimizer, lr)
@@ -544,7 +553,8 @@ class OnlineTrainer(Trainer):
                 normalizer = loss_normalizer(mask[rows], algo.loss_agg, dp)
                 mini_loss = torch.zeros((), device=self.layout.device)
                 if role.layout.pp > 1:
-                    mini_loss, stats = self._pipeline_update(role, batch, rows, normalizer, share_of, len(names))
+                    mini_loss, stats = self._pipeline_update(role, batch, rows, normalizer, share_of, len(names),
+                                                             unit_inputs)
                     local += stats
                 for micro in (torch.split(rows, algo.micro_batch_size) if role.layout.pp == 1 else ()):
                     if micro.numel() == 0:
@@ -566,7 +576,8 @@ class OnlineTrainer(Trainer):
         return norms
 
     def _pipeline_update(self, role: TrainableRole, batch: RolloutBatch, rows: torch.Tensor, normalizer: torch.Tensor,
-                         share_of: Callable, n_stats: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         share_of: Callable, n_stats: int, unit_inputs: Optional[Callable] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """One 1F1B forward + backward of mini-batch `rows` through `role`'s pipeline stages (pp > 1): micro-batches
         of `algo.micro_batch_size` rows, the trunk pipelined and `share_of(micro rows, normalizer, hidden)` (the
         algorithm's `micro_loss` on the last stage's hidden states, aggregated over the mini-batch's global
@@ -579,17 +590,20 @@ class OnlineTrainer(Trainer):
             raise ValueError(f"{role.name} at pp={layout.pp}: a mini-batch of {len(rows)} responses must split into at "
                              f"least pp micro-batches of algo.micro_batch_size={size} (rollout.prompts_per_step x "
                              f"group_size / dp / algo.mini_batches)")
-        sums = MicroBatchSums(len(rows) // size, len(rows), layout.device)
+        sequences, attention_mask = ((batch.sequences[rows], batch.attention_mask[rows]) if unit_inputs is None
+                                     else unit_inputs(rows))
+        span = len(sequences) // len(rows)  # input rows a unit
+        sums = MicroBatchSums(len(rows) // size, len(sequences), layout.device)
 
         def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            share, stats = share_of(mb["rows"], normalizer, hidden)
+            share, stats = share_of(mb["rows"][::span], normalizer, hidden)
             sums.put("stats", mb["slot"], stats)
             return share
 
         with role.precision.autocast(layout.device):
             loss = Pipeline(role.model.model, layout, len(rows) // size).train_step(
-                batch.sequences[rows], loss_fn, 1.0, attention_mask=batch.attention_mask[rows],
-                batch={"rows": rows, "slot": sums.slots})
+                sequences, loss_fn, 1.0, attention_mask=attention_mask,
+                batch={"rows": rows.repeat_interleave(span), "slot": sums.slots})
         return loss, sums.sums().get("stats", torch.zeros(n_stats, dtype=torch.float64, device=layout.device))
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:

@@ -31,6 +31,13 @@ Design choices:
   aggregation): the loss is the sum of the per-pair losses over micro-batches and dp ranks divided by
   the global number of pairs, so dp = 2 equals dp = 1 on the same global batch. TRL averages per
   device batch instead.
+- Pipeline stages (`actor.pp > 1`, `reference.pp > 1`): a 1F1B micro-batch holds whole pairs (the
+  chosen and rejected rows interleaved, `train_role`'s `unit_inputs`), and the loss runs on the last
+  stage's hidden states (`hidden_sequence_logps`). The pipeline's micro-batches have one shape, so at
+  actor.pp > 1 every prompt keeps its pair, a tied one with weight 0 (no loss, no gradient, not in the
+  metrics; its compute is the price of the fixed shape): each rank's prompts must split into
+  `algo.mini_batches` x at least pp micro-batches of `algo.micro_batch_size` pairs (checked at
+  start-up). The reference at pp > 1 scores the pairs by the forward-only schedule.
 - `rollout.old_logprobs` is unused: the loss has no importance ratio, only the reference.
 - A step in which no rank has a pair (every prompt tied) skips its update (warned, counted as
   `empty_updates`): an optimizer step on zero gradients would still move AdamW's weights.
@@ -53,11 +60,12 @@ import torch
 from megalign.algos import DPO_LOSSES, dpo_loss
 from megalign.config import option
 from megalign.data import IGNORE_INDEX
+from megalign.parallel import Pipeline
 from megalign.trainers.base import TrainResult
 from megalign.trainers.grpo import all_reduce_count
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, RolloutConfig
 from megalign.trainers.optim import lr_at
-from megalign.trainers.preference import PairBatch, sequence_logps
+from megalign.trainers.preference import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
 
 
 @dataclasses.dataclass
@@ -99,12 +107,14 @@ class OnlineDPOConfig(OnlineConfig):
     algo: OnlineDPOAlgoConfig = option(OnlineDPOAlgoConfig(), doc="objective")
 
 
-def preference_pairs(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def preference_pairs(rewards: torch.Tensor, group_size: int,
+                     keep_tied: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen rows [K], rejected rows [K], tied [U] bool) of N = U x G rewards in groups of G adjacent rows.
 
     The chosen row of a group is its highest reward, the rejected row its lowest (the first among
     equals); a group whose highest and lowest rewards are equal is tied and gives no pair, so K = U -
-    tied.sum(). Rows index the batch (0..N-1).
+    tied.sum(), unless `keep_tied` (K = U; a tied group's pair is its first row twice). Rows index the
+    batch (0..N-1).
     """
     if rewards.dim() != 1 or rewards.numel() % group_size or group_size < 2:
         raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size} >= 2, "
@@ -112,7 +122,8 @@ def preference_pairs(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tens
     groups = rewards.view(-1, group_size)
     base = torch.arange(groups.shape[0], device=rewards.device) * group_size
     tied = groups.amax(-1) == groups.amin(-1)
-    return (base + groups.argmax(-1))[~tied], (base + groups.argmin(-1))[~tied], tied
+    keep = torch.ones_like(tied) if keep_tied else ~tied
+    return (base + groups.argmax(-1))[keep], (base + groups.argmin(-1))[keep], tied
 
 
 def pair_batch(batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor, response_len: int) -> PairBatch:
@@ -140,38 +151,62 @@ class OnlineDPOTrainer(OnlineTrainer):
         return True  # every DPO_LOSSES entry is against the reference
 
     def __init__(self, cfg: OnlineDPOConfig):
-        if cfg.actor.pp > 1 or cfg.reference.pp > 1:
-            raise ValueError(f"online DPO runs at actor.pp=1 and reference.pp=1 (got {cfg.actor.pp} and "
-                             f"{cfg.reference.pp}): its pair log-probs have no pipelined path yet")
         super().__init__(cfg)
+        self.check_pipeline_batch("actor", self.layout, trained=True, per_prompt=1, unit="pairs")
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         if self.cfg.algo.missing_eos_penalty is not None:
             batch.rewards = batch.rewards - self.cfg.algo.missing_eos_penalty * (~batch.finished).to(batch.rewards.dtype)
 
     def pair_logps(self, role, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-        """[b, 2] summed (chosen, rejected) log-probs of the pairs under `role` (actor or reference), as `sequence_logps`."""
+        """[b, 2] summed (chosen, rejected) log-probs of the pairs under `role` (actor or reference), as `sequence_logps`;
+        at `role.layout.pp > 1` by the forward-only schedule (no gradient), micro-batches of `algo.micro_batch_size`
+        pairs, the result on every rank of its pp group."""
+        pairs = pair_batch(batch, chosen, rejected, self.cfg.rollout.max_response_length)
         with role.precision.autocast(self.layout.device):
-            logps = sequence_logps(role.model, pair_batch(batch, chosen, rejected, self.cfg.rollout.max_response_length),
-                                   role.layout)
-        return logps.view(2, -1).t()
+            if role.layout.pp == 1:
+                return sequence_logps(role.model, pairs, role.layout).view(2, -1).t()
+            order = interleaved_pairs(chosen.numel(), pairs.input_ids.device)
+            micro = max(role.layout.pp, -(-chosen.numel() // self.cfg.algo.micro_batch_size))
+            logps = Pipeline(role.model.model, role.layout, micro).score_broadcast(
+                pairs.input_ids[order], lambda hidden, rows: hidden_sequence_logps(role.model, hidden, rows["targets"],
+                                                                                   role.layout),
+                attention_mask=pairs.attention_mask[order], batch={"targets": pairs.targets[order]})
+        return logps.view(-1, 2)
+
+    def pipeline_pairs(self, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor):
+        """`train_role`'s `unit_inputs` at actor.pp > 1: the (input ids, attention mask) [2b, P + R - 1] of pairs
+        [b], chosen and rejected rows interleaved (module doc)."""
+        def inputs(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = pair_batch(batch, chosen[pairs], rejected[pairs], self.cfg.rollout.max_response_length)
+            order = interleaved_pairs(pairs.numel(), pairs.device)
+            return rows.input_ids[order], rows.attention_mask[order]
+        return inputs
 
     TRL_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected")
     STATS = tuple(name.replace("/", "_") for name in TRL_NAMES) + ("pairs",)
     """The sums `train_role` keeps: each TRL metric's total over the pairs, and the pair count."""
 
-    def actor_loss(self, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor, ref: torch.Tensor):
-        """The micro-batch loss `train_role` runs over pair indices: per-pair DPO losses [b, 1] and the sums of `STATS`."""
-        algo = self.cfg.algo
+    def actor_loss(self, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor, ref: torch.Tensor,
+                   weights: torch.Tensor):
+        """The micro-batch loss `train_role` runs over pair indices: per-pair DPO losses [b, 1] and the sums of `STATS`
+        over the pairs of weight 1 (`weights` [K]: 0 for the tied pairs kept at actor.pp > 1). At pp > 1 it gets the
+        last stage's hidden states [2b, P + R - 1, H] of the interleaved pairs (`pipeline_pairs`)."""
+        algo, layout = self.cfg.algo, self.actor.layout
 
-        def loss(pairs):
-            logps = self.pair_logps(self.actor, batch, chosen[pairs], rejected[pairs])
+        def loss(pairs, hidden=None):
+            if hidden is None:
+                logps = self.pair_logps(self.actor, batch, chosen[pairs], rejected[pairs])
+            else:
+                rows = pair_batch(batch, chosen[pairs], rejected[pairs], self.cfg.rollout.max_response_length)
+                targets = rows.targets[interleaved_pairs(pairs.numel(), pairs.device)]
+                logps = hidden_sequence_logps(self.actor.model, hidden, targets, layout).view(-1, 2)
             losses, stats = dpo_loss(logps[:, 0], logps[:, 1], ref[pairs, 0], ref[pairs, 1], loss_type=algo.loss,
                                      beta=algo.beta, label_smoothing=algo.label_smoothing, nll_coef=algo.nll_coef,
                                      chosen_lengths=batch.lengths[chosen[pairs]],
                                      rejected_lengths=batch.lengths[rejected[pairs]])
-            values = stats.metrics()
+            values = stats.metrics(weights[pairs] > 0)
             return losses[:, None], [values[k].total for k in self.TRL_NAMES] + [values["rewards/chosen"].count]
         return loss
 
@@ -182,25 +217,28 @@ class OnlineDPOTrainer(OnlineTrainer):
         self.memory.clear()
         start = time.perf_counter()
         batch, generated, _ = self.collect()
-        chosen, rejected, tied = preference_pairs(batch.rewards, cfg.rollout.group_size)
+        pipelined = self.layout.pp > 1
+        chosen, rejected, tied = preference_pairs(batch.rewards, cfg.rollout.group_size, keep_tied=pipelined)
+        weights = (~tied).float() if pipelined else torch.ones(chosen.numel(), device=self.layout.device)
         with self.phase("reference", reference=("weights",)), torch.no_grad():
-            mb = algo.micro_batch_size
+            mb = algo.micro_batch_size if self.reference.layout.pp == 1 else max(chosen.numel(), 1)
             ref = torch.cat([self.pair_logps(self.reference, batch, chosen[s:s + mb], rejected[s:s + mb])
                              for s in range(0, chosen.numel(), mb)] or [torch.zeros(0, 2, device=self.layout.device)])
         lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
         sums = self.rollout_sums(generated)
         sums.add("tied", tied.sum())
         sums.add("score_margin", (batch.rewards[chosen] - batch.rewards[rejected]).double().sum())
-        if all_reduce_count(chosen.numel(), self.layout) == 0:
+        if all_reduce_count(int((~tied).sum()), self.layout) == 0:
             self.skip_update("empty_updates", "every prompt's responses have equal rewards on every rank: no pair")
             for name in ("loss",) + self.STATS:
                 sums.add(f"actor/{name}", 0.0)
             norms = [torch.zeros(())]
         else:
             with self.phase("update", actor=("weights", "optimizer")):
-                units = torch.ones(chosen.numel(), 1, device=self.layout.device)
-                norms = self.train_role(self.actor, lr, batch, self.STATS, self.actor_loss(batch, chosen, rejected, ref),
-                                        sums, "actor", units=units)
+                norms = self.train_role(self.actor, lr, batch, self.STATS,
+                                        self.actor_loss(batch, chosen, rejected, ref, weights), sums, "actor",
+                                        units=weights[:, None],
+                                        unit_inputs=self.pipeline_pairs(batch, chosen, rejected) if pipelined else None)
         total = sums.reduce(dp, self.layout.device)
         pairs = max(total["actor/pairs"], 1.0)  # over every update's pass
         trained = total["actor/pairs"] / algo.ppo_epochs

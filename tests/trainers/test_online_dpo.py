@@ -8,6 +8,7 @@ log pi_ref(y_l)) (Rafailov et al. 2023, eq. 7), the log-probs summed over the re
 different from the actor so that h != 0.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -65,8 +66,13 @@ def test_config_errors_name_the_setting(policy, tmp_path):
         _config(policy, tmp_path, "algo.loss=ipo", "algo.label_smoothing=0.1")
     with pytest.raises(ValueError, match="missing_eos_penalty"):
         _config(policy, tmp_path, "algo.missing_eos_penalty=-1")
-    with pytest.raises(ValueError, match="actor.pp=1 and reference.pp=1"):  # before any model is built
-        OnlineDPOTrainer(_config(policy, tmp_path, "actor.pp=2"))
+    run_distributed(_pipeline_split_error, policy, str(tmp_path / "pp2"), world_size=2)
+
+
+def _pipeline_split_error(policy, run_dir):
+    with pytest.raises(ValueError, match=r"actor.pp=2: each rank's 3 pairs \(rollout.prompts_per_step=3 x 1 / dp=1\) "
+                                         r"must split into algo.mini_batches=1 mini-batches of at least pp=2"):
+        OnlineDPOTrainer(_config(policy, run_dir, "actor.pp=2", "rollout.prompts_per_step=3", "algo.micro_batch_size=2"))
 
 
 def _one_step(policy, reference, run_dir, out):
@@ -142,9 +148,11 @@ def test_one_step_loss_and_gradient_equal_the_dpo_formula_on_transformers(policy
                                rtol=1e-4, atol=1e-6)
 
 
-def _fixed_batch_step(policy, run_dir, batch_file, out):
-    """One step on this rank's share of a saved global batch (8 prompts x G=2); rank 0 saves grads and metrics."""
-    trainer = OnlineDPOTrainer(_config(policy, run_dir, "rollout.prompts_per_step=8", "algo.micro_batch_size=1"))
+def _fixed_batch_step(policy, run_dir, batch_file, out, *overrides):
+    """One step on this rank's share of a saved global batch (8 prompts x G=2); every rank saves its metrics and its
+    grads under whole-model names (a pipeline stage's layers at their global index) to `out`.<rank>."""
+    trainer = OnlineDPOTrainer(_config(policy, run_dir, "rollout.prompts_per_step=8", "algo.micro_batch_size=1",
+                                       *overrides))
     full = torch.load(batch_file, weights_only=False)
     per_rank = len(full) // trainer.layout.dp
     mine = full.select(slice(trainer.layout.dp_rank * per_rank, (trainer.layout.dp_rank + 1) * per_rank))
@@ -153,13 +161,14 @@ def _fixed_batch_step(policy, run_dir, batch_file, out):
     step = trainer.actor.optimizer.step
 
     def recording_step(*args, **kwargs):
-        seen["grads"] = {n: p.grad.clone() for n, p in trainer.actor.model.named_parameters()}
+        first = trainer.actor.model.model.layer_range[0]
+        seen["grads"] = {re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) + first}.", n): p.grad.clone()
+                         for n, p in trainer.actor.model.named_parameters()}
         return step(*args, **kwargs)
 
     trainer.actor.optimizer.step = recording_step
     metrics = trainer.train_step()
-    if trainer.rank == 0:
-        torch.save({"metrics": metrics, "grads": seen["grads"]}, out)
+    torch.save({"metrics": metrics, "grads": seen["grads"]}, f"{out}.{trainer.rank}")
 
 
 def _global_batch(policy, run_dir, out):
@@ -175,12 +184,39 @@ def test_two_ranks_equal_one_on_the_same_global_batch(policy, tmp_path):
     assert (~tied[:4]).any() and (~tied[4:]).any(), batch.rewards  # both ranks' halves hold a pair
     run_distributed(_fixed_batch_step, policy, str(tmp_path / "dp1"), batch_file, str(tmp_path / "dp1.pt"), world_size=1)
     run_distributed(_fixed_batch_step, policy, str(tmp_path / "dp2"), batch_file, str(tmp_path / "dp2.pt"), world_size=2)
-    one, two = torch.load(str(tmp_path / "dp1.pt")), torch.load(str(tmp_path / "dp2.pt"))
-    for name in ("actor/loss", "actor/grad_norm", "rewards/margins", "logps/chosen", "pairs/trained", "pairs/tied",
-                 "objective/scores_margin", "reward/mean"):
-        assert one["metrics"][name] == pytest.approx(two["metrics"][name], rel=1e-5, abs=1e-7), name
+    one, two = torch.load(str(tmp_path / "dp1.pt.0")), torch.load(str(tmp_path / "dp2.pt.0"))
+    _same_step(one, two)
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-5, atol=1e-7)
+
+
+def _same_step(one, two):
+    for name in ("actor/loss", "actor/grad_norm", "rewards/chosen", "rewards/margins", "rewards/accuracies",
+                 "logps/chosen", "logps/rejected", "pairs/trained", "pairs/tied", "objective/scores_margin",
+                 "reward/mean"):
+        assert one["metrics"][name] == pytest.approx(two["metrics"][name], rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize("reference_pp", [1, 2])
+def test_pp2_equals_pp1_on_the_same_batch(policy, tmp_path, reference_pp):
+    """actor.pp=2 keeps the tied prompts' pairs at weight 0 (fixed micro-batch shapes): the same loss, metrics and
+    gradients as pp=1, which drops them, on a batch that has ties; the reference on the actor's layout or at pp=1."""
+    batch_file = str(tmp_path / "batch.pt")
+    run_distributed(_global_batch, policy, str(tmp_path / "sample"), batch_file, world_size=1)
+    tied = preference_pairs(torch.load(batch_file, weights_only=False).rewards, 2)[2]
+    assert tied.any() and (~tied).any(), tied
+    run_distributed(_fixed_batch_step, policy, str(tmp_path / "pp1"), batch_file, str(tmp_path / "pp1.pt"),
+                    world_size=1)
+    run_distributed(_fixed_batch_step, policy, str(tmp_path / "pp2"), batch_file, str(tmp_path / "pp2.pt"),
+                    "actor.pp=2", f"reference.pp={reference_pp}", world_size=2)
+    one = torch.load(str(tmp_path / "pp1.pt.0"))
+    stages = [torch.load(str(tmp_path / f"pp2.pt.{rank}")) for rank in (0, 1)]
+    _same_step(one, stages[0])
+    _same_step(one, stages[1])
+    got = {**stages[0]["grads"], **stages[1]["grads"]}
+    assert sorted(got) == sorted(one["grads"])
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def _train(policy, run_dir, *overrides):
