@@ -39,8 +39,9 @@ Design choices:
   A `score_fn` runs inside the last stage per micro-batch, so full `[B, T, V]` logits never coexist.
 - Inputs. Every rank of the pp group passes the same whole batch: the first stage reads `input_ids`,
   every stage `attention_mask` (each stage builds its attention mask and position ids from it), the
-  last stage `batch`. Padded batches only (no packed `cu_seqlens`, no KV cache); B must divide evenly
-  into micro-batches because a stage's receive buffers have one shape.
+  last stage `batch`. B must divide evenly into micro-batches because a stage's receive buffers have
+  one shape; no KV cache. Packed rows go through as one pack a micro-batch (`cu_seqlens` in place of
+  `attention_mask`, every pack padded to one length L: `megalign.roles.packing.pipeline_packs`).
 - Data parallelism composes from outside: after `train_step`, `allreduce_gradients(stage.parameters(),
   layout.dp_group)` then `clip_grad_norm_(stage, max_norm, layout)` as for an unpipelined model.
 """
@@ -107,8 +108,20 @@ class _ScoredStage(nn.Module):
         self.score_fn = score_fn
         self.batch = batch
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
-        return self.score_fn(self.model(x, attention_mask=attention_mask), _select_rows(self.batch, rows))
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, **kwargs):
+        return self.score_fn(self.model(x, **kwargs), _select_rows(self.batch, rows))
+
+
+class _PackedStage(nn.Module):
+    """A stage model run on one pack a micro-batch: `cu_seqlens` arrives as that micro-batch's `[1, D + 1]` row of
+    the `[n_microbatches, D + 1]` boundaries (torch's schedule splits kwargs on dim 0) and is passed on as `[D + 1]`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor):
+        return self.model(x, cu_seqlens=cu_seqlens[0])
 
 
 class MicroBatchSums:
@@ -158,9 +171,17 @@ class Pipeline:
         return PipelineStage(module, layout.pp_rank, layout.pp, layout.device, group=layout.pp_group)
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                batch: Batch) -> tuple[tuple, dict, torch.Tensor]:
+                batch: Batch, cu_seqlens: Optional[torch.Tensor] = None) -> tuple[tuple, dict, torch.Tensor]:
         """Check shapes; return this stage's whole-batch (args, kwargs) for `schedule.step` (input_ids
         only on the first stage) and the row indices `arange(B)`."""
+        if cu_seqlens is not None:
+            if attention_mask is not None or input_ids.shape[0] != self.n_microbatches \
+                    or cu_seqlens.shape[0] != self.n_microbatches:
+                raise ValueError(f"pipeline: packed micro-batches take one pack each ([{self.n_microbatches}, L] "
+                                 f"input_ids and [{self.n_microbatches}, D + 1] cu_seqlens) and no attention_mask; got "
+                                 f"{tuple(input_ids.shape)} and {tuple(cu_seqlens.shape)}")
+            args, _, rows = self._inputs(input_ids, None, batch)
+            return args, {"cu_seqlens": cu_seqlens}, rows
         if input_ids.dim() != 2:
             raise ValueError(f"pipeline: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b = input_ids.shape[0]
@@ -174,7 +195,8 @@ class Pipeline:
         return args, kwargs, torch.arange(b, device=input_ids.device)
 
     def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, normalizer: Union[float, torch.Tensor], *,
-                   attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None) -> torch.Tensor:
+                   attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None,
+                   cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One 1F1B forward + backward over the micro-batches; gradients accumulate into `.grad`.
 
         Args:
@@ -184,14 +206,17 @@ class Pipeline:
             normalizer: the global denominator, e.g. the number of valid tokens in the whole batch.
             attention_mask: `[B, T]`, 1 for real tokens.
             batch: per-row tensors the loss needs, each with B rows (split into micro-batches for loss_fn).
+            cu_seqlens: packed micro-batches (`megalign.roles.packing.pipeline_packs`): input_ids `[n, L]` holds one
+                pack of documents a micro-batch (n = n_microbatches), `cu_seqlens` `[n, D + 1]` their boundaries
+                (a pack with fewer documents repeats L at the end); no attention_mask.
 
         Returns:
             The loss `sum over micro-batches of loss_fn / normalizer` (a detached fp32 scalar) on every pp rank.
         """
         batch = batch or {}
-        args, kwargs, rows = self._inputs(input_ids, attention_mask, batch)
+        args, kwargs, rows = self._inputs(input_ids, attention_mask, batch, cu_seqlens)
         schedule = Schedule1F1B(
-            self._stage(self.model), self.n_microbatches,
+            self._stage(self.model if cu_seqlens is None else _PackedStage(self.model)), self.n_microbatches,
             loss_fn=lambda output, mb_rows: loss_fn(output, _select_rows(batch, mb_rows)) / normalizer,
             scale_grads=False,
         )
@@ -208,11 +233,12 @@ class Pipeline:
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, score_fn: Optional[ScoreFn] = None, *,
-              attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None) -> Optional[torch.Tensor]:
+              attention_mask: Optional[torch.Tensor] = None, batch: Optional[Batch] = None,
+              cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Forward only, micro-batch by micro-batch, without autograd.
 
         Args:
-            input_ids, attention_mask, batch: as in `train_step`.
+            input_ids, attention_mask, batch, cu_seqlens: as in `train_step`.
             score_fn: `(output_mb, batch_mb) -> [b, ...]` applied on the last stage to each micro-batch
                 (e.g. per-token log-probs of the labels); None keeps the model output (logits, values).
 
@@ -220,10 +246,10 @@ class Pipeline:
             On the last stage, the per-micro-batch results concatenated in row order `[B, ...]`; None elsewhere.
         """
         batch = batch or {}
-        args, kwargs, rows = self._inputs(input_ids, attention_mask, batch)
-        module = self.model
+        args, kwargs, rows = self._inputs(input_ids, attention_mask, batch, cu_seqlens)
+        module = self.model if cu_seqlens is None else _PackedStage(self.model)
         if self.layout.is_last_stage and score_fn is not None:
-            module = _ScoredStage(self.model, score_fn, batch)
+            module = _ScoredStage(module, score_fn, batch)
             kwargs["rows"] = rows
         out = ScheduleGPipe(self._stage(module), self.n_microbatches).step(*args, **kwargs)
         return out if self.layout.is_last_stage else None

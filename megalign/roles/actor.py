@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megalign.models import CausalLM
 from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline, all_finite, allreduce_gradients, clip_grad_norm_
 from megalign.roles.base import ModelRole, optimizer_slots
-from megalign.roles.packing import response_hidden, response_positions, scatter_response
+from megalign.roles.packing import PipelinePacks, pipeline_packs, response_hidden, response_positions, scatter_response
 from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, pipeline_rollout, rollout
 
 
@@ -80,8 +80,8 @@ def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.
 class PolicyRole(ModelRole):
     """A causal LM role that scores responses (the reference, and the base of the actor).
 
-    `pack` / `pack_tokens` / `pack_max_fill`: its response forwards run on packed rows (`megalign.roles.packing`;
-    pp = 1 only).
+    `pack` / `pack_tokens` / `pack_max_fill`: its response forwards run on packed rows (`megalign.roles.packing`; at
+    pp > 1 one pack a pipeline micro-batch, `pipeline_packs`).
     """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
@@ -106,8 +106,9 @@ class PolicyRole(ModelRole):
         """[B, R] fp32 no-grad scores of the responses on a pipeline stage (`layout.pp > 1`; module doc).
 
         The forward-only schedule over micro-batches of `micro_batch_size` rows (B must be a multiple of it, in at
-        least pp micro-batches); on the last stage `head(hidden [b, R, H], that micro-batch's rows of batch)` -> [b, R]
-        runs on the states predicting each response token; the result is broadcast from the last stage to every rank
+        least pp micro-batches), or, when the role packs (`pipeline_packs`), of one pack each (laid back into its
+        rows); on the last stage `head(hidden [b, R, H], that micro-batch's rows of batch)` -> [b, R] runs on the
+        states predicting each response token; the result is broadcast from the last stage to every rank
         of the pp group. Positions without a real predicted token are 0, as at pp = 1 (`response_positions`).
         `pipeline_logprobs` and the critic's `pipeline_values` are this with their heads.
         """
@@ -117,16 +118,36 @@ class PolicyRole(ModelRole):
             raise ValueError(f"{self.name} at pp={layout.pp}: {b} rows must split into at least pp micro-batches of "
                              f"micro_batch_size={micro_batch_size}")
 
+        batch = batch or {}
+        packs = self.pipeline_packs(sequences, attention_mask)
+
         def score(hidden: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+            if packs is not None:  # one pack: back to its rows' padded layout, and those rows of `batch`
+                pack = int(rows["pack"][0])
+                hidden = packs.unpack(pack, hidden)
+                rows = {name: value[packs.rows[pack]] for name, value in batch.items()}
             return head(hidden[:, -response_len - 1:-1], rows).float()
 
         with self.precision.autocast(layout.device):
-            out = Pipeline(self.model.model, layout, b // micro_batch_size).score(
-                sequences, score, attention_mask=attention_mask, batch=batch or {})
+            if packs is None:
+                out = Pipeline(self.model.model, layout, b // micro_batch_size).score(
+                    sequences, score, attention_mask=attention_mask, batch=batch)
+            else:
+                n = len(packs.rows)
+                out = Pipeline(self.model.model, layout, n).score(
+                    packs.input_ids, score, cu_seqlens=packs.cu_seqlens,
+                    batch={"pack": torch.arange(n, device=sequences.device)})
         if out is None:
             out = torch.empty(b, response_len, dtype=torch.float32, device=layout.device)
         dist.broadcast(out, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
         return out.masked_fill_(~response_positions(attention_mask, response_len), 0.0)
+
+    def pipeline_packs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> Optional[PipelinePacks]:
+        """The rows as pipeline packs (`megalign.roles.packing.pipeline_packs`, at least pp of them) when this role
+        packs and their real tokens fill at most `pack_max_fill` of the padded rows, else None (padded)."""
+        if not self.pack or float(attention_mask.sum()) > self.pack_max_fill * attention_mask.numel():
+            return None
+        return pipeline_packs(sequences, attention_mask, self.pack_tokens, self.layout.pp)
 
     def pipeline_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                           temperature: float, micro_batch_size: int) -> torch.Tensor:

@@ -17,11 +17,16 @@ outputs back (other positions get 0, which callers mask out).
   a pack costs total^2, so rows go into packs of at most `pack_tokens` tokens (default: one padded
   row, P + R), one trunk forward per pack; flash-attn's variable-length kernel costs the sum of
   the documents' squares whatever the pack, and there a large `pack_tokens` (one pack) is best.
-  Packing needs each row's real tokens to be one contiguous run (checked) and a pp = 1 model: the
-  pipeline schedule (`megalign.parallel.pipeline`) takes padded micro-batches only.
+  Packing needs each row's real tokens to be one contiguous run (checked).
+- Packed on a pipeline (pp > 1, `pipeline_packs`): the same packs, each one micro-batch of the pipeline
+  schedule, padded to one length L (a stage's receive buffers have one shape) with the padding as a
+  last document; at least pp packs (empty ones added), and on the last stage `PipelinePacks.unpack`
+  lays a pack's outputs back into its rows' padded `[k, P + R, H]` layout (0 at padding), so the
+  losses and heads written for padded rows run unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +51,13 @@ def response_positions(attention_mask: torch.Tensor, response_len: int) -> torch
     i.e. the positions a head scores; every other position of a [B, R] result is 0."""
     real = attention_mask.bool()
     return real[:, -response_len:] & real[:, -response_len - 1:-1]
+
+
+def _check_runs(real: torch.Tensor) -> None:
+    runs = (real & ~torch.nn.functional.pad(real, (1, 0))[:, :-1]).sum(1)
+    if bool((runs > 1).any()):
+        raise ValueError("packing needs each row's real tokens to be one run (left-padded prompt, right-padded "
+                         "response); attention_mask has rows with gaps")
 
 
 def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -74,10 +86,7 @@ def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch
     if not pack or float(real.sum()) > pack_max_fill * real.numel():
         hidden = trunk(sequences, attention_mask)
         return hidden[:, -response_len - 1:-1][rows, cols], rows, cols
-    runs = (real & ~torch.nn.functional.pad(real, (1, 0))[:, :-1]).sum(1)
-    if bool((runs > 1).any()):
-        raise ValueError("packing needs each row's real tokens to be one run (left-padded prompt, right-padded "
-                         "response); attention_mask has rows with gaps")
+    _check_runs(real)
     lengths = real.sum(1)
     starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))  # [B + 1] each row's offset in the pack
     first = real.int().argmax(1)  # the row's first real column
@@ -91,6 +100,58 @@ def response_hidden(trunk: Trunk, sequences: torch.Tensor, attention_mask: torch
     return hidden[source], rows, cols
 
 
+@dataclasses.dataclass
+class PipelinePacks:
+    """A `[B, W]` batch's rows as n pipeline micro-batches of one pack each (module doc; `pipeline_packs`)."""
+
+    input_ids: torch.Tensor
+    """[n, L] each pack's rows' real tokens back to back, then padding."""
+    cu_seqlens: torch.Tensor
+    """[n, D + 1] document boundaries: one document a row, the padding as the last one, L repeated after it."""
+    rows: list[torch.Tensor]
+    """The batch rows of each pack (consecutive; empty for the packs added to reach the minimum count)."""
+    scatter: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """Per pack (row in the pack, column in the padded row, position in the pack) of each real token."""
+    width: int
+    """W, the padded rows' width."""
+
+    def unpack(self, pack: int, hidden: torch.Tensor) -> torch.Tensor:
+        """[k, W, H] padded-layout outputs of pack `pack`'s k rows from its `[1, L, H]` output (0 at padding;
+        differentiable in `hidden`)."""
+        row, col, src = self.scatter[pack]
+        out = hidden.new_zeros(len(self.rows[pack]), self.width, hidden.shape[-1])
+        return out.index_put((row, col), hidden[0, src])
+
+
+def pipeline_packs(sequences: torch.Tensor, attention_mask: torch.Tensor, pack_tokens: Optional[int],
+                   min_packs: int) -> PipelinePacks:
+    """The rows of `sequences` / `attention_mask` [B, W] (each row's real tokens one run) packed greedily in order
+    into packs of at most `pack_tokens` tokens (None: W; a longer row alone), all padded to the longest allowed
+    pack L, at least `min_packs` of them (module doc)."""
+    b, width = sequences.shape
+    real = attention_mask.bool()
+    _check_runs(real)
+    lengths = real.sum(1)
+    limit = max(pack_tokens or width, int(lengths.max()) if b else 1)
+    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    first = real.int().argmax(1)
+    ids = sequences[real]
+    ranges = _packs(lengths.tolist(), limit) if b else []
+    ranges += [(b, b)] * (min_packs - len(ranges))
+    docs = max(e - s for s, e in ranges) + 1  # rows of the fullest pack, and its padding document
+    input_ids = sequences.new_zeros(len(ranges), limit)
+    cu_seqlens = torch.full((len(ranges), docs + 1), limit, dtype=torch.long, device=sequences.device)
+    rows, scatter = [], []
+    for i, (s, e) in enumerate(ranges):
+        bounds = starts[s:e + 1] - starts[s]
+        input_ids[i, :bounds[-1]] = ids[starts[s]:starts[e]]
+        cu_seqlens[i, :e - s + 1] = bounds
+        row, col = real[s:e].nonzero(as_tuple=True)
+        rows.append(torch.arange(s, e, device=sequences.device))
+        scatter.append((row, col, bounds[row] + col - first[s:e][row]))
+    return PipelinePacks(input_ids, cu_seqlens, rows, scatter, width)
+
+
 def scatter_response(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, batch: int,
                      response_len: int) -> torch.Tensor:
     """[N] per-token values at (rows, cols) -> [B, R], 0 elsewhere (differentiable in `values`)."""
@@ -98,4 +159,4 @@ def scatter_response(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
     return out.index_put((rows, cols), values)
 
 
-__all__ = ["response_hidden", "response_positions", "scatter_response"]
+__all__ = ["PipelinePacks", "pipeline_packs", "response_hidden", "response_positions", "scatter_response"]

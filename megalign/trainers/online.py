@@ -25,9 +25,9 @@ Design choices:
 - Shapes are fixed per run: prompts are left-padded to the longest prompt of the dataset and
   responses right-padded to `max_response_length`, so rounds of sampling concatenate without
   re-padding. The scoring and training forwards of the roles then pack each row's real tokens
-  (`rollout.pack`, `megalign.roles.packing`; pp = 1; only forwards whose rows' real tokens fill at most
-  `rollout.pack_max_fill` of the padded rows), so long-tail lengths cost what they hold;
-  with `rollout.pack=false` they run on the padded rows. At start-up the longest prompt plus the response
+  (`rollout.pack`, `megalign.roles.packing`; at pp > 1 one pack a pipeline micro-batch; only forwards
+  whose rows' real tokens fill at most `rollout.pack_max_fill` of the padded rows), so long-tail
+  lengths cost what they hold; with `rollout.pack=false` they run on the padded rows. At start-up the longest prompt plus the response
   length is checked against every model's `max_position_embeddings`.
 - Data parallelism: each dp rank samples its own prompts (`PromptSampler` with the dp rank) and keeps
   its own groups. Sampling rounds are agreed over all ranks (one all-reduce per round) so sampler
@@ -48,8 +48,8 @@ Design choices:
   through 1F1B (`train_role`: `micro_loss(rows, hidden)` gets the last stage's hidden states); a trained
   role with more dp replicas than the actor (a pp = 1 critic beside a pp = 2 actor) trains each copy on
   the same batch and divides the summed gradient by the copies (`batch_copies`). Micro-batches are
-  `algo.micro_batch_size` rows at every pp (`<role>.microbatches` must stay 0), and pipelined forwards
-  run on padded rows (`rollout.pack` applies to the pp = 1 roles; a warning names the others). A reward
+  `algo.micro_batch_size` rows at every pp (`<role>.microbatches` must stay 0); with `rollout.pack` a
+  pipelined forward takes one pack a micro-batch instead (`megalign.roles.packing.pipeline_packs`). A reward
   model at pp > 1 scores its pp group's batch by the forward-only schedule (`megalign.roles.reward`).
 - Placement: every role lives on every rank; before each phase every role is told which of its parts
   the phase needs (`Role.need`), and roles offload the rest when their switch is on. Memory per role
@@ -133,7 +133,8 @@ class RolloutConfig:
     engine: EngineConfig = option(EngineConfig(), doc="how the rollout engine batches (max_batch, sync_every, static, "
                                                       "cuda_graphs); it never changes the samples")
     pack: bool = option(True, doc="scoring and training forwards (actor, reference, critic) run on the rows' real tokens "
-                                  "packed (cu_seqlens) instead of padded rows; the same log-probs and values (pp = 1 only)")
+                                  "packed (cu_seqlens) instead of padded rows; the same log-probs and values (at pp > 1: one pack a pipeline "
+                                  "micro-batch)")
     pack_tokens: Optional[int] = option(None, doc="tokens per packed forward at most (null: one padded row, longest "
                                                   "prompt + max_response_length; larger pays off with flash-attn)")
     pack_max_fill: float = option(0.5, doc="pack a forward's rows only when their real tokens fill at most this fraction "
@@ -375,14 +376,9 @@ class OnlineTrainer(Trainer):
 
     def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
         """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
-        `pack_max_fill`; off at pp > 1, where the pipeline schedule takes padded micro-batches only (warned once
-        per role when `rollout.pack` is on)."""
+        `pack_max_fill` (at pp > 1: one pack a pipeline micro-batch, `pipeline_packs`)."""
         rollout = self.cfg.rollout
-        pack = rollout.pack and layout.pp == 1
-        if rollout.pack and not pack:
-            logger.warning("rollout.pack=true: %s.pp=%d runs its forwards on padded rows (the pipeline schedule takes "
-                           "padded micro-batches only); roles at pp=1 pack", key, layout.pp)
-        return {"pack": pack, "pack_tokens": rollout.pack_tokens, "pack_max_fill": rollout.pack_max_fill}
+        return {"pack": rollout.pack, "pack_tokens": rollout.pack_tokens, "pack_max_fill": rollout.pack_max_fill}
 
     def batch_copies(self, layout: ParallelLayout) -> int:
         """How many dp replicas of a role on `layout` hold the same batch: its dp over the actor's (`check_same_batch`
@@ -592,6 +588,9 @@ class OnlineTrainer(Trainer):
                              f"group_size / dp / algo.mini_batches)")
         sequences, attention_mask = ((batch.sequences[rows], batch.attention_mask[rows]) if unit_inputs is None
                                      else unit_inputs(rows))
+        packs = role.pipeline_packs(sequences, attention_mask) if unit_inputs is None else None
+        if packs is not None:
+            return self._packed_pipeline_update(role, rows, packs, normalizer, share_of, n_stats)
         span = len(sequences) // len(rows)  # input rows a unit
         sums = MicroBatchSums(len(rows) // size, len(sequences), layout.device)
 
@@ -604,6 +603,29 @@ class OnlineTrainer(Trainer):
             loss = Pipeline(role.model.model, layout, len(rows) // size).train_step(
                 sequences, loss_fn, 1.0, attention_mask=attention_mask,
                 batch={"rows": rows.repeat_interleave(span), "slot": sums.slots})
+        return loss, sums.sums().get("stats", torch.zeros(n_stats, dtype=torch.float64, device=layout.device))
+
+    def _packed_pipeline_update(self, role: TrainableRole, rows: torch.Tensor, packs, normalizer: torch.Tensor,
+                                share_of: Callable, n_stats: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_pipeline_update` with one pack of the mini-batch's rows a micro-batch (`PolicyRole.pipeline_packs`):
+        on the last stage each pack's output goes back to its rows' padded layout (`PipelinePacks.unpack`) and
+        `share_of` runs on those rows as on a padded micro-batch; a pack added to reach pp micro-batches holds no
+        row and adds 0 (times its output, so its backward runs)."""
+        layout, n = role.layout, len(packs.rows)
+        sums = MicroBatchSums(n, n, layout.device)
+
+        def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            pack = int(mb["pack"][0])
+            if not len(packs.rows[pack]):
+                return hidden.sum() * 0.0
+            share, stats = share_of(rows[packs.rows[pack]], normalizer, packs.unpack(pack, hidden))
+            sums.put("stats", mb["slot"], stats)
+            return share
+
+        with role.precision.autocast(layout.device):
+            loss = Pipeline(role.model.model, layout, n).train_step(
+                packs.input_ids, loss_fn, 1.0, cu_seqlens=packs.cu_seqlens,
+                batch={"pack": torch.arange(n, device=layout.device), "slot": sums.slots})
         return loss, sums.sums().get("stats", torch.zeros(n_stats, dtype=torch.float64, device=layout.device))
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from trainers.grpo_helpers import tiny_policy
 from megalign.models import from_pretrained, scalar_head_from_pretrained
 from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
 from megalign.roles import head_logprobs, response_logprobs, response_values
-from megalign.roles.packing import _packs, response_hidden
+from megalign.roles.packing import _packs, pipeline_packs, response_hidden
 
 VOCAB = 37  # odd: at tp = 2 the head has a padding row
 PROMPT, RESPONSE = 6, 7
@@ -261,3 +261,30 @@ def test_trainer_steps_match_packed_and_padded(tmp_path):
             rows[pack] = {k: v for k, v in row.items() if k.startswith(("actor/", "critic/", "reward/"))}
         assert rows["true"].keys() == rows["false"].keys() and "actor/grad_norm" in rows["true"]
         assert rows["true"] == pytest.approx(rows["false"], rel=1e-4, abs=1e-6), algo
+
+
+@pytest.mark.parametrize("pack_tokens, min_packs", [(None, 2), (8, 7), (4, 1)])
+def test_pipeline_packs_unpack_to_the_padded_forward(policy, pack_tokens, min_packs):
+    """`pipeline_packs` (one pack a pipeline micro-batch, all padded to one length) and `PipelinePacks.unpack`: the
+    trunk run on each pack with its boundaries, laid back into the rows, equals the padded forward at every real
+    token (0 at padding), with the gradient to the padded forward's; a row longer than pack_tokens goes alone (the
+    packs' length is then that row's), and packs are added (empty) up to `min_packs`."""
+    model = from_pretrained(policy)
+    ids, mask = _rows()
+    packs = pipeline_packs(ids, mask, pack_tokens, min_packs)
+    width = max(pack_tokens or ids.shape[1], int(mask.sum(1).max()))  # 13 at pack_tokens 4: the longest row
+    filled = len(_packs(mask.sum(1).tolist(), width))
+    assert packs.input_ids.shape == (max(min_packs, filled), width)
+    assert torch.cat(packs.rows).tolist() == list(range(5))
+    assert all(r.numel() for r in packs.rows[:filled]) and not any(r.numel() for r in packs.rows[filled:])
+    padded = model.model(ids, mask)
+    outputs = [model.model(packs.input_ids[i:i + 1], cu_seqlens=packs.cu_seqlens[i]) for i in range(len(packs.rows))]
+    unpacked = torch.cat([packs.unpack(i, out) for i, out in enumerate(outputs)])
+    real = mask.bool()
+    torch.testing.assert_close(unpacked[real], padded[real], rtol=1e-5, atol=1e-5)
+    assert unpacked[~real].abs().max() == 0
+    weights = torch.randn(padded.shape)
+    weight = model.model.layers[0].attn.q_proj.weight
+    got = torch.autograd.grad((unpacked * weights)[real].sum(), weight)[0]
+    want = torch.autograd.grad((padded * weights)[real].sum(), weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

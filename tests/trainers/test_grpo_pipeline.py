@@ -62,6 +62,16 @@ def test_pp2_step_equals_unpipelined(policy, tmp_path, reference_pp):
     compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, GRPO_METRICS, role="actor")
 
 
+def test_pp2_packed_step_equals_unpipelined(policy, tmp_path):
+    """rollout.pack at pp=2 (one pack a pipeline micro-batch, `pipeline_packs`, every forward packed:
+    pack_max_fill=1) equals the packed pp=1 step: the rollout's scores and the 1F1B update run on the same packs."""
+    overrides = ("algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute", "save_every=1",
+                 "export_hf=false", "rollout.pack=true", "rollout.pack_max_fill=1.0")
+    run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
+    run_distributed(_train, policy, str(tmp_path / "pp2"), "actor.pp=2", "reference.pp=2", *overrides, world_size=2)
+    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, GRPO_METRICS, role="actor")
+
+
 @pytest.mark.slow
 def test_tp2_pp2_step_equals_unpipelined(policy, tmp_path):
     """4 processes on 2 cores: actor and reference at tp=2 x pp=2 (dp=1)."""
