@@ -1,4 +1,5 @@
-"""Shared pieces of the GRPO tests: a tiny random policy in HF format, test reward functions, a config."""
+"""Shared pieces of the GRPO tests (and the other online trainers'): a tiny random policy in HF format, test reward
+functions, a config, recorded global batches replayed at any dp."""
 import json
 import os
 
@@ -86,3 +87,24 @@ def constant_one(prompt, response, answer, metadata):
 def always_raises(prompt, response, answer, metadata):
     """A verifier broken for every sample (e.g. a renamed metadata field)."""
     raise KeyError("expected_answer")
+
+
+def record_batches(trainer, steps, batch_file):
+    """Save `steps` global batches sampled and scored by `trainer` (one rank, so each is the whole global batch)."""
+    torch.save([trainer.collect()[0] for _ in range(steps)], batch_file)
+
+
+def train_replayed(trainer_cls, cfg, batch_file):
+    """Train a `trainer_cls` on `cfg` whose step s trains recorded global batch s (`record_batches`) in place of
+    sampling: dp rank r takes rows [r N/dp, (r+1) N/dp) (whole groups). Sampled live, each dp rank would draw its
+    own responses from its own generator, so only replayed batches let runs at different dp see the same ones."""
+
+    class Replayed(trainer_cls):
+        def collect(self):
+            batch = torch.load(batch_file, weights_only=False)[self.progress["step"]]
+            per_rank = len(batch) // self.layout.dp
+            mine = batch.select(slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank))
+            return mine, mine, {"rounds": 1, "dropped_groups": 0,
+                                "kept_groups": per_rank // self.cfg.rollout.group_size}
+
+    return Replayed(cfg).train()

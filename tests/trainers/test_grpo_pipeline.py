@@ -6,7 +6,7 @@ resumed at pp = 2, step 3 equals the uninterrupted run's."""
 import pytest
 import torch
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import tiny_config, tiny_policy
+from trainers.grpo_helpers import record_batches, tiny_config, tiny_policy, train_replayed
 from trainers.helpers import compare_runs, metric_rows, whole_model
 
 from megalign.models import from_pretrained, stage_from_pretrained
@@ -85,30 +85,14 @@ def test_tp2_pp2_step_equals_unpipelined(policy, tmp_path):
     compare_runs(tmp_path / "ref", tmp_path / "tp2pp2", 2, 2, LAYERS, GRPO_METRICS, role="actor")
 
 
-class ReplayGRPO(GRPOTrainer):
-    """GRPO whose step s trains recorded global batch s (`_record_then_replay`); dp rank r takes rows
-    [r N/dp, (r+1) N/dp) (whole groups), so the responses are the same at every dp (sampled live, each dp
-    rank draws its own from its own generator)."""
-
-    batch_file = None
-
-    def collect(self):
-        batch = torch.load(self.batch_file, weights_only=False)[self.progress["step"]]
-        per_rank = len(batch) // self.layout.dp
-        mine = batch.select(slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank))
-        return mine, mine, {"rounds": 1, "dropped_groups": 0, "kept_groups": per_rank // self.cfg.rollout.group_size}
-
-
 def _record_then_replay(policy, run_dir, batch_file, *overrides):
     """One rank: sample and score 2 steps' global batches with the real trainer, save them, then train on them."""
-    recorder = GRPOTrainer(tiny_config(policy, f"{run_dir}_record", *overrides))
-    torch.save([recorder.collect()[0] for _ in range(2)], batch_file)
+    record_batches(GRPOTrainer(tiny_config(policy, f"{run_dir}_record", *overrides)), 2, batch_file)
     _replay(policy, run_dir, batch_file, *overrides)
 
 
 def _replay(policy, run_dir, batch_file, *overrides):
-    ReplayGRPO.batch_file = batch_file
-    ReplayGRPO(tiny_config(policy, run_dir, *overrides)).train()
+    train_replayed(GRPOTrainer, tiny_config(policy, run_dir, *overrides), batch_file)
 
 
 def test_pp2_dp2_step_equals_unpipelined(policy, tmp_path):

@@ -1,8 +1,8 @@
 """PPO across data-parallel sizes, the four model roles offloaded and resumed, and the critic's vocabulary check.
 
 dp=2 equals dp=1 on the same global batch: the rollout is recorded once (one rank, the real sampler,
-rollout engine and reward) and replayed, each dp rank taking its contiguous half of the rows (whole
-groups), so what is compared is everything after sampling: reference and critic forwards, k1 KL in
+rollout engine and reward) and replayed (`train_replayed`), each dp rank taking its contiguous half of the
+rows (whole groups), so what is compared is everything after sampling: reference and critic forwards, k1 KL in
 the reward, GAE, advantage whitening over every dp rank, the critic's and the actor's updates with
 gradients summed over dp and globally normalised losses. Two PPO epochs of one mini-batch (each rank's
 mini-batch order is its own shuffle, so with one mini-batch per epoch the global mini-batches are the
@@ -16,24 +16,12 @@ import json
 import pytest
 import torch
 from parallel.dist_utils import RankFailure, run_distributed
-from trainers.grpo_helpers import tiny_policy
+from trainers.grpo_helpers import record_batches, tiny_policy, train_replayed
 from trainers.helpers import assert_rows_close, checkpoint_params, metric_rows
 from trainers.test_ppo_trainer import _train, tiny_ppo_config
 
 from megalign.models import RewardModel, from_pretrained
 from megalign.trainers.ppo import PPOTrainer, train_ppo
-
-
-class ReplayPPO(PPOTrainer):
-    """PPO whose rollout is a recorded global batch (module doc); rank r of dp trains rows [r N/dp, (r+1) N/dp)."""
-
-    batch_file = None
-
-    def collect(self):
-        batch = torch.load(self.batch_file, weights_only=False)
-        per_rank = len(batch) // self.layout.dp
-        mine = batch.select(slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank))
-        return mine, mine, {"rounds": 1, "dropped_groups": 0, "kept_groups": per_rank // self.cfg.rollout.group_size}
 
 
 COMMON = ("steps=1", "save_every=1", "export_hf=false", "algo.kl_coef=0.05", "algo.ppo_epochs=2", "algo.mini_batches=1",
@@ -42,14 +30,13 @@ COMMON = ("steps=1", "save_every=1", "export_hf=false", "algo.kl_coef=0.05", "al
 
 def _record_then_replay(policy, reference, run_dir, batch_file):
     """One rank: sample and score the global batch with the real trainer, save it, then train on it (the dp=1 run)."""
-    batch, _, _ = PPOTrainer(tiny_ppo_config(policy, f"{run_dir}_record", *COMMON, f"reference.path={reference}")).collect()
-    torch.save(batch, batch_file)
+    record_batches(PPOTrainer(tiny_ppo_config(policy, f"{run_dir}_record", *COMMON, f"reference.path={reference}")), 1,
+                   batch_file)
     _replay(policy, reference, run_dir, batch_file)
 
 
 def _replay(policy, reference, run_dir, batch_file):
-    ReplayPPO.batch_file = batch_file
-    ReplayPPO(tiny_ppo_config(policy, run_dir, *COMMON, f"reference.path={reference}")).train()
+    train_replayed(PPOTrainer, tiny_ppo_config(policy, run_dir, *COMMON, f"reference.path={reference}"), batch_file)
 
 
 @pytest.fixture(scope="module")
