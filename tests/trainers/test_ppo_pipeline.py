@@ -3,18 +3,21 @@ only), and one training step (rollout by `pipeline_rollout`, recomputed old log-
 values by the forward-only schedule, the critic's and the actor's updates by 1F1B) equals the unpipelined step on the
 same prompts: metrics, gradient norms, the updated weights of both roles, and the HF exports reloaded in transformers.
 Layouts: actor, reference and critic at pp = 2; the critic and the reference at pp = 1 beside a pp = 2 actor (the
-critic's two dp replicas train on the same batch); tp = 2 x pp = 2 on 4 processes (slow). A pp = 2 run stopped after
-step 1 and resumed at pp = 2 equals the uninterrupted run; unsupported settings stop at start-up naming the keys."""
+critic's two dp replicas train on the same batch); tp = 2 x pp = 2 on 4 processes (slow); pp = 2 x dp = 2 on 4
+processes, on global batches recorded once and replayed (each dp rank samples its own responses). A pp = 2 run
+stopped after step 1 and resumed at pp = 2 equals the uninterrupted run; unsupported settings stop at start-up naming
+the keys."""
 import pytest
 import torch
 import transformers
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import policy_and_rm
+from trainers.grpo_helpers import policy_and_rm, record_batches, train_replayed
 from trainers.helpers import compare_runs, metric_rows, whole_model
-from trainers.test_ppo_trainer import _train
+from trainers.test_ppo_trainer import _train, tiny_ppo_config
 
 from megalign.models import scalar_head_from_pretrained
 from megalign.parallel import ParallelLayout
+from megalign.trainers.ppo import PPOTrainer
 
 PPO_METRICS = ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "actor/entropy",
                "actor/approx_kl", "actor/token_kl", "actor/rollout_kl", "actor/kl_coef", "critic/loss",
@@ -101,6 +104,36 @@ def test_tp2_pp2_step_equals_unpipelined(models, unpipelined, tmp_path):
     # rounding of tp's other summation order, cf. test_ppo_parallel.py), and tp=2 x pp=2 is within 1.2e-6 of that
     compare_runs(unpipelined, run_dir, 2, 2, LAYERS, (), role="critic", atol=1e-4)
     _compare_exports(unpipelined, run_dir)
+
+
+# one mini-batch per epoch: each rank shuffles its own rows into mini-batches, so with more than one the global
+# mini-batches would hold other rows than dp=1's. Two epochs (the second's ratios differ from 1) of 2 micro-batches of
+# 4 rows per rank (16 responses per step, 8 per dp rank: the pp=2 pipeline's 2 micro-batches)
+REPLAYED = (*COMMON, "algo.mini_batches=1", "algo.ppo_epochs=2", "export_hf=false")
+
+
+def _record_then_replay(policy, run_dir, batch_file):
+    """One rank: sample and score 2 steps' global batches with the real trainer, save them, then train on them."""
+    record_batches(PPOTrainer(tiny_ppo_config(policy, f"{run_dir}_record", *REPLAYED)), 2, batch_file)
+    _replay(policy, run_dir, batch_file)
+
+
+def _replay(policy, run_dir, batch_file, *layout):
+    train_replayed(PPOTrainer, tiny_ppo_config(policy, run_dir, *REPLAYED, *layout), batch_file)
+
+
+def test_pp2_dp2_step_equals_unpipelined(models, tmp_path):
+    """4 processes on 2 cores: actor, reference and critic at pp=2 x dp=2, on the batches the one-process run trained
+    on: the advantages whitened over both dp ranks, both roles' losses normalised by the global counts and their
+    gradients summed over dp, the adaptive KL coefficient from the global KL."""
+    batch_file = str(tmp_path / "batches.pt")
+    run_distributed(_record_then_replay, models[0], str(tmp_path / "ref"), batch_file, world_size=1, timeout_s=300)
+    run_distributed(_replay, models[0], str(tmp_path / "pp2dp2"), batch_file, "actor.pp=2", "reference.pp=2",
+                    "critic.pp=2", world_size=4, timeout_s=600)
+    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, PPO_METRICS, role="actor")
+    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, (), role="critic")
+    rows = metric_rows(tmp_path / "ref")
+    assert len(rows) == 2 and rows[0]["critic/grad_norm"] > 0 and rows[1]["actor/kl_coef"] != 0.05
 
 
 def _straight_then_resumed(policy, root):
