@@ -2,10 +2,11 @@
 
 Design choices:
 - Every projection and the embedding are built by one `LayerFactory`. `LayerFactory` builds plain
-  `nn.Linear` / `nn.Embedding` (tensor-parallel size 1); a tensor-parallel factory returns
-  `VocabParallelEmbedding` / `ColumnParallelLinear` / `RowParallelLinear` instead and nothing else in
-  the model changes. Attention reads its per-rank head counts (`n_heads_local`, `n_kv_heads_local`)
-  from the factory's `tp_size`, so the model never assumes it holds all heads.
+  `nn.Linear` and `megalign.parallel.Embedding` (an `nn.Embedding` whose backward adds its rows into
+  the weight's `.grad`, `embedding_into_grad`) at tensor-parallel size 1; a tensor-parallel factory
+  returns `VocabParallelEmbedding` / `ColumnParallelLinear` / `RowParallelLinear` instead and nothing
+  else in the model changes. Attention reads its per-rank head counts (`n_heads_local`,
+  `n_kv_heads_local`) from the factory's `tp_size`, so the model never assumes it holds all heads.
 - Attention (`attention.causal_attention`) runs flash-attn 2 when it is installed and the inputs are
   fp16/bf16 on a GPU without a KV cache (padded and packed batches through its variable-length kernel,
   no mask), else `F.scaled_dot_product_attention` with `enable_gqa` and one boolean mask `[B, 1, T, S]`
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from megalign.parallel import Embedding
 
 from .attention import AttentionBatch, causal_attention
 from .config import ModelConfig, RopeScaling
@@ -53,7 +56,7 @@ class LayerFactory:
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         """Token embedding: `[B, T]` ids -> `[B, T, dim]`."""
-        return nn.Embedding(num_embeddings, dim)
+        return Embedding(num_embeddings, dim)
 
     def column_linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         """`[..., in]` -> `[..., out / tp_size]` (this rank's slice of the output features)."""

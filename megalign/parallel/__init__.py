@@ -20,6 +20,7 @@ from .data_parallel import (allreduce_embedding_gradients, allreduce_gradients, 
                             zero1_optimizer)
 from .layers import (
     ColumnParallelLinear,
+    Embedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     pad_vocab_size,
@@ -34,7 +35,8 @@ __all__ = [
     "ParallelLayout", "rank_coords", "group_ranks",
     "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
     "all_reduce", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first", "all_finite",
-    "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size", "tp_sharded_parameters",
+    "Embedding", "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size",
+    "tp_sharded_parameters",
     "vocab_parallel_token_logprob", "fused_linear_token_logprob",
     "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "allreduce_embedding_gradients",
     "pp_tied_parameters", "MixedPrecision",

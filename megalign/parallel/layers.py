@@ -3,6 +3,7 @@
 Each layer takes its tensor-parallel process group explicitly and holds only this rank's shard:
 
     layer                     weight shard                  forward
+    Embedding                 [vocab, dim] (tp = 1)         embed
     VocabParallelEmbedding    [padded_vocab / tp, dim]      mask ids outside the shard, embed, all-reduce
     ColumnParallelLinear      [out / tp, in]                copy_to_group, x @ W^T (+ b shard), gather?
     RowParallelLinear         [out, in / tp]                scatter?, x @ W^T, all-reduce, + b
@@ -16,6 +17,10 @@ Weights from a full, unsharded checkpoint go in through `from_full` / `load_full
 slice this rank's part; the HF state-dict adapters use them. Initialisation of a fresh layer draws
 each shard independently (normal, `init_std`), so it depends on tp; load a full weight when results
 must not depend on tp.
+
+Both embeddings look up through `embedding_into_grad`: their backward adds the looked-up rows' gradient
+into the weight's `.grad` (a tied LM head's gradient, an earlier micro-batch's) instead of building a
+second dense `[V, H]` gradient for autograd to sum (see that function).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .collectives import Group, copy_to_group, gather_from_group, group_size, reduce_from_group, scatter_to_group
 
@@ -70,6 +76,65 @@ def _shard(full: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def _check_full_shape(layer: str, name: str, full: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(full.shape) != expected:
         raise ValueError(f"{layer}: full {name} has shape {tuple(full.shape)}, expected {expected}")
+
+
+class _EmbeddingIntoGrad(torch.autograd.Function):
+    """`F.embedding` whose weight gradient is added into `.grad` by the backward itself (`embedding_into_grad`)."""
+
+    @staticmethod
+    def forward(ctx, ids, anchor, weight_holder):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight_holder[0]
+        return F.embedding(ids, anchor)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        if weight.grad is None:  # the first gradient this weight gets: what the dense backward builds
+            weight.grad = torch.zeros_like(weight)
+        # index_put_ rather than index_add_: its accumulate is sort-based (deterministic) on CUDA, as the dense
+        # embedding backward is; CUDA's index_add_ adds repeated ids with atomics
+        rows = grad_out.reshape(-1, weight.shape[1]).to(weight.grad.dtype)
+        weight.grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
+        return None, None, None
+
+
+def embedding_into_grad(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(ids, weight)`: ids `[*]` -> `[*, H]` rows of weight `[V, H]`; the backward adds the rows'
+    gradient straight into `weight.grad` (created as zeros when None) instead of handing autograd a `[V, H]`.
+
+    Why: the dense embedding backward builds a zero `[V, H]` gradient and adds the `[*, H]` output
+    gradient into the looked-up rows. With the weight tied to the LM head that is a second `[V, H]` beside
+    the head's, summed by autograd before `.grad` takes it (at Qwen2's V = 151936, H = 1024 fp32: 594 MiB
+    made and freed every backward); after an earlier micro-batch, it is summed into `.grad`. Here the
+    `[*, H]` rows are only added into `.grad` (`index_put_(accumulate=True)`). A sparse gradient (`sparse=True`) does not
+    do it: autograd adds a sparse gradient into a dense one in place only in `.grad`, and into the head's
+    gradient out of place.
+
+    This is Megatron's gradient-accumulation fusion (its linears add into `main_grad` in the backward),
+    with `.grad` as the buffer: the autograd graph has no edge from the lookup to `weight`, so the tied
+    head's gradient becomes `.grad` as soon as the head's backward ends and the lookup's rows are added
+    into it; untied, or on a pipeline stage holding its own copy, the first micro-batch's lookup creates
+    the dense `.grad` the dense backward would have built. Either order gives the same sum, and
+    `.backward()`, gradient accumulation over micro-batches, the dp all-reduce, clipping and the optimizers
+    see a plain dense `.grad`. What this changes: the lookup's part reaches the weight only through
+    `.backward()` without `inputs=`. `torch.autograd.grad(..., weight)` and `backward(inputs=[...])` prune
+    the lookup's backward (it leads to no requested input), so they return or accumulate only the weight's
+    other uses (the tied head's part); hooks on the weight's gradient do not see the lookup's part.
+    Without grad mode, or for a frozen weight, this is plain `F.embedding`.
+    """
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return F.embedding(ids, weight)
+    return _EmbeddingIntoGrad.apply(ids, weight.detach().requires_grad_(), (weight,))
+
+
+class Embedding(nn.Embedding):
+    """The tp = 1 token embedding: `nn.Embedding` (ids `[*]` -> `[*, H]`) looking up through `embedding_into_grad`."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_into_grad(ids, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -140,10 +205,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:
-            return F.embedding(ids, self.weight)
+            return embedding_into_grad(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        # ids outside the shard look up row 0; masked_fill's backward gives them zero rows of the gradient
+        out = embedding_into_grad(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_group(out, self.group)
 
     def extra_repr(self) -> str:

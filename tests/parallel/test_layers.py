@@ -13,12 +13,14 @@ from torch.testing import assert_close
 
 from megalign.parallel.layers import (
     ColumnParallelLinear,
+    Embedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     pad_vocab_size,
     tp_sharded_parameters,
 )
 from megalign.parallel.layout import ParallelLayout
+from megalign.parallel.logprob import fused_linear_token_logprob
 
 from .dist_utils import run_distributed
 
@@ -78,6 +80,90 @@ def _check_embedding():
 
 def test_vocab_parallel_embedding_matches_dense():
     run_distributed(_check_embedding)
+
+
+def _tied_microbatches(vocab, padded, dim, steps, seed):
+    """`steps` micro-batches of (ids [2, 5] in [0, vocab), u [2, 5, padded]) and the reference gradient of
+    sum_k <u_k, F.embedding(ids_k, W) @ W^T> over a dense fp64 leaf W [padded, dim] (rows past vocab zero)."""
+    torch.manual_seed(seed)
+    weight = F.pad(torch.randn(vocab, dim, dtype=F64), (0, 0, 0, padded - vocab)).requires_grad_()
+    batches = [(torch.randint(0, vocab, (2, 5)), torch.randn(2, 5, padded, dtype=F64)) for _ in range(steps)]
+    for ids, u in batches:
+        (F.linear(F.embedding(ids, weight), weight) * u).sum().backward()
+    return weight, batches
+
+
+def test_embedding_gradient_matches_dense_embedding():
+    """`Embedding` (tp = 1, `embedding_into_grad`) gives the gradient of a plain `F.embedding` in `.grad`: untied,
+    tied to a linear head or to the fused head, over several micro-batches; frozen or without grad mode it is
+    the plain lookup."""
+    vocab, dim = 11, 4
+    ref, batches = _tied_microbatches(vocab, vocab, dim, 3, seed=2)
+    layer = Embedding(vocab, dim, dtype=F64)
+    with torch.no_grad():
+        layer.weight.copy_(ref.detach())
+    for ids, u in batches:  # tied to a linear head: the head's gradient becomes .grad, the lookup adds into it
+        (F.linear(layer(ids), layer.weight) * u).sum().backward()
+        assert layer.weight.grad.layout == torch.strided
+    assert_close(layer.weight.grad, ref.grad)
+
+    layer.weight.grad = None
+    want = ref.detach().clone().requires_grad_()
+    for ids, u in batches:  # untied: the first micro-batch creates .grad, the next add into it
+        (layer(ids) * u[..., :dim]).sum().backward()
+        (F.embedding(ids, want) * u[..., :dim]).sum().backward()
+    assert_close(layer.weight.grad, want.grad)
+
+    layer.weight.grad, want.grad = None, None
+    for ids, u in batches:  # tied to the fused head (its fp64 accumulator is the head's gradient)
+        targets = ids.roll(1, -1)
+        fused_linear_token_logprob(layer(ids).tanh(), layer.weight, targets, chunk_size=3).sum().backward()
+        fused_linear_token_logprob(F.embedding(ids, want).tanh(), want, targets, chunk_size=3).sum().backward()
+    assert_close(layer.weight.grad, want.grad)
+
+    # without grad mode and for a frozen weight: the plain lookup, no graph
+    ids = batches[0][0]
+    with torch.no_grad():
+        assert layer(ids).grad_fn is None
+    layer.weight.requires_grad_(False)
+    assert layer(ids).grad_fn is None
+    assert_close(layer(ids), F.embedding(ids, ref.detach()))
+
+
+def test_embedding_gradient_only_in_full_backward():
+    """The documented cost: `torch.autograd.grad` and `backward(inputs=...)` do not run the lookup's backward
+    (autograd has no edge from it to the weight), so they see only the weight's other uses (the tied head) and
+    leave `.grad` alone."""
+    layer = Embedding(7, 3, dtype=F64)
+    ids = torch.tensor([[1, 4, 4]])
+    out = layer(ids)
+    head_part = out.detach().sum((0, 1)).expand(7, 3)
+    (got,) = torch.autograd.grad(F.linear(out, layer.weight).sum(), layer.weight)
+    assert_close(got, head_part)
+    assert layer.weight.grad is None
+    F.linear(layer(ids), layer.weight).sum().backward(inputs=[layer.weight])
+    assert_close(layer.weight.grad, head_part)
+
+
+def _check_tied_embedding():
+    """`VocabParallelEmbedding` tied to a `ColumnParallelLinear` head (the LM head's layout), two micro-batches:
+    each rank's `.grad` is its rows of the dense tied gradient (padding rows included)."""
+    for layout in _layouts():
+        group, tp, r = layout.tp_group, layout.tp, layout.tp_rank
+        vocab, dim, multiple = 9, 4, 2
+        padded = pad_vocab_size(vocab, tp, multiple)
+        ref, batches = _tied_microbatches(vocab, padded, dim, 2, seed=3)
+        embed = VocabParallelEmbedding.from_full(ref.detach()[:vocab], group=group, pad_to_multiple_of=multiple)
+        head = ColumnParallelLinear(dim, padded, group=group, bias=False, dtype=F64)
+        head.weight = embed.weight
+        per_rank = padded // tp
+        for ids, u in batches:
+            (head(embed(ids)) * u[..., r * per_rank:(r + 1) * per_rank]).sum().backward()
+        assert_close(embed.weight.grad, ref.grad[r * per_rank:(r + 1) * per_rank])
+
+
+def test_vocab_parallel_tied_embedding_gradient_matches_dense():
+    run_distributed(_check_tied_embedding)
 
 
 def _compare_with_dense(layer, dense, x, u, *, input_sharded, output_sharded):
