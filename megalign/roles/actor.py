@@ -8,8 +8,10 @@ Design choices:
 - Log-probs of response tokens come from one forward over prompt + response (padded rows, or the
   rows' real tokens packed, `megalign.roles.packing`), then the fused LM head
   (`LMHead.token_logprob`: `fused_linear_token_logprob`, vocab-parallel, chunks of tokens) on only
-  the real response tokens, so neither `[tokens, V]` logits nor their gradient ever exist. The
-  temperature divides the logits exactly as during sampling, so on-policy ratios start at 1.
+  the real response tokens, so neither `[tokens, V]` logits nor their gradient ever exist: the head's
+  only `[tokens, V / tp]` temporary is one chunk of `head_chunk_tokens` tokens (fp32 at V = 151936:
+  594 MiB per 1024 tokens). The temperature divides the logits exactly as during sampling, so on-policy
+  ratios start at 1.
 - Precision: the actor keeps fp32 master weights and computes in bf16 under autocast when its dtype
   is bf16 (`megalign.parallel.MixedPrecision`); the frozen reference simply stores bf16 weights.
 - Pipeline stages (`layout.pp > 1`, the model from `stage_from_pretrained`): the pipeline runs the
@@ -40,7 +42,7 @@ from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, Sampl
 
 
 def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor, targets: torch.Tensor,
-                  temperature: float, with_entropy: bool = False):
+                  temperature: float, with_entropy: bool = False, chunk_tokens: int = 1024):
     """log p(target) [B, R] fp32 (and entropy [B, R]) from the final hidden states that predict `targets`.
 
     Args:
@@ -48,17 +50,19 @@ def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor,
             position t - 1 for response token t); on a pipeline, the last stage's output. Any leading
             shape works ([N, H] with targets [N] for positions already selected).
         targets: [B, R] int64 token ids.
+        chunk_tokens: tokens per chunk of the head; the only [tokens, V/tp] temporary is one
+            [chunk_tokens, V/tp] logits chunk (in the compute dtype), forward and backward.
     The fused LM head of `model` (`LMHead.token_logprob`: vocab-sharded over `layout.tp_group`, in
     chunks of tokens, so the [B, R, V/tp] logits and their gradient never exist); the entropy comes
     from the same pass and is differentiable (PPO's entropy bonus).
     """
     return model.lm_head.token_logprob(hidden, targets, layout.tp_group if layout.tp > 1 else None, temperature,
-                                       with_entropy)
+                                       with_entropy, chunk_tokens)
 
 
 def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.Tensor, attention_mask: torch.Tensor,
                       response_len: int, temperature: float, with_entropy: bool = False, pack: bool = False,
-                      pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0):
+                      pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0, chunk_tokens: int = 1024):
     """log p(response token) [B, R] fp32 (and entropy [B, R]) under softmax(logits / temperature).
 
     Args:
@@ -66,11 +70,13 @@ def response_logprobs(model: CausalLM, layout: ParallelLayout, sequences: torch.
         attention_mask: [B, P + R] 1 for real tokens.
         response_len: R, the response columns at the end of `sequences`.
         pack / pack_tokens / pack_max_fill: the trunk runs on the rows' real tokens packed (`megalign.roles.packing`).
+        chunk_tokens: tokens per chunk of the fused head (`head_logprobs`).
     The head runs only on the real response tokens; other positions are 0, which the caller masks out.
     """
     hidden, rows, cols = response_hidden(model.model, sequences, attention_mask, response_len, pack, pack_tokens,
                                          pack_max_fill)
-    out = head_logprobs(model, layout, hidden, sequences[:, -response_len:][rows, cols], temperature, with_entropy)
+    out = head_logprobs(model, layout, hidden, sequences[:, -response_len:][rows, cols], temperature, with_entropy,
+                        chunk_tokens)
     b = sequences.shape[0]
     if with_entropy:
         return tuple(scatter_response(x, rows, cols, b, response_len) for x in out)
@@ -81,15 +87,19 @@ class PolicyRole(ModelRole):
     """A causal LM role that scores responses (the reference, and the base of the actor).
 
     `pack` / `pack_tokens` / `pack_max_fill`: its response forwards run on packed rows (`megalign.roles.packing`; at
-    pp > 1 one pack a pipeline micro-batch, `pipeline_packs`).
+    pp > 1 one pack a pipeline micro-batch, `pipeline_packs`). `head_chunk_tokens`: tokens per chunk of its fused
+    LM head (`head_logprobs`).
     """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
                  offload_weights: bool, extra_switches: Optional[dict[str, bool]] = None, *, pack: bool = False,
-                 pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0):
+                 pack_tokens: Optional[int] = None, pack_max_fill: float = 1.0, head_chunk_tokens: int = 1024):
         super().__init__(name, model, layout, offload_weights, extra_switches)
+        if head_chunk_tokens < 1:
+            raise ValueError(f"{name}: head_chunk_tokens must be >= 1, got {head_chunk_tokens}")
         self.precision = precision
         self.pack, self.pack_tokens, self.pack_max_fill = pack, pack_tokens, pack_max_fill
+        self.head_chunk_tokens = head_chunk_tokens
 
     @torch.no_grad()
     def logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -97,7 +107,8 @@ class PolicyRole(ModelRole):
         """[B, R] fp32 log-probs of the responses, without gradient (old or reference log-probs)."""
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
-                                     pack=self.pack, pack_tokens=self.pack_tokens, pack_max_fill=self.pack_max_fill)
+                                     pack=self.pack, pack_tokens=self.pack_tokens, pack_max_fill=self.pack_max_fill,
+                                     chunk_tokens=self.head_chunk_tokens)
 
     @torch.no_grad()
     def pipeline_scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
@@ -154,7 +165,8 @@ class PolicyRole(ModelRole):
         """`logprobs` of a pipeline stage (`layout.pp > 1`): `pipeline_scores` with the fused LM head."""
         return self.pipeline_scores(
             sequences, attention_mask, response_len, micro_batch_size,
-            lambda hidden, rows: head_logprobs(self.model, self.layout, hidden, rows["targets"], temperature),
+            lambda hidden, rows: head_logprobs(self.model, self.layout, hidden, rows["targets"], temperature,
+                                               chunk_tokens=self.head_chunk_tokens),
             {"targets": sequences[:, -response_len:]})
 
 
@@ -162,7 +174,7 @@ class Reference(PolicyRole):
     """The frozen reference policy of the KL term; never trained, so its weights may be stored in bf16."""
 
     def __init__(self, model: CausalLM, layout: ParallelLayout, offload_weights: bool, **packing):
-        """`packing`: `pack`, `pack_tokens`, `pack_max_fill` of `PolicyRole`."""
+        """`packing`: `pack`, `pack_tokens`, `pack_max_fill`, `head_chunk_tokens` of `PolicyRole`."""
         model.requires_grad_(False).eval()
         super().__init__("reference", model, layout, MixedPrecision(None), offload_weights, **packing)
 
@@ -186,7 +198,7 @@ class TrainableRole(PolicyRole):
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
                  offload_weights: bool, offload_optimizer: bool, optimizer: torch.optim.Optimizer,
                  grad_clip: Optional[float], batch_copies: int = 1, **packing):
-        """`packing`: `pack`, `pack_tokens`, `pack_max_fill` of `PolicyRole`."""
+        """`packing`: `pack`, `pack_tokens`, `pack_max_fill`, `head_chunk_tokens` of `PolicyRole`."""
         precision.check_model(model)
         super().__init__(name, model, layout, precision, offload_weights, {"optimizer": offload_optimizer}, **packing)
         self.optimizer = optimizer
@@ -242,8 +254,8 @@ class Actor(TrainableRole):
         """
         if hidden is not None:
             return head_logprobs(self.model, self.layout, hidden[:, -response_len - 1:-1], sequences[:, -response_len:],
-                                 temperature, with_entropy=True)
+                                 temperature, with_entropy=True, chunk_tokens=self.head_chunk_tokens)
         with self.precision.autocast(self.layout.device):
             return response_logprobs(self.model, self.layout, sequences, attention_mask, response_len, temperature,
                                      with_entropy=True, pack=self.pack, pack_tokens=self.pack_tokens,
-                                     pack_max_fill=self.pack_max_fill)
+                                     pack_max_fill=self.pack_max_fill, chunk_tokens=self.head_chunk_tokens)

@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import tiny_policy
 
+import megalign.models.heads as heads_module
 from megalign.models import from_pretrained, scalar_head_from_pretrained
-from megalign.parallel import ParallelLayout, vocab_parallel_token_logprob
-from megalign.roles import head_logprobs, response_logprobs, response_values
+from megalign.parallel import MixedPrecision, ParallelLayout, vocab_parallel_token_logprob
+from megalign.roles import Actor, head_logprobs, response_logprobs, response_values
+from megalign.trainers.online import ActorConfig
 from megalign.roles.packing import _packs, pipeline_packs, response_hidden
 
 VOCAB = 37  # odd: at tp = 2 the head has a padding row
@@ -97,6 +99,44 @@ def _bf16_fused_vs_eager(policy):
         assert ours.dtype == torch.float32
         torch.testing.assert_close(ours, ref, rtol=0, atol=0.05)
         torch.testing.assert_close(ours.double(), exact, rtol=0, atol=0.05)
+
+
+def _chunked_actor(policy, chunks):
+    """The actor's log-probs, entropies and gradients with `head_chunk_tokens` = 1024 and 3 (5 * 7 response
+    positions: 12 chunks); `chunks` records the chunk size each fused-head call got."""
+    layout = ParallelLayout.build(tp=1, device_type="cpu")
+    ids, mask = _rows()
+    real = (mask[:, -RESPONSE:] == 1) & (mask[:, -RESPONSE - 1:-1] == 1)
+    out = {}
+    for chunk in (1024, 3):
+        model = from_pretrained(policy)
+        actor = Actor(model, layout, MixedPrecision(None), False, False, torch.optim.SGD(model.parameters(), lr=0.1),
+                      None, head_chunk_tokens=chunk)
+        logp, entropy = actor.logprobs_with_grad(ids, mask, RESPONSE, 0.8)
+        _weighted_loss(logp, entropy, real).backward()
+        torch.testing.assert_close(actor.logprobs(ids, mask, RESPONSE, 0.8), logp.detach())
+        out[chunk] = logp[real], entropy[real], _grads(model)
+    assert chunks == [1024, 1024, 3, 3]
+    for a, b in zip(out[1024][:2], out[3][:2]):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    for name, grad in out[1024][2].items():
+        torch.testing.assert_close(out[3][2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_actor_head_chunk_tokens_reach_the_fused_head(policy, monkeypatch):
+    """`head_chunk_tokens` is the chunk of every actor head call (with and without gradient) and changes only the
+    summation order; the actor config refuses chunks below one token."""
+    chunks = []
+    fused = heads_module.fused_linear_token_logprob
+
+    def spy(hidden, weight, targets, group, vocab_start, chunk_size, *args, **kwargs):
+        chunks.append(chunk_size)
+        return fused(hidden, weight, targets, group, vocab_start, chunk_size, *args, **kwargs)
+
+    monkeypatch.setattr(heads_module, "fused_linear_token_logprob", spy)
+    run_distributed(_chunked_actor, policy, chunks, world_size=1)
+    with pytest.raises(ValueError, match="actor.head_chunk_tokens must be >= 1, got 0"):
+        ActorConfig(path="x", head_chunk_tokens=0)
 
 
 def _packed_vs_padded(policy, layout, pack_tokens):
