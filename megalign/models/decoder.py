@@ -323,7 +323,8 @@ class Decoder(nn.Module):
         config: shapes and numerics.
         factory: builds the embedding and projections (tensor parallelism plugs in here); default tp = 1.
         activation_checkpointing: recompute each layer in backward instead of storing its activations
-            (saves ~L x activation memory for ~1 extra forward); only applies in training without a cache.
+            (saves ~L x activation memory for ~1 extra forward); only applies in training with gradients and
+            without a cache.
         layer_range: `(start, end)`: build only decoder layers `[start, end)` of the config's L, a pipeline
             stage. The embedding exists only when start == 0 (otherwise forward takes the previous stage's
             hidden states) and the final norm only when end == L (otherwise forward returns un-normed hidden
@@ -406,7 +407,7 @@ class Decoder(nn.Module):
         x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            if self.activation_checkpointing and self.training and kv_cache is None:
+            if self.activation_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, batch, None, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, batch, kv_cache)

@@ -369,7 +369,8 @@ def from_pretrained(path: Union[str, os.PathLike], kind: str = "causal_lm", fact
 
 
 def scalar_head_from_pretrained(path: Union[str, os.PathLike], kind: str, layout: ParallelLayout, seed: int,
-                                dtype: Optional[torch.dtype] = None) -> tuple[Union[ValueModel, RewardModel], bool]:
+                                dtype: Optional[torch.dtype] = None, activation_checkpointing: bool = False
+                                ) -> tuple[Union[ValueModel, RewardModel], bool]:
     """(model, fresh): a value / reward model from `path`, with its scalar head read when the checkpoint has one.
 
     From a policy checkpoint (no `score.weight`, e.g. an SFT export) the head starts fresh (`fresh`
@@ -377,15 +378,18 @@ def scalar_head_from_pretrained(path: Union[str, os.PathLike], kind: str, layout
     is the same on every rank and every tp size. From a reward model (or critic) export it is read.
     At `layout.pp > 1` the model is this rank's pipeline stage (`stage_from_pretrained`, layers split
     evenly): the head exists on the last stage only, read or drawn there the same way, and `fresh`
-    is the same on every stage (it depends on the checkpoint only).
+    is the same on every stage (it depends on the checkpoint only). dtype and activation_checkpointing
+    as in `from_pretrained`.
     """
     if kind not in ("value", "reward"):
         raise ValueError(f"scalar_head_from_pretrained: kind must be 'value' or 'reward', got {kind!r}")
     fresh = not checkpoint_has_tensor(path, "score.weight")
     if layout.pp > 1:
-        model = stage_from_pretrained(path, layout, kind, dtype=dtype, new_head=fresh)
+        model = stage_from_pretrained(path, layout, kind, dtype=dtype, new_head=fresh,
+                                      activation_checkpointing=activation_checkpointing)
     else:
-        model = from_pretrained(path, kind=kind, layout=layout, dtype=dtype, new_head=fresh)
+        model = from_pretrained(path, kind=kind, layout=layout, dtype=dtype, new_head=fresh,
+                                activation_checkpointing=activation_checkpointing)
     if fresh and model.head is not None:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -6,14 +6,14 @@ family, told apart by `algo`: `loss` -> DPO, `margin` -> reward model, `beta` al
 `reference` -> KTO, no `algo` -> SFT. The file is then loaded with that trainer's own config class,
 so its checks and error messages (file, line, key) apply.
 
-What maps: role tp / dtype / offload switches (pp is not a trainer key yet: 1), the reference only
+What maps: role tp / pp / dtype / offload switches, the reference only
 when the trainer builds one (GRPO: algo.beta > 0; PPO: algo.kl_coef > 0 or a kl_target; DPO and
 KTO: always), the reward model when `reward.model` or `reward.models` is set (the first one only),
 prompts and responses (online: data.max_prompt_length and rollout.max_response_length; supervised:
 data.max_length, all of it scored), G, prompts per step, mini-batches, the micro-batch (GRPO:
-algo.micro_batch_size; supervised: batch_size / dp in one forward), old-log-prob recomputation.
-megalign's recipe throughout: fp32 master weights, ZeRO-1, the eager loss path, no activation
-checkpointing (the trainers have no switch for it).
+algo.micro_batch_size; supervised: batch_size / dp in one forward),
+old-log-prob recomputation, the trained roles' `activation_checkpointing` (full recomputation). megalign's
+recipe throughout: fp32 master weights, ZeRO-1, the eager loss path.
 """
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def _config_class(trainer: str):
 
 
 def _role(cfg, offload_optimizer: bool = False) -> RolePlan:
-    return RolePlan(tp=cfg.tp, dtype=cfg.dtype, offload_weights=cfg.offload_weights, offload_optimizer=offload_optimizer)
+    recompute = "full" if getattr(cfg, "activation_checkpointing", False) else "none"  # frozen roles have no key
+    return RolePlan(tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype, offload_weights=cfg.offload_weights,
+                    offload_optimizer=offload_optimizer, activation_checkpointing=recompute)
 
 
 def _model(path: Optional[str], key: str, model: Optional[str]) -> str:

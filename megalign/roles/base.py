@@ -56,6 +56,16 @@ class ModelRoleConfig:
         return self.microbatches or self.pp
 
 
+@dataclasses.dataclass
+class TrainedRoleConfig(ModelRoleConfig):
+    """A role whose model is trained (the actor, the PPO critic, the supervised trainers' model)."""
+
+    activation_checkpointing: bool = option(
+        False, doc="recompute each decoder layer in the backward instead of keeping its activations "
+                   "(torch.utils.checkpoint per layer, Megatron's full recomputation): a layer keeps only its "
+                   "input, for one more trunk forward per update; the same numbers")
+
+
 class _Slot:
     """One offloadable tensor: a parameter or buffer's `.data`, or an entry of an optimizer state dict."""
 

@@ -73,7 +73,8 @@ from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
 from megalign.parallel import MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.algos.grpo import aggregate_loss, loss_normalizer
-from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole
+from megalign.roles import (DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole,
+                            TrainedRoleConfig)
 from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig, check_safety_field
 from megalign.trainers.prm import load_prm_info
 from megalign.rollout import EngineConfig, RolloutStats, SamplingParams
@@ -95,7 +96,7 @@ def check_microbatches(key: str, cfg: ModelRoleConfig) -> None:
 
 
 @dataclasses.dataclass
-class ActorConfig(ModelRoleConfig):
+class ActorConfig(TrainedRoleConfig):
     """The policy: an HF checkpoint (e.g. the SFT export `run_dir/hf`), its layout, dtype and offload."""
 
     path: Optional[str] = option("runs/sft_arith/hf", doc="HF checkpoint folder of the initial policy")
@@ -305,7 +306,8 @@ class OnlineTrainer(Trainer):
                 longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
 
         self.longest = (longest, what)  # for roles a subclass adds (the PPO critic): `check_model`'s length
-        model = self.load_role_model("actor", cfg.actor, self.layout)
+        model = self.load_role_model("actor", cfg.actor, self.layout,
+                                     activation_checkpointing=cfg.actor.activation_checkpointing)
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
         self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,

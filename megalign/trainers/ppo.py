@@ -70,7 +70,7 @@ from megalign.config import option
 from megalign.models import ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
-from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, ModelRoleConfig
+from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConfig
 from megalign.trainers.base import TrainResult, check_model_path, check_stages
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
@@ -82,7 +82,7 @@ KL_IN_LOSS = ("k3", "low_var_kl")
 
 
 @dataclasses.dataclass
-class CriticConfig(ModelRoleConfig):
+class CriticConfig(TrainedRoleConfig):
     """The critic: its checkpoint, layout, dtype, offload switches and its own optimizer (`megalign.roles.critic`)."""
 
     path: Optional[str] = option(
@@ -203,7 +203,8 @@ class PPOTrainer(OnlineTrainer):
         layout = self.role_layout("critic", cfg.critic)
         if layout.pp > 1:
             check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, "critic", f"critic.path {path!r}")
-        model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed)
+        model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed,
+                                                   activation_checkpointing=cfg.critic.activation_checkpointing)
         self.check_model(model, "critic.path", path, *self.longest)
         precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
         self.critic = Critic(model, layout, precision, cfg.critic.offload_weights, cfg.critic.offload_optimizer,

@@ -59,7 +59,7 @@ from megalign.models.hf_adapter import scalar_head_from_pretrained
 from megalign.parallel import (MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline, pp_tied_parameters,
                                stage_layer_range, tp_sharded_parameters)
 from megalign.parallel.collectives import all_reduce
-from megalign.roles import DTYPES, ModelRoleConfig, Reference
+from megalign.roles import DTYPES, ModelRoleConfig, Reference, TrainedRoleConfig
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path, check_same_batch, check_stages
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class PolicyModelConfig(ModelRoleConfig):
+class PolicyModelConfig(TrainedRoleConfig):
     """The trained model: an HF checkpoint folder, or a small decoder built from scratch; its layout and dtype."""
 
     path: Optional[str] = option(None, doc="HF checkpoint folder to start from; null: build from scratch with the fields below")
@@ -248,7 +248,8 @@ def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: Parallel
     dense_config = scratch_config(cfg, tokenizer)
     config = tensor_parallel_config(dense_config, layout.tp)
     generator = torch.Generator().manual_seed(seed)
-    dense = CausalLM(dense_config)  # unpadded: the draws do not depend on tp's vocabulary padding
+    # unpadded: the draws do not depend on tp's vocabulary padding
+    dense = CausalLM(dense_config, activation_checkpointing=cfg.activation_checkpointing)
     with torch.no_grad():
         for p in dense.parameters():
             if p.dim() >= 2:
@@ -256,7 +257,7 @@ def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: Parallel
     if layout.tp == 1 and layout.pp == 1 and config.padded_vocab_size == dense_config.padded_vocab_size:
         return dense.to(layout.device)
     start, end = stage_layer_range(config.num_hidden_layers, layout)
-    model = CausalLM(config, TensorParallelFactory(layout), layer_range=(start, end))
+    model = CausalLM(config, TensorParallelFactory(layout), cfg.activation_checkpointing, layer_range=(start, end))
     shard_dims = {id(p): dim for p, dim in tp_sharded_parameters(model).items()}
     copies = {id(p) for p, is_copy in pp_tied_parameters(model).items() if is_copy}
     full = dict(dense.named_parameters())
@@ -299,10 +300,12 @@ class SupervisedTrainer(Trainer):
                 raise ValueError(f"model.path is required: a {kind} model starts from a checkpoint (e.g. an SFT export)")
             model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
         elif kind == "causal_lm":
-            model = (stage_from_pretrained(cfg.model.path, layout) if layout.pp > 1 else
-                     from_pretrained(cfg.model.path, layout=layout))
+            recompute = cfg.model.activation_checkpointing
+            model = (stage_from_pretrained(cfg.model.path, layout, activation_checkpointing=recompute)
+                     if layout.pp > 1 else from_pretrained(cfg.model.path, layout=layout, activation_checkpointing=recompute))
         else:
-            model, _ = scalar_head_from_pretrained(cfg.model.path, kind, layout, cfg.seed)
+            model, _ = scalar_head_from_pretrained(cfg.model.path, kind, layout, cfg.seed,
+                                                   activation_checkpointing=cfg.model.activation_checkpointing)
         self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
                          self.objective.max_length(), "the objective's longest example")
         model.train()
