@@ -69,7 +69,12 @@ def test_pp2_packed_step_equals_unpipelined(policy, tmp_path):
                  "export_hf=false", "rollout.pack=true", "rollout.pack_max_fill=1.0")
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "pp2"), "actor.pp=2", "reference.pp=2", *overrides, world_size=2)
-    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, GRPO_METRICS, role="actor")
+    # the pp = 2 packs are padded to one length, so their sums run in another order, which AdamW (lr 0.01) magnifies
+    # in near-zero gradient elements; on an AVX-512 EPYC (torch's own kernels) one o_proj weight of 1024 sat 5.1e-5
+    # from pp = 1 after step 1, and step 2's approx_kl 1.02e-6 (1e-5 of it is 5.6e-7). A 1% error in the packed
+    # loss or scores moves the loss and grad norm by far more than these
+    compare_runs(tmp_path / "ref", tmp_path / "pp2", 2, 1, LAYERS, GRPO_METRICS, role="actor", atol=1e-4,
+                 metric_atol=3e-6)
 
 
 @pytest.mark.slow
