@@ -130,8 +130,10 @@ def test_pp2_dp2_step_equals_unpipelined(models, tmp_path):
     run_distributed(_record_then_replay, models[0], str(tmp_path / "ref"), batch_file, world_size=1, timeout_s=300)
     run_distributed(_replay, models[0], str(tmp_path / "pp2dp2"), batch_file, "actor.pp=2", "reference.pp=2",
                     "critic.pp=2", world_size=4, timeout_s=600)
-    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, PPO_METRICS, role="actor")
-    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, (), role="critic")
+    # dp = 2 sums each rank's half of the gradient, another order than one rank's; AdamW magnifies that rounding in
+    # near-zero gradient elements: on an AVX-512 EPYC one actor o_proj weight of 1024 sat 2.1e-5 from dp = 1
+    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, PPO_METRICS, role="actor", atol=1e-4)
+    compare_runs(tmp_path / "ref", tmp_path / "pp2dp2", 2, 1, LAYERS, (), role="critic", atol=1e-4)
     rows = metric_rows(tmp_path / "ref")
     assert len(rows) == 2 and rows[0]["critic/grad_norm"] > 0 and rows[1]["actor/kl_coef"] != 0.05
 
