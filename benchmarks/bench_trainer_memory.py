@@ -18,6 +18,9 @@ memory  V = 151936 (Qwen2's vocabulary), hidden 1024, 2 layers, tied embeddings,
                      before this change (`F.embedding` patched in), which builds a second [V, H]
                      gradient for autograd to add into the tied head's;
           AdamW      foreach (the trainers' default `optim.fused=false`) or fused (`optim.fused=true`).
+          activation checkpointing  off, or on (`actor.activation_checkpointing=true`: each decoder
+                     layer keeps only its input and is recomputed in the backward), for the fused and
+                     the eager head at one micro-batch.
         Each runs in a fresh process (`harness.in_fresh_process`, peak RSS): weights and the AdamW state
         (created by a zero-gradient step first) are inputs; the peak beyond them is read after the
         forward + backward and again after the optimizer step (the whole update). All include the
@@ -72,9 +75,9 @@ def _init_single_rank() -> ParallelLayout:
 
 
 def _actor(config: ModelConfig, layout: ParallelLayout, pack: bool, head_chunk_tokens: int = 1024,
-           fused_adamw: bool = False) -> Actor:
+           fused_adamw: bool = False, checkpointing: bool = False) -> Actor:
     torch.manual_seed(0)
-    model = CausalLM(config)
+    model = CausalLM(config, activation_checkpointing=checkpointing)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -138,6 +141,8 @@ class MemoryPeer(NamedTuple):
     """`optim.fused`."""
     micro_batches: int
     """micro-batches of the 4 rows."""
+    checkpointing: bool = False
+    """`actor.activation_checkpointing` (each decoder layer recomputed in the backward)."""
 
 
 def _memory_case(peer: MemoryPeer, vocab: int, hidden: int, rows: int, response_len: int) -> dict[str, float]:
@@ -151,7 +156,8 @@ def _memory_case(peer: MemoryPeer, vocab: int, hidden: int, rows: int, response_
     config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                          num_hidden_layers=2, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
                          head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
-    actor = _actor(config, layout, pack=False, head_chunk_tokens=peer.chunk, fused_adamw=peer.fused_adamw)
+    actor = _actor(config, layout, pack=False, head_chunk_tokens=peer.chunk, fused_adamw=peer.fused_adamw,
+                   checkpointing=peer.checkpointing)
     batch = _batch(vocab, [response_len] * rows, [16] * rows, 16, response_len)
     base = reset_peak_rss()
     loss = _backward(actor, batch, response_len, rows // peer.micro_batches)
@@ -169,19 +175,22 @@ def run_memory(quick: bool) -> None:
              MemoryPeer("fused", 1024, False, False, 2), MemoryPeer("fused", 1024, True, False, 2),
              MemoryPeer("eager", 1024, False, False, 2),
              MemoryPeer("fused", small, False, False, 4), MemoryPeer("fused", small, True, False, 4),
-             MemoryPeer("eager", 1024, False, False, 4)]
+             MemoryPeer("eager", 1024, False, False, 4),
+             MemoryPeer("fused", 1024, False, False, 1, True), MemoryPeer("fused", small, False, True, 1, True),
+             MemoryPeer("eager", 1024, False, False, 1, True)]
     peaks = {peer: in_fresh_process(_memory_case, peer, vocab, hidden, rows, response_len) for peer in peers}
     print(f"actor update, V={vocab} H={hidden}, {rows * response_len} response tokens in {rows} rows, fp32; peak "
           f"extra MiB; the ratios are of the whole update's peak")
-    print("| micro-batches | head | head_chunk_tokens | embedding backward | AdamW | forward + backward | whole update "
-          "| / eager, same micro-batches | / eager, one micro-batch |\n|---:|---|---:|---|---|---:|---:|---:|---:|")
+    print("| micro-batches | head | head_chunk_tokens | embedding backward | AdamW | activation checkpointing "
+          "| forward + backward | whole update | / eager, same micro-batches | / eager, one micro-batch |\n"
+          "|---:|---|---:|---|---|---|---:|---:|---:|---:|")
     one = peaks[peers[4]]["whole update"]
     for peer, phases in peaks.items():
         eager = peaks[MemoryPeer("eager", 1024, False, False, peer.micro_batches)]["whole update"]
         whole = phases["whole update"]
         print(f"| {peer.micro_batches} | {peer.head} | {peer.chunk if peer.head == 'fused' else '-'} "
               f"| {'dense' if peer.dense_embedding else 'into .grad'} | {'fused' if peer.fused_adamw else 'foreach'} "
-              f"| {phases['forward + backward']:.1f} | {whole:.1f} | {whole / eager:.1%} | {whole / one:.1%} |")
+              f"| {'on' if peer.checkpointing else 'off'} | {phases['forward + backward']:.1f} | {whole:.1f} | {whole / eager:.1%} | {whole / one:.1%} |")
 
 
 def run_packing(quick: bool) -> None:
