@@ -11,9 +11,9 @@ when the trainer builds one (GRPO: algo.beta > 0; PPO: algo.kl_coef > 0 or a kl_
 KTO: always), the reward model when `reward.model` or `reward.models` is set (the first one only),
 prompts and responses (online: data.max_prompt_length and rollout.max_response_length; supervised:
 data.max_length, all of it scored), G, prompts per step, mini-batches, the micro-batch (GRPO:
-algo.micro_batch_size; supervised: batch_size / dp in one forward),
-old-log-prob recomputation, the trained roles' `activation_checkpointing` (full recomputation). megalign's
-recipe throughout: fp32 master weights, ZeRO-1, the eager loss path.
+algo.micro_batch_size; supervised: batch_size / dp in one forward), old-log-prob recomputation, the
+trained roles' `activation_checkpointing` (full recomputation). megalign's recipe throughout: fp32
+master weights, ZeRO-1, the eager loss path.
 """
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def _config_class(trainer: str):
 
 
 def _role(cfg, offload_optimizer: bool = False) -> RolePlan:
-    recompute = "full" if getattr(cfg, "activation_checkpointing", False) else "none"  # frozen roles have no key
+    from megalign.roles.base import TrainedRoleConfig  # as the trainers' configs, imported when a run config is read
+    recompute = "full" if isinstance(cfg, TrainedRoleConfig) and cfg.activation_checkpointing else "none"
     return RolePlan(tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype, offload_weights=cfg.offload_weights,
                     offload_optimizer=offload_optimizer, activation_checkpointing=recompute)
 
