@@ -132,6 +132,7 @@ struct Vec {
   friend MEGALIGN_SIMD_FN Vec select_acc(Mask c, Vec a, Vec b) { return Vec(select(c.m, a.v, b.v)); }
   friend MEGALIGN_SIMD_FN VecI to_int_bits(Vec x) { return {__builtin_convertvector(x.v, i32v)}; }
   friend MEGALIGN_SIMD_FN Vec exp_acc(Vec x) { return exp_f32(x); }
+  friend MEGALIGN_SIMD_FN Vec exp_bounded(Vec x) { return exp_bounded_f32(x); }
   friend MEGALIGN_SIMD_FN Vec kernel_exp(Vec x) { return exp_nonpos_f32(x); }
 };
 

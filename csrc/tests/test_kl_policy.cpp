@@ -52,6 +52,14 @@ void test_exp() {
     EXPECT_CLOSE(e.excess, std::expm1(static_cast<double>(x)) - x, 1e-30, 2e-6);
     EXPECT_TRUE(e.excess >= 0.0f);
   }
+  // expm1 over the whole fp32 range of e^x (one range reduction for both of its cases), and the
+  // policy ratio's exp_bounded: exp_acc's value wherever |x| <= 87.
+  for (float x = -87.3f; x < 88.7f; x += 0.0311f) {
+    EXPECT_CLOSE(expm1_split(x).em1, std::expm1(static_cast<double>(x)), 1e-30, 5e-7);
+  }
+  EXPECT_TRUE(expm1_split(-100.0f).em1 == -1.0f && std::isinf(expm1_split(89.0f).em1));
+  EXPECT_TRUE(std::isnan(expm1_split(NAN).em1) && std::isnan(expm1_split(NAN).excess));
+  for (float x = -87.0f; x < 87.0f; x += 0.0137f) EXPECT_TRUE(exp_bounded(x) == exp_acc(x));
 }
 
 // Transposed storage: element (r, c) at c*rows + r, a strided (non-dense) view.

@@ -8,17 +8,24 @@
 // The backward (megalign/ops/kl_penalty.py, "with_dlogp"): when the forward also wrote d out / d logp
 // (CPU kernels, fp32 / fp64), the first backward scales that buffer in place by the upstream gradient
 // and hands it out as the gradient; the buffer is given out once, so a second backward through a
-// retained graph recomputes with the *_bwd kernel, as do CUDA and bf16 / fp16. While tracing
+// retained graph recomputes with the *_bwd kernel, as do CUDA and bf16 / fp16. With one upstream
+// value (a masked mean, or a sum of the per-token KL) the scale and the negation that is
+// d/d ref_logp are one pass over the buffer (take_dlogp_grads). While tracing
 // (torch.compile, opcheck: fake / functional tensors) the scale is out of place, since a traced
 // backward may not mutate a forward output.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 namespace {
 
@@ -45,21 +52,67 @@ void keep_dlogp(AutogradContext* ctx, const Tensor& dlogp, bool with_dlogp, vari
   if (with_dlogp) ctx->saved_data[kDlogp] = dlogp;
 }
 
-// The kept dlogp times `scale` (in place on a real tensor), or an undefined tensor when there is none
-// left (no with_dlogp, or a second backward), in which case the caller recomputes.
-Tensor take_scaled_dlogp(AutogradContext* ctx, const Tensor& scale) {
-  auto it = ctx->saved_data.find(kDlogp);
-  if (it == ctx->saved_data.end()) return Tensor();
-  Tensor dlogp = it->second.toTensor();
-  ctx->saved_data.erase(it);
-  return at::isTensorSubclassLike(dlogp) || at::isTensorSubclassLike(scale) ? dlogp * scale : dlogp.mul_(scale);
+// The value of a CPU fp32 / fp64 gradient that holds one value for every element (0-d, one
+// element, or expanded with every stride 0: a masked mean's or a sum's upstream gradient), or none.
+std::optional<double> host_scalar(const Tensor& g) {
+  if (!g.defined() || at::isTensorSubclassLike(g) || !g.device().is_cpu() || g.numel() == 0) return std::nullopt;
+  if (g.numel() > 1) {
+    for (const int64_t stride : g.strides()) {
+      if (stride != 0) return std::nullopt;
+    }
+  }
+  if (g.scalar_type() == at::kFloat) return *g.const_data_ptr<float>();
+  if (g.scalar_type() == at::kDouble) return *g.const_data_ptr<double>();
+  return std::nullopt;
 }
 
-// d/d logp and d/d ref_logp from d/d logp: every KL estimator depends on logp - ref_logp only.
-variable_list pair_grads(AutogradContext* ctx, const Tensor& grad_logp, size_t n_inputs) {
+// d[i] *= s and, with `negated`, negated[i] = -d[i], in one pass over the buffer.
+template <typename T>
+void scale_and_negate(T* d, T* negated, T s, int64_t n) {
+  at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+    if (negated) {
+      for (int64_t i = begin; i < end; ++i) {
+        d[i] *= s;
+        negated[i] = -d[i];
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) d[i] *= s;
+    }
+  });
+}
+
+// The first backward's gradients from the kept dlogp: d/d logp = dlogp * upstream (in place on a
+// real tensor) and, with `negated`, d/d ref_logp = its negation (else undefined). `scale` is the
+// upstream gradient (broadcast against dlogp), or its value when it is one scalar (`host`); with a
+// scalar and a dense CPU buffer both gradients come out of one pass with no tensor op between
+// (the backward of these sub-millisecond ops otherwise spends as long in a mul_, a neg and their
+// dispatch). Both undefined when no dlogp is left (no with_dlogp, or a second backward): the
+// caller recomputes.
+std::pair<Tensor, Tensor> take_dlogp_grads(AutogradContext* ctx, const std::function<Tensor()>& scale,
+                                           std::optional<double> host, bool negated) {
+  auto it = ctx->saved_data.find(kDlogp);
+  if (it == ctx->saved_data.end()) return {};
+  Tensor dlogp = it->second.toTensor();
+  ctx->saved_data.erase(it);
+  if (host && !at::isTensorSubclassLike(dlogp) && dlogp.device().is_cpu() && dlogp.is_contiguous()) {
+    Tensor neg = negated ? at::empty_like(dlogp) : Tensor();
+    AT_DISPATCH_FLOATING_TYPES(dlogp.scalar_type(), "megalign_dlogp_grads", [&] {
+      scale_and_negate<scalar_t>(dlogp.data_ptr<scalar_t>(), negated ? neg.data_ptr<scalar_t>() : nullptr,
+                                 static_cast<scalar_t>(*host), dlogp.numel());
+    });
+    return {dlogp, neg};
+  }
+  const Tensor s = scale();
+  Tensor grad = at::isTensorSubclassLike(dlogp) || at::isTensorSubclassLike(s) ? dlogp * s : dlogp.mul_(s);
+  return {grad, negated ? -grad : Tensor()};
+}
+
+// The gradient list of a KL op from d/d logp (and d/d ref_logp, computed here if not given): every
+// KL estimator depends on logp - ref_logp only.
+variable_list pair_grads(AutogradContext* ctx, const Tensor& grad_logp, Tensor grad_ref, size_t n_inputs) {
   variable_list grads(n_inputs);
   if (ctx->needs_input_grad(0)) grads[0] = grad_logp;
-  if (ctx->needs_input_grad(1)) grads[1] = -grad_logp;
+  if (ctx->needs_input_grad(1)) grads[1] = grad_ref.defined() ? grad_ref : -grad_logp;
   return grads;
 }
 
@@ -83,12 +136,13 @@ struct KlPenalty : torch::autograd::Function<KlPenalty> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op_handle<KlBwd>("megalign::kl_penalty_bwd");
     if (!grads[0].defined()) return variable_list(4);
-    Tensor grad_logp = take_scaled_dlogp(ctx, grads[0]);
+    auto [grad_logp, grad_ref] =
+        take_dlogp_grads(ctx, [&] { return grads[0]; }, host_scalar(grads[0]), ctx->needs_input_grad(1));
     if (!grad_logp.defined()) {
       const auto saved = ctx->get_saved_variables();
       grad_logp = bwd.call(grads[0], saved[0], saved[1], ctx->saved_data["kind"].toStringRef());
     }
-    return pair_grads(ctx, grad_logp, 4);
+    return pair_grads(ctx, grad_logp, grad_ref, 4);
   }
 };
 
@@ -120,13 +174,24 @@ struct KlMaskedMean : torch::autograd::Function<KlMaskedMean> {
     static const auto bwd = op_handle<MaskedBwd>("megalign::kl_masked_mean_bwd");
     if (!grads[0].defined()) return variable_list(5);
     const auto saved = ctx->get_saved_variables();
-    // The kernel backward's scale: grad_mean / count; the clamp only avoids 0 / 0 (no valid token).
-    Tensor grad_logp = ctx->saved_data.count(kDlogp) ? take_scaled_dlogp(ctx, grads[0] / saved[3].clamp_min(1))
-                                                     : Tensor();
-    if (!grad_logp.defined()) {
-      grad_logp = bwd.call(grads[0], saved[3], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toStringRef());
+    const Tensor& count = saved[3];
+    // The kernel backward's scale: grad_mean / count, in the gradient's dtype as a tensor division
+    // would round it; the max / clamp only avoid 0 / 0 (no valid token).
+    std::optional<double> host = host_scalar(grads[0]);
+    if (host && !at::isTensorSubclassLike(count) && count.device().is_cpu()) {
+      const auto n = std::max<int64_t>(*count.const_data_ptr<int64_t>(), 1);
+      host = grads[0].scalar_type() == at::kFloat
+                 ? static_cast<double>(static_cast<float>(*host) / static_cast<float>(n))
+                 : *host / static_cast<double>(n);
+    } else {
+      host.reset();
     }
-    return pair_grads(ctx, grad_logp, 5);
+    auto [grad_logp, grad_ref] = take_dlogp_grads(
+        ctx, [&] { return grads[0] / count.clamp_min(1); }, host, ctx->needs_input_grad(1));
+    if (!grad_logp.defined()) {
+      grad_logp = bwd.call(grads[0], count, saved[0], saved[1], saved[2], ctx->saved_data["kind"].toStringRef());
+    }
+    return pair_grads(ctx, grad_logp, grad_ref, 5);
   }
 };
 
@@ -167,7 +232,7 @@ struct PolicyLoss : torch::autograd::Function<PolicyLoss> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op_handle<PolicyBwd>("megalign::policy_loss_bwd");
     if (!grads[0].defined()) return variable_list(10);
-    Tensor grad_logp = take_scaled_dlogp(ctx, grads[0]);
+    Tensor grad_logp = take_dlogp_grads(ctx, [&] { return grads[0]; }, host_scalar(grads[0]), false).first;
     if (!grad_logp.defined()) {
       const auto saved = ctx->get_saved_variables();
       const auto& data = ctx->saved_data;

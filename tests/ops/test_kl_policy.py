@@ -458,6 +458,41 @@ def test_retained_graph_backward_twice(kernels):
             torch.testing.assert_close(got[0].double(), w, atol=1e-5, rtol=1e-5, msg=f"{name} d/d {which}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("strided", [False, True])
+def test_scalar_upstream_gradients(kernels, dtype, strided):
+    # One upstream value for every token (a masked mean's 0-d gradient; a sum's, expanded with
+    # stride 0) takes the backward's one pass over the forward's dlogp, writing d/d logp in place
+    # and d/d ref_logp beside it: both against the float64 oracle, scale != 1, and an all-masked
+    # mean (count 0: zero gradients, not 0 / 0).
+    logp, old, adv, ref, mask = policy_inputs((6, 301) if not strided else (301, 6), dtype, seed=7)
+    if strided:
+        logp, old, adv, ref, mask = (t.t() for t in (logp, old, adv, ref, mask))
+    cases = {
+        "kl_penalty sum": lambda kl, mm, pl, a, b, m: kl(a, b, "low_var_kl").sum() * -2.5,
+        "masked_mean": lambda kl, mm, pl, a, b, m: mm(a, b, m, "k3") * 0.75,
+        "masked_mean, none valid": lambda kl, mm, pl, a, b, m: mm(a, b, torch.zeros_like(m), "k3") * 3.0,
+        "policy_loss sum": lambda kl, mm, pl, a, b, m: pl(a, old.to(a.dtype), adv.to(a.dtype), m, 0.2, 0.28, 3.0,
+                                                          0.1, b.detach())[0].sum() * 1.5,
+    }
+    for name, fn in cases.items():
+        a, b = logp.clone().requires_grad_(), ref.clone().requires_grad_()
+        got = torch.autograd.grad(fn(kl_penalty, kl_penalty_masked_mean, policy_loss, a, b, mask), (a, b),
+                                  allow_unused=True)
+        a64, b64 = logp.double().requires_grad_(), ref.double().requires_grad_()
+        want = torch.autograd.grad(fn(ref_kl.kl_penalty, ref_kl.kl_penalty_masked_mean, ref_pl.policy_loss,
+                                      a64, b64, mask), (a64, b64), allow_unused=True)
+        for g, w, which in zip(got, want, ("logp", "ref_logp")):
+            if w is None:
+                assert g is None, f"{name} d/d {which}"
+                continue
+            assert g.dtype == dtype and g.shape == logp.shape, f"{name} d/d {which}"
+            tol = TOL[torch.float64] if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{name} d/d {which}: {m}")
+        if name.startswith("masked_mean"):
+            torch.testing.assert_close(got[1], -got[0], rtol=0, atol=0)
+
+
 # ---- gradcheck and opcheck --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -29,8 +29,11 @@ enum class KlKind : int { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3, kLowVarKl = 4 };
 
 
 // e^x - 1 and the excess e^x - 1 - x (k3's core), both accurate near x = 0 where the excess is
-// x^2/2 + ...: fp32 uses the Taylor series x^2 (1/2 + x/6 + ... + x^6/8!) for |x| < ln2/2 and
-// exp_acc elsewhere (branch-free); fp64 uses libm's expm1. The excess never rounds below 0.
+// x^2/2 + ...: fp32 reduces x = k ln2 + r once (exp_reduced_tail, math/exp.h); at k = 0
+// (|x| < ln2/2, then r = x exactly) em1 = r + tail and excess = tail = r^2 P(r), with no
+// cancellation, and elsewhere em1 = 2^k e^r - 1, excess = em1 - x. fp64 uses libm's expm1. The
+// excess never rounds below 0. One range reduction and one polynomial for both cases, with no
+// branch: the vector kernels' loops are bound by the length of this chain of operations.
 template <typename A>
 struct Expm1Split {
   A em1;
@@ -39,17 +42,17 @@ struct Expm1Split {
 
 template <typename A>  // float or an fp32 vector
 MEGALIGN_HD_INLINE Expm1Split<A> expm1_split_f32(A x) {
-  A q = A(1.0f / 40320.0f);
-  q = q * x + A(1.0f / 5040.0f);
-  q = q * x + A(1.0f / 720.0f);
-  q = q * x + A(1.0f / 120.0f);
-  q = q * x + A(1.0f / 24.0f);
-  q = q * x + A(1.0f / 6.0f);
-  q = q * x + A(0.5f);
-  const A small_excess = x * x * q;
-  const A big_em1 = exp_acc(x) - A(1.0f);
-  const mask_of<A> small = (x > A(-0.34657359f)) & (x < A(0.34657359f));
-  return {select_acc(small, x + small_excess, big_em1), select_acc(small, small_excess, big_em1 - x)};
+  const A xc = select_acc(x < A(kExpLo), A(kExpLo), select_acc(x > A(kExpHi), A(kExpHi), x));
+  A kf, r;
+  const A tail = exp_reduced_tail(xc, kf, r);
+  const A em1_r = tail + r;  // e^r - 1
+  // 2^k e^r = (2 e^r) 2^(k-1): k - 1 in [-127, 127] is a float exponent for every k of the
+  // clamped range (at k = -126 the factor is +0 and em1 = -1, which e^x - 1 rounds to there).
+  const A twice_exp_r = em1_r * A(2.0f) + A(2.0f);
+  const A em1_big = twice_exp_r * float_from_int_bits((to_int_bits(kf) + 126) << 23) - A(1.0f);
+  const A em1_wide = select_acc(x > A(kExpHi), A(std::numeric_limits<float>::infinity()), em1_big);
+  const mask_of<A> small = kf == A(0.0f);
+  return {select_acc(small, em1_r, em1_wide), select_acc(small, tail, em1_wide - x)};
 }
 MEGALIGN_HD_INLINE Expm1Split<float> expm1_split(float x) { return expm1_split_f32(x); }
 MEGALIGN_HD_INLINE Expm1Split<double> expm1_split(double x) {

@@ -62,7 +62,7 @@ MEGALIGN_HD_INLINE PolicyToken<A> policy_token(A logp, A old_logp, A adv, bool h
   const A bound = A(kPolicyLogRatioBound);
   const A diff = logp - old_logp;
   const A log_ratio = clamp_acc(diff, -bound, bound);
-  const A ratio = exp_acc(log_ratio);
+  const A ratio = exp_bounded(log_ratio);  // |log_ratio| <= 20
   const A surr1 = -adv * ratio;
   const A surr2 = -adv * clamp_acc(ratio, A(1) - p.eps_low, A(1) + p.eps_high);
   const mask_of<A> clipped = surr2 > surr1;
