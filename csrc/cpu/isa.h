@@ -39,7 +39,7 @@ struct IsaKernels {
   void (*kl_masked_mean_fwd)(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void* dlogp);
   void (*kl_masked_mean_bwd)(const KlArgs& a, const KlMaskArg& m, const void* grad_mean,
                              const int64_t* count, void* grad_logp);
-  void (*policy_loss_fwd)(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp);
+  void (*policy_loss_fwd)(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp, double* loss_sum);
   void (*policy_loss_bwd)(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp);
 };
 

@@ -11,6 +11,7 @@
 
 #include "megalign/kl_policy_common.h"
 #include "megalign/math/kl.h"
+#include "megalign/math/policy.h"
 
 namespace megalign::cpu::detail {
 
@@ -47,6 +48,16 @@ P parallel_reduce_chunks(int64_t rows, int64_t cols, Fn&& fn) {
   for (const P& p : parts) total.merge(p);
   return total;
 }
+
+// The CPU policy forward's partial: the statistics and the sum of the per-token loss over valid
+// tokens (policy_loss_fwd's loss_sum, the reduced loss).
+struct PolicyCpuPartial : PolicyPartial<double> {
+  double loss = 0;
+  void merge(const PolicyCpuPartial& o) {
+    PolicyPartial<double>::merge(o);
+    loss += o.loss;
+  }
+};
 
 // Invokes fn(std::integral_constant<KlKind, kind>{}) so the per-element switch folds away.
 template <typename Fn>

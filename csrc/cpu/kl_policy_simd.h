@@ -161,23 +161,26 @@ inline PolicyCoeffs<Vec> vector_coeffs(const PolicyLossArgs& a) {
   return {Vec(p.eps_low), Vec(p.eps_high), Vec(p.dual_clip), Vec(p.beta)};
 }
 
-// dlogp (null: not wanted) receives d loss / d logp per token (0 at masked tokens).
+// dlogp (null: not wanted) receives d loss / d logp per token (0 at masked tokens); loss (null:
+// not wanted) the per-token loss, whose sum over valid tokens the partial always holds.
 template <typename T, typename M, bool HasRef>
-PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss, float* dlogp) {
+detail::PolicyCpuPartial policy_fwd(const PolicyLossArgs& a, float* loss, float* dlogp) {
   using simd::MEGALIGN_ISA::vmax;
   using simd::MEGALIGN_ISA::vmin;
   const PolicyCoeffs<Vec> p = vector_coeffs(a);
-  return detail::parallel_reduce_chunks<PolicyPartial<double>>(
-      a.rows, a.cols, [&](PolicyPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+  return detail::parallel_reduce_chunks<detail::PolicyCpuPartial>(
+      a.rows, a.cols, [&](detail::PolicyCpuPartial& part, int64_t r, int64_t c0, int64_t c1) {
         const PolicyChunk<T, M> in(a, r, c0);
-        float* o = loss + r * a.cols + c0;
+        float* o = loss ? loss + r * a.cols + c0 : nullptr;
         float* d = dlogp ? dlogp + r * a.cols + c0 : nullptr;
         i32v count{}, clipped{}, dual{};
-        Vec neg_log_ratio(0.0f), kl(0.0f), ratio_min(1e30f), ratio_max(0.0f);
+        Vec neg_log_ratio(0.0f), kl(0.0f), loss_sum(0.0f), ratio_min(1e30f), ratio_max(0.0f);
         for_vectors(c1 - c0, [&](int64_t j, auto len) {
           const Mask valid = ld_mask(in.mask + j, len);
           const PolicyToken<Vec> t = in.template token<HasRef>(j, len, p);
-          st(o + j, select_acc(valid, t.loss, Vec(0.0f)), len);
+          const Vec l = select_acc(valid, t.loss, Vec(0.0f));
+          if (o) st(o + j, l, len);
+          loss_sum += l;
           if (d) st(d + j, select_acc(valid, t.dlogp, Vec(0.0f)), len);
           const Mask valid_clipped = valid & t.clipped;
           const Mask valid_dual = valid & t.dual_clipped;
@@ -189,7 +192,7 @@ PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss, float* dl
           ratio_min = select_acc(valid, vmin(ratio_min, t.ratio), ratio_min);
           ratio_max = select_acc(valid, vmax(ratio_max, t.ratio), ratio_max);
         });
-        PolicyPartial<double> chunk;
+        detail::PolicyCpuPartial chunk;
         chunk.count = simd::MEGALIGN_ISA::hcount(count);
         chunk.clipped = simd::MEGALIGN_ISA::hcount(clipped);
         chunk.dual_clipped = simd::MEGALIGN_ISA::hcount(dual);
@@ -197,6 +200,7 @@ PolicyPartial<double> policy_fwd(const PolicyLossArgs& a, float* loss, float* dl
         chunk.kl = simd::MEGALIGN_ISA::hsum(kl);
         chunk.ratio_min = simd::MEGALIGN_ISA::hmin(ratio_min);
         chunk.ratio_max = simd::MEGALIGN_ISA::hmax(ratio_max);
+        chunk.loss = simd::MEGALIGN_ISA::hsum(loss_sum);
         part.merge(chunk);
       });
 }
@@ -271,13 +275,14 @@ void kl_masked_mean_bwd(const KlArgs& a, const KlMaskArg& m, const void* grad_me
   });
 }
 
-void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp) {
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp, double* loss_sum) {
   dispatch_f32_lanes(a.dtype, "policy_loss_fwd", [&](auto t) {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
       dispatch_bool(a.ref_logp.data != nullptr, [&](auto has_ref) {
-        policy_fwd<decltype(t), mask_t, decltype(has_ref)::value>(a, static_cast<float*>(loss),
-                                                                   static_cast<float*>(dlogp))
-            .finalize(stats);
+        const detail::PolicyCpuPartial total = policy_fwd<decltype(t), mask_t, decltype(has_ref)::value>(
+            a, static_cast<float*>(loss), static_cast<float*>(dlogp));
+        total.finalize(stats);
+        if (loss_sum) *loss_sum = total.loss;
       });
     });
   });

@@ -1,6 +1,7 @@
-// CPU kernels of the fused policy loss: one pass writes the per-token loss and accumulates the
-// statistics (per-chunk partials merged in order); the backward recomputes each token from the
-// inputs (math/policy.h) and writes grad_logp, so no [rows, cols] intermediate is ever stored.
+// CPU kernels of the fused policy loss: one pass writes the per-token loss (or only sums it) and
+// accumulates the statistics (per-chunk partials merged in order); the backward recomputes each
+// token from the inputs (math/policy.h) and writes grad_logp, so no [rows, cols] intermediate is
+// ever stored.
 // fp32 / bf16 / fp16 operands that are unit-stride within rows run the vector kernels of the
 // CPU's ISA (kl_policy_simd.h, chosen at run time: isa.h); fp64 and other strided layouts run
 // the scalar loops below.
@@ -45,14 +46,14 @@ MEGALIGN_HD_INLINE PolicyToken<acc_t<T>> token_at(const PolicyLossArgs& a, const
 constexpr int64_t kStatBlock = 512;
 
 template <typename T, typename M, bool Dense, bool HasRef>
-PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>* dlogp) {
+detail::PolicyCpuPartial fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>* dlogp) {
   using A = acc_t<T>;
   const PolicyCoeffs<A> p = policy_coeffs<A>(a);
-  return detail::parallel_reduce_chunks<PolicyPartial<double>>(
-      a.rows, a.cols, [&](PolicyPartial<double>& part, int64_t r, int64_t c0, int64_t c1) {
+  return detail::parallel_reduce_chunks<detail::PolicyCpuPartial>(
+      a.rows, a.cols, [&](detail::PolicyCpuPartial& part, int64_t r, int64_t c0, int64_t c1) {
         A v_count[kStatBlock], v_clipped[kStatBlock], v_dual[kStatBlock], v_nlr[kStatBlock], v_kl[kStatBlock],
-            v_min[kStatBlock], v_max[kStatBlock];
-        A count = 0, clipped = 0, dual = 0, neg_log_ratio = 0, kl = 0;
+            v_min[kStatBlock], v_max[kStatBlock], v_loss[kStatBlock];
+        A count = 0, clipped = 0, dual = 0, neg_log_ratio = 0, kl = 0, loss_sum = 0;
         A ratio_min = A(1e30), ratio_max = A(0);
         for (int64_t b0 = c0; b0 < c1; b0 += kStatBlock) {
           const int64_t len = std::min(kStatBlock, c1 - b0);
@@ -60,7 +61,8 @@ PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>
             const int64_t c = b0 + j;
             const bool valid = load_valid<M>(a.mask, offset<Dense>(a.mask, r, c, a.cols));
             const PolicyToken<A> t = token_at<T, Dense, HasRef>(a, p, r, c);
-            loss[r * a.cols + c] = select_acc(valid, t.loss, A(0));
+            v_loss[j] = select_acc(valid, t.loss, A(0));
+            if (loss) loss[r * a.cols + c] = v_loss[j];
             if (dlogp) dlogp[r * a.cols + c] = select_acc(valid, t.dlogp, A(0));
             v_count[j] = select_acc(valid, A(1), A(0));
             v_clipped[j] = select_acc(valid & t.clipped, A(1), A(0));
@@ -70,7 +72,7 @@ PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>
             v_min[j] = select_acc(valid, t.ratio, A(1e30));
             v_max[j] = select_acc(valid, t.ratio, A(0));
           }
-#pragma omp simd reduction(+ : count, clipped, dual, neg_log_ratio, kl) reduction(min : ratio_min) \
+#pragma omp simd reduction(+ : count, clipped, dual, neg_log_ratio, kl, loss_sum) reduction(min : ratio_min) \
     reduction(max : ratio_max)
           for (int64_t j = 0; j < len; ++j) {
             count += v_count[j];
@@ -78,11 +80,12 @@ PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>
             dual += v_dual[j];
             neg_log_ratio += v_nlr[j];
             kl += v_kl[j];
+            loss_sum += v_loss[j];
             ratio_min = std::min(ratio_min, v_min[j]);
             ratio_max = std::max(ratio_max, v_max[j]);
           }
         }
-        PolicyPartial<double> chunk;
+        detail::PolicyCpuPartial chunk;
         chunk.count = static_cast<int64_t>(count);
         chunk.clipped = static_cast<int64_t>(clipped);
         chunk.dual_clipped = static_cast<int64_t>(dual);
@@ -90,6 +93,7 @@ PolicyPartial<double> fwd_impl(const PolicyLossArgs& a, acc_t<T>* loss, acc_t<T>
         chunk.kl = kl;
         chunk.ratio_min = ratio_min;
         chunk.ratio_max = ratio_max;
+        chunk.loss = loss_sum;
         part.merge(chunk);
       });
 }
@@ -118,14 +122,17 @@ void dispatch_layout(const PolicyLossArgs& a, Fn&& fn) {
 
 }  // namespace
 
-void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp) {
-  if (vector_ok(a)) return isa_kernels().policy_loss_fwd(a, loss, stats, dlogp);
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp, double* loss_sum) {
+  if (vector_ok(a)) return isa_kernels().policy_loss_fwd(a, loss, stats, dlogp, loss_sum);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
       dispatch_layout(a, [&](auto dense, auto has_ref) {
-        fwd_impl<scalar_t, mask_t, decltype(dense)::value, decltype(has_ref)::value>(
-            a, static_cast<acc_t<scalar_t>*>(loss), static_cast<acc_t<scalar_t>*>(dlogp))
-            .finalize(stats);
+        using A = acc_t<scalar_t>;
+        const detail::PolicyCpuPartial total =
+            fwd_impl<scalar_t, mask_t, decltype(dense)::value, decltype(has_ref)::value>(
+                a, static_cast<A*>(loss), static_cast<A*>(dlogp));
+        total.finalize(stats);
+        if (loss_sum) *loss_sum = total.loss;
       });
     });
   });

@@ -231,6 +231,18 @@ void test_policy(DType dtype, int64_t rows, int64_t cols, double dual_clip, doub
   EXPECT_ULPS(stats[kStatKlMean], kl / count, 2, kEpsFloat, kl / count + sum_ulps * kl_budget / count);
   EXPECT_ULPS(stats[kStatRatioMin], rmin, 2, kEpsFloat, rmin * (4 + std::fabs(std::log(rmin))));
   EXPECT_ULPS(stats[kStatRatioMax], rmax, 2, kEpsFloat, rmax * (4 + std::fabs(std::log(rmax))));
+  // The reduced loss (loss_sum, no per-token loss stored): the sum of the per-token losses above, in
+  // acc_t<T> within a chunk; the statistics are the same.
+  double sum = 0, sum_abs = 0;
+  for (const auto l : loss) {
+    sum += l;
+    sum_abs += std::fabs(l);
+  }
+  double loss_sum = -1;
+  float stats_sum[kNumPolicyStats];
+  cpu::policy_loss_fwd(a, nullptr, stats_sum, nullptr, &loss_sum);
+  EXPECT_ULPS(loss_sum, sum, 2, eps, std::fabs(sum) + sum_ulps * sum_abs * kEpsFloat / eps);
+  for (int i = 0; i < kNumPolicyStats; ++i) EXPECT_CLOSE(stats_sum[i], stats[i], 0, 0);
 }
 
 void test_policy_empty_mask() {
@@ -238,10 +250,12 @@ void test_policy_empty_mask() {
   const StridedView v{lp, 3, 1};
   const PolicyLossArgs a{DType::kFloat32, MaskDType::kFloat32, 1, 3, v, v, v, {zero_mask, 3, 1}, {}, 0.2, 0.2, 3.0, 0.0};
   float loss[3] = {9.f, 9.f, 9.f}, stats[kNumPolicyStats];
-  cpu::policy_loss_fwd(a, loss, stats);
+  double loss_sum = 9.0;
+  cpu::policy_loss_fwd(a, loss, stats, nullptr, &loss_sum);
   const float want[kNumPolicyStats] = {0.f, 0.f, 0.f, 0.f, 1.f, 1.f, 0.f};
   for (int i = 0; i < kNumPolicyStats; ++i) EXPECT_CLOSE(stats[i], want[i], 0, 0);
   for (float l : loss) EXPECT_CLOSE(l, 0.0, 0, 0);
+  EXPECT_CLOSE(loss_sum, 0.0, 0, 0);
 }
 
 }  // namespace

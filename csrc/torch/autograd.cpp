@@ -206,7 +206,7 @@ std::tuple<Tensor, Tensor, Tensor> kl_masked_mean_fwd_autograd(const Tensor& log
 
 using PolicyFwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                      double, double, std::optional<double>, double,
-                                                     const std::optional<Tensor>&, bool);
+                                                     const std::optional<Tensor>&, bool, bool);
 using PolicyBwd = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
                          std::optional<double>, double, const std::optional<Tensor>&);
 
@@ -214,36 +214,39 @@ struct PolicyLoss : torch::autograd::Function<PolicyLoss> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logp, const Tensor& old_logp,
                                const Tensor& advantages, const Tensor& mask, double eps_low, double eps_high,
                                std::optional<double> dual_clip, double beta, const std::optional<Tensor>& ref_logp,
-                               bool with_dlogp) {
+                               bool with_dlogp, bool sum_loss) {
     static const auto fwd = op_handle<PolicyFwd>("megalign::policy_loss_fwd");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [loss, stats, dlogp] =
-        fwd.call(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp);
+    auto [loss, stats, dlogp] = fwd.call(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta,
+                                         ref_logp, with_dlogp, sum_loss);
     ctx->save_for_backward({logp, old_logp, advantages, mask, ref_logp.value_or(Tensor())});
     ctx->saved_data["eps_low"] = eps_low;
     ctx->saved_data["eps_high"] = eps_high;
     ctx->saved_data["dual_clip"] = dual_clip;
     ctx->saved_data["beta"] = beta;
+    ctx->saved_data["sum_loss"] = sum_loss;
     keep_dlogp(ctx, dlogp, with_dlogp, {stats});
     return {loss, stats, dlogp};
   }
 
-  // d loss / d logp only: old_logp, advantages and ref_logp are constants of the RL step.
+  // d loss / d logp only: old_logp, advantages and ref_logp are constants of the RL step. A summed
+  // loss's 0-d gradient is every token's upstream gradient.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op_handle<PolicyBwd>("megalign::policy_loss_bwd");
-    if (!grads[0].defined()) return variable_list(10);
+    if (!grads[0].defined()) return variable_list(11);
     Tensor grad_logp = take_dlogp_grads(ctx, [&] { return grads[0]; }, host_scalar(grads[0]), false).first;
     if (!grad_logp.defined()) {
       const auto saved = ctx->get_saved_variables();
       const auto& data = ctx->saved_data;
       const c10::IValue& dual_clip = data.at("dual_clip");
-      grad_logp = bwd.call(grads[0], saved[0], saved[1], saved[2], saved[3], data.at("eps_low").toDouble(),
+      const Tensor grad = data.at("sum_loss").toBool() ? grads[0].expand(saved[0].sizes()) : grads[0];
+      grad_logp = bwd.call(grad, saved[0], saved[1], saved[2], saved[3], data.at("eps_low").toDouble(),
                            data.at("eps_high").toDouble(),
                            dual_clip.isNone() ? std::nullopt : std::optional<double>(dual_clip.toDouble()),
                            data.at("beta").toDouble(),
                            saved[4].defined() ? std::optional<Tensor>(saved[4]) : std::nullopt);
     }
-    variable_list out(10);
+    variable_list out(11);
     out[0] = grad_logp;
     return out;
   }
@@ -253,9 +256,10 @@ std::tuple<Tensor, Tensor, Tensor> policy_loss_fwd_autograd(const Tensor& logp, 
                                                             const Tensor& advantages, const Tensor& mask,
                                                             double eps_low, double eps_high,
                                                             std::optional<double> dual_clip, double beta,
-                                                            const std::optional<Tensor>& ref_logp, bool with_dlogp) {
+                                                            const std::optional<Tensor>& ref_logp, bool with_dlogp,
+                                                            bool sum_loss) {
   auto out = PolicyLoss::apply(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp,
-                               with_dlogp);
+                               with_dlogp, sum_loss);
   return {out[0], out[1], out[2]};
 }
 

@@ -214,19 +214,29 @@ inline PolicyCall prepare_policy(const at::Tensor& logp, const at::Tensor& old_l
   return call;
 }
 
-// launch(args, loss, stats, dlogp); returns (per-token loss, fp32 stats[kNumPolicyStats], dlogp).
-template <typename Launch>
+// launch(args, loss, stats, dlogp, loss_sum); returns (loss, fp32 stats[kNumPolicyStats], dlogp).
+// loss is the per-token loss, or with sum_loss its sum over the valid tokens (0-d, acc dtype).
+// A launcher that reduces it in its own pass (FusedSum: the CPU kernels) then gets loss ==
+// nullptr and writes loss_sum, so no per-token loss is stored; the others (loss_sum == nullptr)
+// write the per-token loss, which is then summed (0 at masked tokens).
+template <bool FusedSum, typename Launch>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_loss_fwd_glue(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
     double eps_low, double eps_high, std::optional<double> dual_clip, double beta,
-    const std::optional<at::Tensor>& ref_logp, bool with_dlogp, Launch&& launch) {
+    const std::optional<at::Tensor>& ref_logp, bool with_dlogp, bool sum_loss, Launch&& launch) {
   const PolicyCall call = prepare_policy(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta,
                                          ref_logp, "policy_loss_fwd");
-  at::Tensor loss = at::empty(logp.sizes(), logp.options().dtype(acc_scalar_type(logp)));
+  const auto acc = logp.options().dtype(acc_scalar_type(logp));
   at::Tensor stats = at::empty({kNumPolicyStats}, logp.options().dtype(at::kFloat));
   at::Tensor dlogp = dlogp_output(logp, with_dlogp);
-  launch(call.args, loss.data_ptr(), stats.data_ptr<float>(), dlogp_ptr(dlogp));
-  return {loss, stats, dlogp};
+  if (sum_loss && FusedSum) {
+    double total = 0.0;
+    launch(call.args, nullptr, stats.data_ptr<float>(), dlogp_ptr(dlogp), &total);
+    return {at::scalar_tensor(total, acc), stats, dlogp};
+  }
+  at::Tensor loss = at::empty(logp.sizes(), acc);
+  launch(call.args, loss.data_ptr(), stats.data_ptr<float>(), dlogp_ptr(dlogp), nullptr);
+  return {sum_loss ? loss.sum() : loss, stats, dlogp};
 }
 
 // launch(args, grad_view, grad_logp)

@@ -26,9 +26,9 @@ backward only scales that buffer in place by the upstream gradient: one evaluati
 estimator per token instead of two, and no fresh buffer for grad_logp; with one upstream value
 (a masked mean, or a sum) d/d ref_logp is written in that same pass. A second backward through
 a retained graph recomputes it with the backward kernel. The kernels' autograd is C++
-(`csrc/torch/autograd.cpp`: no Python autograd function around a sub-millisecond op). The masked mean reads `mask` (bool, uint8, int32, int64 or float; nonzero = valid token,
-never a weight) in the same single pass; with no valid token it returns 0, not NaN, and zero
-gradients.
+(`csrc/torch/autograd.cpp`: no Python autograd function around a sub-millisecond op). The masked
+mean reads `mask` (bool, uint8, int32, int64 or float; nonzero = valid token, never a weight) in
+the same single pass; with no valid token it returns 0, not NaN, and zero gradients.
 """
 from __future__ import annotations
 

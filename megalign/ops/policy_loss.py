@@ -1,7 +1,7 @@
 """Fused per-token PPO/GRPO policy loss with its statistics, in one pass over the tokens.
 
     policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=None, dual_clip=None,
-                beta=0.0, ref_logp=None) -> (loss [*], PolicyLossStats)
+                beta=0.0, ref_logp=None, reduction="none") -> (loss [*] or [], PolicyLossStats)
 
 Per token (verl's `compute_policy_loss`; PPO, Schulman et al. 2017; clip-higher eps_high from
 DAPO, Yu et al. 2025; dual clip from Ye et al. 2020, verl's clip_ratio_c; KL term as in GRPO,
@@ -13,7 +13,13 @@ Shao et al. 2024):
     loss = l + beta * k3(logp, ref_logp)            (k3 as in megalign.ops.kl_penalty)
 
 `loss` is 0 at masked tokens (mask == 0); aggregate it as you like, e.g. verl's token-mean
-`loss.sum() / stats.count.clamp(min=1)`. The statistics (PolicyLossStats: count, clip_frac,
+`loss.sum() / stats.count.clamp(min=1)`, or let the op reduce it (`reduction`, as in torch's
+losses): "sum" gives the 0-d sum over valid tokens (for a token-mean over a global count, as the
+trainers' `aggregate_loss` divides it), "mean" that sum / stats.count.clamp(min=1) (verl's
+token-mean over this call's tokens; 0 with no valid token). On the CPU kernels a reduced loss is
+summed in the same pass and no per-token loss is stored (its [*] write and the separate sum are
+what make verl's compute_policy_loss return a scalar cheaply); on CUDA the op sums its per-token
+loss. The statistics (PolicyLossStats: count, clip_frac,
 dual_clip_frac, approx_kl, ratio_min, ratio_max, kl_mean) are reduced in the same kernel pass
 and returned as 0-d fp32 tensors without a host sync; an all-masked input gives count 0 and
 finite defaults. kl_mean is computed whenever ref_logp is given, even with beta = 0.
@@ -44,7 +50,9 @@ from megalign.ops.reference.kl_penalty import acc_dtype
 from megalign.ops.reference.policy_loss import PolicyLossStats
 from megalign.ops.reference.policy_loss import policy_loss as reference_policy_loss
 
-__all__ = ["policy_loss", "PolicyLossStats"]
+__all__ = ["policy_loss", "PolicyLossStats", "REDUCTIONS"]
+
+REDUCTIONS = ("none", "sum", "mean")
 
 _STATS = len(PolicyLossStats._fields)
 
@@ -64,24 +72,35 @@ def _check_coefficients(eps_low, eps_high, dual_clip, beta, ref_logp) -> None:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
-                beta: float = 0.0, ref_logp: torch.Tensor | None = None
+                beta: float = 0.0, ref_logp: torch.Tensor | None = None, reduction: str = "none"
                 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """Per-token clipped policy loss [*] (0 at masked tokens) and its PolicyLossStats; see the module docstring."""
+    """Clipped policy loss, per token [*] (0 at masked tokens) or reduced to [] (`reduction`), and its
+    PolicyLossStats; see the module docstring."""
     eps_high = eps_low if eps_high is None else eps_high
     _check_coefficients(eps_low, eps_high, dual_clip, beta, ref_logp)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"policy_loss: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     check_operands("policy_loss", logp, mask=mask, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp)
     if not _backend.use_kernels(logp):
-        return reference_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp)
-    loss, stats, _ = torch.ops.megalign.policy_loss_fwd(
-        logp, old_logp, advantages, mask, float(eps_low), float(eps_high),
-        None if dual_clip is None else float(dual_clip), float(beta), ref_logp, wants_dlogp(logp))
-    return loss, PolicyLossStats.from_tensor(stats)
+        loss, stats = reference_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta,
+                                            ref_logp)
+        loss = loss if reduction == "none" else loss.sum()
+    else:
+        loss, stats, _ = torch.ops.megalign.policy_loss_fwd(
+            logp, old_logp, advantages, mask, float(eps_low), float(eps_high),
+            None if dual_clip is None else float(dual_clip), float(beta), ref_logp, wants_dlogp(logp),
+            reduction != "none")
+        stats = PolicyLossStats.from_tensor(stats)
+    if reduction == "mean":
+        loss = loss / stats.count.clamp(min=1).to(loss.dtype)
+    return loss, stats
 
 
 def _register() -> None:
     @torch.library.register_fake("megalign::policy_loss_fwd")
-    def _(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp=False):
-        return (logp.new_empty(logp.shape, dtype=acc_dtype(logp.dtype)),
+    def _(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, with_dlogp=False,
+          sum_loss=False):
+        return (logp.new_empty(() if sum_loss else logp.shape, dtype=acc_dtype(logp.dtype)),
                 logp.new_empty((_STATS,), dtype=torch.float32),
                 logp.new_empty(logp.shape if with_dlogp else (0,), dtype=acc_dtype(logp.dtype)))
 

@@ -321,6 +321,61 @@ def test_policy_loss_all_masked_row(kernels):
     check_policy(logp, old, adv, mask, ref, POLICY_CONFIGS[2], torch.float32)
 
 
+def reduce_loss(loss, stats, reduction):
+    """The per-token loss reduced as policy_loss's `reduction` defines it (module doc)."""
+    total = loss.sum()
+    return total if reduction == "sum" else total / stats.count.clamp(min=1).to(total.dtype)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["dense", "strided", "empty", "all_masked"])
+def test_policy_loss_reductions(kernels, reduction, dtype, layout):
+    """reduction="sum" / "mean" (the CPU kernels sum in the pass, no per-token loss stored) against the
+    float64 oracle's per-token loss reduced the same way: value, d/d logp for an upstream gradient that
+    is not 1, statistics; the recompute path (a second backward) gives the same gradient."""
+    shape = {"dense": (5, 300), "strided": (6, 130), "empty": (0, 4), "all_masked": (3, 20)}[layout]
+    logp, old, adv, ref, mask = policy_inputs(shape, dtype, seed=11)
+    if layout == "strided":
+        logp, old, adv, ref, mask = (t[:, 1::2] for t in (logp, old, adv, ref, mask))
+    if layout == "all_masked":
+        mask = torch.zeros_like(mask)
+    cfg = (0.2, 0.28, 3.0, 0.04)
+
+    def run(fn, cast=None, reduced=True, twice=False, **kw):
+        lp = logp.detach().to(cast or dtype).requires_grad_()
+        old_, adv_, ref_ = (t.to(cast or dtype) for t in (old, adv, ref))
+        if reduced:
+            loss, st = fn(lp, old_, adv_, mask, *cfg, ref_, reduction=reduction)
+        else:
+            per_token, st = fn(lp, old_, adv_, mask, *cfg, ref_, **kw)
+            loss = reduce_loss(per_token, st, reduction)
+        upstream = torch.tensor(0.7, dtype=loss.dtype)
+        (grad,) = torch.autograd.grad(loss, lp, upstream, retain_graph=twice)
+        if twice:
+            (again,) = torch.autograd.grad(loss, lp, upstream)
+            torch.testing.assert_close(again, grad, **TOL[dtype])
+        return loss.detach(), grad, st
+
+    got = run(policy_loss, twice=True)
+    assert got[0].shape == () and got[0].dtype == ref_kl.acc_dtype(dtype) and got[1].dtype == dtype
+    oracle = run(ref_pl.policy_loss, torch.float64, reduced=False)
+    eager = run(ref_pl.policy_loss, reduced=False, compute_dtype=torch.float32)
+    per_token, _ = ref_pl.policy_loss(*(t.double() for t in (logp, old, adv)), mask, *cfg, ref.double())
+    magnitude = per_token.abs().sum().item() / (1 if reduction == "sum" else max(int((mask != 0).sum()), 1))
+    check_vs_oracle("reduced loss", got[0], oracle[0], eager[0], dtype, scale=magnitude or None)
+    check_vs_oracle("d/d logp", got[1], oracle[1], eager[1], dtype)
+    compare_stats(got[2], oracle[2], dict(atol=1e-5, rtol=1e-5))
+    if layout == "all_masked" or layout == "empty":
+        assert got[0].item() == 0 and (got[1] == 0).all()
+
+
+def test_policy_loss_bad_reduction():
+    logp, old, adv, ref, mask = policy_inputs((2, 3), torch.float32)
+    with pytest.raises(ValueError, match="reduction must be one of none, sum, mean, got 'token-mean'"):
+        policy_loss(logp, old, adv, mask, reduction="token-mean")
+
+
 def test_policy_loss_constant_inputs_get_no_grad(kernels):
     logp, old, adv, ref, mask = policy_inputs((2, 9), torch.float32)
     logp.requires_grad_()
@@ -508,8 +563,10 @@ def test_kl_gradcheck(kernels, kind):
 def test_policy_gradcheck(kernels, cfg):
     logp, old, adv, ref, mask = policy_inputs((3, 6), torch.float64, seed=7)
     lo, hi, c, beta, with_ref = cfg
-    fn = lambda x: policy_loss(x, old, adv, mask, lo, hi, c, beta, ref if with_ref else None)[0]  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (logp.requires_grad_(),))
+    for reduction in ("none", "mean"):
+        fn = lambda x: policy_loss(x, old, adv, mask, lo, hi, c, beta, ref if with_ref else None,  # noqa: E731
+                                   reduction=reduction)[0]
+        assert torch.autograd.gradcheck(fn, (logp.detach().requires_grad_(),))
 
 
 def test_opcheck(kernels):
@@ -532,6 +589,9 @@ def test_opcheck(kernels):
     torch.library.opcheck(ops.kl_masked_mean_bwd, (torch.ones(()), count, logp, ref, mask, "k2"))
     torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref))
     torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.2, None, 0.0, None))
+    torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref, True, True),
+                          test_utils=dlogp_checks)
+    torch.library.opcheck(ops.policy_loss_fwd, (lp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref, False, True))
     torch.library.opcheck(ops.policy_loss_bwd, (torch.ones(3, 8), logp, old, adv, mask, 0.2, 0.28, 3.0, 0.1, ref))
 
 

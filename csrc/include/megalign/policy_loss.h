@@ -41,8 +41,11 @@ namespace megalign::cpu {
 
 // With dlogp (dense, acc_t<T>; null: not wanted) the same pass also writes d loss / d logp per
 // token (0 at masked tokens): the backward's gradient per unit upstream gradient, which the
-// backward then only scales.
-void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp = nullptr);
+// backward then only scales. With loss_sum (null: not wanted) it also writes the sum of the
+// per-token loss over the valid tokens (accumulated in acc_t<T> within a chunk, in double across
+// chunks, in chunk order); loss may then be null, and the per-token loss is not stored at all.
+void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* dlogp = nullptr,
+                     double* loss_sum = nullptr);
 // grad is acc_t<T>, viewed like the inputs (autograd often hands a stride-0 expansion).
 void policy_loss_bwd(const PolicyLossArgs& a, const StridedView& grad, void* grad_logp);
 

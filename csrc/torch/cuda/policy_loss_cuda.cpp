@@ -14,16 +14,17 @@ using namespace megalign::torch_glue;
 std::tuple<at::Tensor, at::Tensor, at::Tensor> policy_loss_fwd_cuda(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages, const at::Tensor& mask,
     double eps_low, double eps_high, std::optional<double> dual_clip, double beta,
-    const std::optional<at::Tensor>& ref_logp, bool with_dlogp) {
+    const std::optional<at::Tensor>& ref_logp, bool with_dlogp, bool sum_loss) {
   check_no_dlogp(with_dlogp, "policy_loss_fwd");
   const c10::cuda::CUDAGuard guard(logp.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  return policy_loss_fwd_glue(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, false,
-                              [&](const PolicyLossArgs& a, void* loss, float* stats, void*) {
-                                const int64_t bytes = cuda::policy_loss_workspace_bytes(a.rows, a.cols, a.dtype);
-                                at::Tensor workspace = at::empty({bytes}, logp.options().dtype(at::kByte));
-                                cuda::policy_loss_fwd(a, loss, stats, workspace.data_ptr(), stream);
-                              });
+  return policy_loss_fwd_glue<false>(
+      logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip, beta, ref_logp, false, sum_loss,
+      [&](const PolicyLossArgs& a, void* loss, float* stats, void*, double*) {
+        const int64_t bytes = cuda::policy_loss_workspace_bytes(a.rows, a.cols, a.dtype);
+        at::Tensor workspace = at::empty({bytes}, logp.options().dtype(at::kByte));
+        cuda::policy_loss_fwd(a, loss, stats, workspace.data_ptr(), stream);
+      });
 }
 
 at::Tensor policy_loss_bwd_cuda(const at::Tensor& grad, const at::Tensor& logp, const at::Tensor& old_logp,
