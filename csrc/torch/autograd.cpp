@@ -224,13 +224,13 @@ struct PolicyLoss : torch::autograd::Function<PolicyLoss> {
     ctx->saved_data["eps_high"] = eps_high;
     ctx->saved_data["dual_clip"] = dual_clip;
     ctx->saved_data["beta"] = beta;
-    ctx->saved_data["sum_loss"] = sum_loss;
     keep_dlogp(ctx, dlogp, with_dlogp, {stats});
     return {loss, stats, dlogp};
   }
 
-  // d loss / d logp only: old_logp, advantages and ref_logp are constants of the RL step. A summed
-  // loss's 0-d gradient is every token's upstream gradient.
+  // d loss / d logp only: old_logp, advantages and ref_logp are constants of the RL step. The
+  // gradient expanded to logp's shape is itself for a per-token loss and, for a summed loss's 0-d
+  // gradient, every token's upstream gradient.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op_handle<PolicyBwd>("megalign::policy_loss_bwd");
     if (!grads[0].defined()) return variable_list(11);
@@ -239,8 +239,7 @@ struct PolicyLoss : torch::autograd::Function<PolicyLoss> {
       const auto saved = ctx->get_saved_variables();
       const auto& data = ctx->saved_data;
       const c10::IValue& dual_clip = data.at("dual_clip");
-      const Tensor grad = data.at("sum_loss").toBool() ? grads[0].expand(saved[0].sizes()) : grads[0];
-      grad_logp = bwd.call(grad, saved[0], saved[1], saved[2], saved[3], data.at("eps_low").toDouble(),
+      grad_logp = bwd.call(grads[0].expand(saved[0].sizes()), saved[0], saved[1], saved[2], saved[3], data.at("eps_low").toDouble(),
                            data.at("eps_high").toDouble(),
                            dual_clip.isNone() ? std::nullopt : std::optional<double>(dual_clip.toDouble()),
                            data.at("beta").toDouble(),

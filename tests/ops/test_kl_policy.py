@@ -366,7 +366,7 @@ def test_policy_loss_reductions(kernels, reduction, dtype, layout):
     check_vs_oracle("reduced loss", got[0], oracle[0], eager[0], dtype, scale=magnitude or None)
     check_vs_oracle("d/d logp", got[1], oracle[1], eager[1], dtype)
     compare_stats(got[2], oracle[2], dict(atol=1e-5, rtol=1e-5))
-    if layout == "all_masked" or layout == "empty":
+    if layout in ("all_masked", "empty"):
         assert got[0].item() == 0 and (got[1] == 0).all()
 
 
