@@ -27,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <utility>
 
 #include "megalign/common.h"
 #include "megalign/math/exp.h"
@@ -42,16 +43,25 @@ typedef uint32_t u32v __attribute__((vector_size(4 * W)));
 typedef uint16_t u16v __attribute__((vector_size(2 * W)));
 typedef int16_t i16v __attribute__((vector_size(2 * W)));
 typedef uint8_t u8v __attribute__((vector_size(W)));
-typedef int64_t i64v __attribute__((vector_size(8 * W)));
-typedef double f64v __attribute__((vector_size(8 * W)));
 
 #define MEGALIGN_SIMD_FN inline __attribute__((always_inline))
 
+// Full-vector loads and stores at any element alignment, through a may_alias vector type of the
+// element's alignment: a plain vector move in the kernel's ISA. A memcpy of the vector is expanded
+// too early, in these baseline-target helpers: GCC 12 took the 8-lane stores of the avx2 kernels
+// through the stack (the vector stored, reloaded as two 64-bit halves, reassembled, stored again:
+// store-forwarding stalls, 2.3x the time of torch.add for a k1 kl_penalty) and left two dead
+// 64-byte stack stores a vector in the avx512 loops.
+template <typename V, typename T>
+using unaligned_t [[gnu::may_alias, gnu::aligned(alignof(T))]] = V;
+
 template <typename V, typename T>
 MEGALIGN_SIMD_FN V load_raw(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
+  return *reinterpret_cast<const unaligned_t<V, T>*>(p);
+}
+template <typename V, typename T>
+MEGALIGN_SIMD_FN void store_raw(T* p, V v) {
+  *reinterpret_cast<unaligned_t<V, T>*>(p) = v;
 }
 
 // a `op` b lane by lane as an all-ones / zero integer vector (what the vector extension's `a < b`
@@ -186,17 +196,31 @@ MEGALIGN_SIMD_FN Vec load(const fp16* p) {
 
 // ---- token masks: a lane is valid where the element is nonzero (kl_policy_common.h's rule)
 
+// Widened in two steps: GCC 12 lowers a one-step u8 -> i32 __builtin_convertvector to one byte
+// load and one vpinsrd a lane (a bool mask made kl_masked_mean 3x slower than a float one), but
+// each 2x step to vpmovzx.
 MEGALIGN_SIMD_FN Mask load_mask(const uint8_t* p) {
-  return Mask(nonzero(__builtin_convertvector(load_raw<u8v>(p), i32v)));
+  return Mask(nonzero(__builtin_convertvector(__builtin_convertvector(load_raw<u8v>(p), u16v), i32v)));
 }
 MEGALIGN_SIMD_FN Mask load_mask(const int32_t* p) { return Mask(nonzero(load_raw<i32v>(p))); }
-MEGALIGN_SIMD_FN Mask load_mask(const int64_t* p) {
-  return Mask(__builtin_convertvector(nonzero(load_raw<i64v>(p)), i32v));
+// 64-bit masks as two vectors of their 32-bit halves, low halves (even int32 lanes) and high ones
+// (odd) gathered by a two-input shuffle (vpermt2d / vshufps): a 64-bit compare at 8 lanes spans
+// two AVX2 registers, which GCC 12 lowered to one neg / sbb / vpinsrq a lane (and the narrowing
+// __builtin_convertvector to more inserts). An element is nonzero where its bits, less a
+// double's sign bit (-0.0 is zero, NaN is not), are.
+template <size_t Odd, size_t... I>
+MEGALIGN_SIMD_FN i32v half_words(i32v lo, i32v hi, std::index_sequence<I...>) {
+  return __builtin_shufflevector(lo, hi, (2 * I + Odd)...);
 }
+template <typename T>
+MEGALIGN_SIMD_FN Mask load_mask_64(const T* p, int32_t high_bits) {
+  const i32v lo = load_raw<i32v>(p), hi = load_raw<i32v>(p + W / 2);
+  constexpr auto lanes = std::make_index_sequence<W>{};
+  return Mask(nonzero(half_words<0>(lo, hi, lanes) | (half_words<1>(lo, hi, lanes) & high_bits)));
+}
+MEGALIGN_SIMD_FN Mask load_mask(const int64_t* p) { return load_mask_64(p, -1); }
 MEGALIGN_SIMD_FN Mask load_mask(const float* p) { return Mask(nonzero(load_raw<f32v>(p))); }
-MEGALIGN_SIMD_FN Mask load_mask(const double* p) {
-  return Mask(__builtin_convertvector(nonzero(load_raw<f64v>(p)), i32v));
-}
+MEGALIGN_SIMD_FN Mask load_mask(const double* p) { return load_mask_64(p, 0x7FFFFFFF); }
 MEGALIGN_SIMD_FN Mask load_mask_16(const uint16_t* p) {  // bf16 / fp16: only +-0 are zero
   return Mask(__builtin_convertvector(nonzero(load_raw<u16v>(p) & 0x7FFF), i32v));
 }
@@ -205,14 +229,13 @@ MEGALIGN_SIMD_FN Mask load_mask(const fp16* p) { return load_mask_16(reinterpret
 
 // ---- stores of fp32 lanes as W elements of T, rounding to nearest even like common.h's from_acc
 
-MEGALIGN_SIMD_FN void store(float* p, Vec x) { std::memcpy(p, &x.v, sizeof(f32v)); }
+MEGALIGN_SIMD_FN void store(float* p, Vec x) { store_raw(p, x.v); }
 MEGALIGN_SIMD_FN void store(bf16* p, Vec x) {
   u32v u = reinterpret_cast<u32v>(x.v);
   const i32v nan = compare(u & 0x7FFFFFFFu, u32v{} + 0x7F800000u, std::greater<>{});
   const u32v rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   u = (reinterpret_cast<u32v>(nan) & ((u >> 16) | 0x40u)) | (~reinterpret_cast<u32v>(nan) & rounded);
-  const u16v h = __builtin_convertvector(u, u16v);
-  std::memcpy(p, &h, sizeof(u16v));
+  store_raw(reinterpret_cast<uint16_t*>(p), __builtin_convertvector(u, u16v));
 }
 // binary32 -> binary16, round to nearest even, overflow to inf, NaN quiet, subnormals kept
 // (F. Giesen's float_to_half_fast3_rtne, with selects for its three cases).
@@ -231,8 +254,7 @@ MEGALIGN_SIMD_FN void store(fp16* p, Vec x) {
                    denorm_magic;
   const u32v normal = (u + ((15u - 127u) << 23) + 0xFFFu + ((u >> 13) & 1u)) >> 13;
   const u32v h = (big & infnan) | (~big & ((tiny & sub) | (~tiny & normal))) | (sign >> 16);
-  const u16v out = __builtin_convertvector(h, u16v);
-  std::memcpy(p, &out, sizeof(u16v));
+  store_raw(reinterpret_cast<uint16_t*>(p), __builtin_convertvector(h, u16v));
 }
 
 // ---- the last, partial vector of a range: n < W elements through a W-element buffer, so no

@@ -284,6 +284,45 @@ def test_policy_loss_mask_dtypes(kernels, mask_dtype):
     check_policy(logp, old, adv, mask.to(mask_dtype), ref, POLICY_CONFIGS[2], torch.float32)
 
 
+# Mask elements at the edges of "nonzero" for each dtype: 64-bit integers nonzero in one 32-bit half
+# only, -0.0 (zero), NaN, infinities and subnormals (nonzero). The vector kernels test 64-bit masks
+# on their 32-bit halves and widen byte masks in steps, so a lane that reads the wrong half or byte
+# shows up here as a token counted or dropped.
+EDGE_MASK_VALUES = {
+    torch.bool: [False, True],
+    torch.uint8: [0, 1, 128, 255],
+    torch.int32: [0, 1, -1, 2**31 - 1, -2**31, 65536],
+    torch.int64: [0, 1, -1, 2**32, -2**32, 2**40, 2**63 - 1, -2**63, 2**31],
+    torch.float32: [0.0, -0.0, 1e-45, 1e-40, math.nan, -math.inf, 2.0],
+    torch.float64: [0.0, -0.0, 5e-324, 1e-310, math.nan, math.inf, -3.5, 2.0**-1074 * 2**33],
+    torch.bfloat16: [0.0, -0.0, 1e-40, math.nan, -1.0],
+    torch.float16: [0.0, -0.0, 6e-8, math.nan, -math.inf, 1.0],
+}
+
+
+def edge_mask(shape, mask_dtype, seed=5):
+    """A mask of `shape` cycling through EDGE_MASK_VALUES[mask_dtype] in a random order."""
+    values = torch.tensor(EDGE_MASK_VALUES[mask_dtype], dtype=mask_dtype)
+    g = torch.Generator().manual_seed(seed)
+    return values[torch.randint(len(values), shape, generator=g)]
+
+
+@pytest.mark.parametrize("mask_dtype", list(EDGE_MASK_VALUES))
+def test_masks_valid_where_nonzero(kernels, mask_dtype):
+    shape = (3, 70)  # full vectors and a partial one at every vector width
+    mask = edge_mask(shape, mask_dtype)
+    valid = mask != 0
+    assert valid.any() and not valid.all()
+    logp, ref = make(shape, torch.float32, 1.0, 0), make(shape, torch.float32, 1.0, 1)
+    lp = logp.clone().requires_grad_()
+    mean = kl_penalty_masked_mean(lp, ref, mask, "k3")
+    (grad,) = torch.autograd.grad(mean, lp)
+    torch.testing.assert_close(mean, ref_kl.kl_penalty_masked_mean(logp, ref, valid, "k3"))
+    assert torch.equal(grad != 0, valid)
+    logp, old, adv, ref, _ = policy_inputs(shape, torch.float32, seed=6)
+    check_policy(logp, old, adv, mask, ref, POLICY_CONFIGS[2], torch.float32)
+
+
 def test_policy_loss_noncontiguous(kernels):
     logp, old, adv, ref, mask = policy_inputs((6, 64), torch.float32, seed=4)
     sl = (slice(None), slice(1, None, 2))
