@@ -11,6 +11,11 @@ memory in a fresh process:
                    token-mean); its per-token loss summed and divided by the count in torch is
                    timed beside it (the "per-token" row)
 
+The two KL cases also time a memory floor: plain torch ops that read every input and write every
+output of the fwd+bwd once (the reductions' sums, fresh gradient buffers filled with one value), with
+no arithmetic worth the name and no autograd. No implementation of the case moves fewer bytes, so
+eager / floor bounds the speed-up any kernel can show here on this machine's memory system.
+
 Target (issue 2): policy_loss at least 2x faster than eager, and no [B, T] temporaries beyond the
 per-token loss and grad_logp (peak extra memory about 2 x B x T x 4 bytes).
 """
@@ -71,14 +76,31 @@ def megalign_policy_loss_per_token(logp, old_logp, advantages, mask, ref_logp):
     return loss.sum() / stats.count.clamp(min=1), stats
 
 
+def floor_kl_penalty(logp, ref_logp):
+    """kl_penalty(...).sum().backward()'s traffic: read logp and ref_logp, write the per-token
+    output, read it back for the sum, write grad_logp and grad_ref_logp."""
+    with torch.no_grad():
+        total = torch.add(logp, ref_logp).sum()
+        logp.grad = torch.empty_like(logp).fill_(total)
+        ref_logp.grad = torch.empty_like(ref_logp).fill_(total)
+
+
+def floor_kl_masked_mean(logp, ref_logp, mask):
+    """The masked mean's fwd+bwd traffic: read logp, ref_logp and mask, write both gradients."""
+    with torch.no_grad():
+        total = logp.sum() + ref_logp.sum() + mask.sum()
+        logp.grad = torch.empty_like(logp).fill_(total)
+        ref_logp.grad = torch.empty_like(ref_logp).fill_(total)
+
+
 POLICY_IMPLS = {"megalign": megalign_policy_loss, "megalign per-token": megalign_policy_loss_per_token,
                 "eager": eager_policy_loss}
 IMPL_NAMES = {"megalign": "megalign", "megalign per-token": "megalign (per-token loss, then sum / count)",
-              "eager": "torch eager (verl)"}
+              "eager": "torch eager (verl)", "floor": "memory floor (torch: each input read, each output written once)"}
 
 
 def impls(case):
-    return list(POLICY_IMPLS) if case == "policy_loss" else ["megalign", "eager"]
+    return list(POLICY_IMPLS) if case == "policy_loss" else ["megalign", "eager", "floor"]
 
 
 def _inputs(b, t, seed=0):
@@ -95,7 +117,12 @@ def _step(case, impl, logp, old, adv, mask, ref):
     """One forward + backward of `case` with `impl`; leaves the gradients in .grad."""
     logp.grad = None
     ref.grad = None
-    if case == "kl_penalty":
+    if impl == "floor":
+        if case == "kl_penalty":
+            floor_kl_penalty(logp, ref)
+        else:
+            floor_kl_masked_mean(logp, ref, mask)
+    elif case == "kl_penalty":
         kl = kl_penalty(logp, ref, "low_var_kl") if impl == "megalign" else eager_kl_penalty(logp, ref, "low_var_kl")
         kl.sum().backward()
     elif case == "kl_masked_mean":
@@ -119,6 +146,8 @@ def _check_agreement(b, t):
     for case in ("kl_penalty", "kl_masked_mean", "policy_loss"):
         grads = []
         for impl in impls(case):
+            if impl == "floor":
+                continue
             inputs = _inputs(b, t)
             _step(case, impl, *inputs)
             grads.append(inputs[0].grad)
@@ -131,17 +160,17 @@ def run(quick: bool = False) -> list[Row]:
     _check_agreement(b, t)
     rows = []
     for case in ("kl_penalty", "kl_masked_mean", "policy_loss"):
-        # The implementations alternate within each repeat, so load changes hit all alike. Each
-        # megalign variant runs right after an eager step (a second eager run between the two
-        # variants, not reported): the step after eager's pays for its cold caches and for glibc
+        # The implementations alternate within each repeat, so load changes hit all alike. Every
+        # other implementation runs right after an eager step (eager runs again between them, not
+        # reported a second time): the step after eager's pays for its cold caches and for glibc
         # trimming the heap eager freed (measured: the variant run second was up to 2x faster).
+        eager_step = (lambda inputs=_inputs(b, t): _step(case, "eager", *inputs))
         steps = {}
         for impl in impls(case):
-            inputs = _inputs(b, t)
-            steps[impl] = (lambda impl=impl, inputs=inputs: _step(case, impl, *inputs))
-        if case == "policy_loss":
-            steps = {"megalign": steps["megalign"], "eager": steps["eager"],
-                     "megalign per-token": steps["megalign per-token"], "eager again": steps["eager"]}
+            if impl != "eager":
+                inputs = _inputs(b, t)
+                steps[impl] = (lambda impl=impl, inputs=inputs: _step(case, impl, *inputs))
+                steps["eager" if "eager" not in steps else f"eager after {impl}"] = eager_step
         times = median_times_interleaved(steps, repeats=5 if quick else 30, warmup=5)
         for impl in impls(case):
             peak = peak_memory(_factory, case, impl, b, t)
