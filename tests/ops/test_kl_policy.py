@@ -301,7 +301,7 @@ EDGE_MASK_VALUES = {
 
 
 def edge_mask(shape, mask_dtype, seed=5):
-    """A mask of `shape` cycling through EDGE_MASK_VALUES[mask_dtype] in a random order."""
+    """A mask of `shape` whose elements are drawn at random from EDGE_MASK_VALUES[mask_dtype]."""
     values = torch.tensor(EDGE_MASK_VALUES[mask_dtype], dtype=mask_dtype)
     g = torch.Generator().manual_seed(seed)
     return values[torch.randint(len(values), shape, generator=g)]
