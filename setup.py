@@ -44,7 +44,10 @@ def _extensions():
                              extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
 
     archs = [a.strip() for a in os.environ.get("MEGALIGN_CUDA_ARCHS", "80;90").split(";") if a.strip()]
-    nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    # No --use_fast_math: it would turn libm's log and IEEE division in finalize_row / group_scale into
+    # lg2.approx, div.approx and flush-to-zero, where the CPU kernels use libm. The one fast
+    # intrinsic is chosen in the source (math::kernel_exp's __expf, token_logprob.h).
+    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     for a in archs:
         nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     sources += _sources("csrc/cuda/*.cu") + _sources("csrc/torch/cuda/*.cpp")

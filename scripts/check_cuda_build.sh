@@ -23,13 +23,5 @@ cp -r setup.py pyproject.toml README.md csrc megalign tests "$SRC/"
 cd "$SRC"
 CPATH="$NV_INC${CPATH:+:$CPATH}" MEGALIGN_CUDA_ARCHS="${MEGALIGN_CUDA_ARCHS:-80;90}" MAX_JOBS="${MAX_JOBS:-2}" \
   "$VENV/bin/python" setup.py -q build_ext --inplace
-"$VENV/bin/python" - <<'PY'
-import torch
-import megalign.ops as ops
-assert ops.HAVE_EXTENSION and ops.WITH_CUDA, "megalign._C was built without its CUDA kernels"
-names = sorted({s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("megalign::")})
-missing = [n for n in names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"megalign::{n}", "CUDA")]
-assert names and not missing, f"ops without a CUDA kernel: {missing}"
-print(f"CUDA build OK: {len(names)} ops with CUDA kernels: {', '.join(names)}")
-PY
+PYTHONPATH="$PWD" "$VENV/bin/python" "$OLDPWD/scripts/check_op_kernels.py" CUDA  # megalign from this copy
 MEGALIGN_REQUIRE_EXT=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops

@@ -37,25 +37,28 @@ __global__ void bwd_kernel(KlArgs a, StridedView grad, T* grad_logp) {
   }
 }
 
+// The masked sum accumulates in double whatever T is, as the CPU kernels do: an fp32 sum over
+// millions of tokens loses digits the CPU keeps (one double add per element costs nothing in a
+// pass bounded by memory bandwidth).
 template <typename T, typename M, bool Dense>
-__global__ void masked_sum_kernel(KlArgs a, KlMaskArg m, KlMeanPartial<acc_t<T>>* partials) {
+__global__ void masked_sum_kernel(KlArgs a, KlMaskArg m, KlMeanPartial<double>* partials) {
   const int64_t n = a.rows * a.cols;
-  KlMeanPartial<acc_t<T>> part;
+  KlMeanPartial<double> part;
   for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
     if (!load_valid<M>(m.mask, at<Dense>(m.mask, i, a.cols))) continue;
     part.sum += kl_at<T, Dense>(a, i).value;
     ++part.count;
   }
-  const KlMeanPartial<acc_t<T>> total = detail::block_merge(part);
+  const KlMeanPartial<double> total = detail::block_merge(part);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-template <typename S>
+template <typename A>
 struct MeanFinish {
-  S* mean;
+  A* mean;
   int64_t* count;
-  __device__ void operator()(const KlMeanPartial<S>& total) const {
-    *mean = total.mean();
+  __device__ void operator()(const KlMeanPartial<double>& total) const {
+    *mean = static_cast<A>(total.mean());
     *count = total.count;
   }
 };
@@ -99,8 +102,8 @@ void kl_penalty_bwd(const KlArgs& a, const StridedView& grad, void* grad_logp, c
 }
 
 int64_t kl_masked_mean_workspace_bytes(int64_t rows, int64_t cols, DType dtype) {
-  const int64_t partial = dtype == DType::kFloat64 ? sizeof(KlMeanPartial<double>) : sizeof(KlMeanPartial<float>);
-  return detail::grid_blocks(rows * cols, detail::kMaxReduceBlocks) * partial;
+  (void)dtype;  // every dtype accumulates in double
+  return detail::grid_blocks(rows * cols, detail::kMaxReduceBlocks) * static_cast<int64_t>(sizeof(KlMeanPartial<double>));
 }
 
 void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t* count, void* workspace,
@@ -108,15 +111,15 @@ void kl_masked_mean_fwd(const KlArgs& a, const KlMaskArg& m, void* mean, int64_t
   const int blocks = detail::grid_blocks(a.rows * a.cols, detail::kMaxReduceBlocks);
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "kl_masked_mean_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(m.dtype, "kl_masked_mean_fwd", [&] {
-      using S = acc_t<scalar_t>;
-      auto* partials = static_cast<KlMeanPartial<S>*>(workspace);
+      using A = acc_t<scalar_t>;
+      auto* partials = static_cast<KlMeanPartial<double>*>(workspace);
       if (blocks > 0) {
         dispatch_bool(all_dense(a, m.mask), [&](auto dense) {
           masked_sum_kernel<scalar_t, mask_t, decltype(dense)::value><<<blocks, kThreads, 0, stream>>>(a, m, partials);
         });
       }
       detail::merge_partials_kernel<<<1, kThreads, 0, stream>>>(
-          static_cast<const KlMeanPartial<S>*>(partials), blocks, MeanFinish<S>{static_cast<S*>(mean), count});
+          static_cast<const KlMeanPartial<double>*>(partials), blocks, MeanFinish<A>{static_cast<A*>(mean), count});
     });
   });
   detail::check_launch("kl_masked_mean_fwd");

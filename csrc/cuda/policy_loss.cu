@@ -28,12 +28,13 @@ __device__ __forceinline__ PolicyToken<acc_t<T>> token_at(const PolicyLossArgs& 
                       load_acc<T>(a.advantages, at<Dense>(a.advantages, i, a.cols)), has_ref, ref, p);
 }
 
+// The statistics accumulate in double whatever T is, as the CPU kernels do (PolicyPartial<double>).
 template <typename T, typename M, bool Dense>
 __global__ void fwd_kernel(PolicyLossArgs a, PolicyCoeffs<acc_t<T>> p, acc_t<T>* loss,
-                           PolicyPartial<acc_t<T>>* partials) {
+                           PolicyPartial<double>* partials) {
   using A = acc_t<T>;
   const int64_t n = a.rows * a.cols;
-  PolicyPartial<A> part;
+  PolicyPartial<double> part;
   for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
     if (!load_valid<M>(a.mask, at<Dense>(a.mask, i, a.cols))) {
       loss[i] = A(0);
@@ -43,14 +44,13 @@ __global__ void fwd_kernel(PolicyLossArgs a, PolicyCoeffs<acc_t<T>> p, acc_t<T>*
     loss[i] = t.loss;
     part.add(t);
   }
-  const PolicyPartial<A> total = detail::block_merge(part);
+  const PolicyPartial<double> total = detail::block_merge(part);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-template <typename S>
 struct StatsFinish {
   float* stats;
-  __device__ void operator()(const PolicyPartial<S>& total) const { total.finalize(stats); }
+  __device__ void operator()(const PolicyPartial<double>& total) const { total.finalize(stats); }
 };
 
 template <typename T, typename M, bool Dense>
@@ -69,8 +69,8 @@ __global__ void bwd_kernel(PolicyLossArgs a, PolicyCoeffs<acc_t<T>> p, StridedVi
 }  // namespace
 
 int64_t policy_loss_workspace_bytes(int64_t rows, int64_t cols, DType dtype) {
-  const int64_t partial = dtype == DType::kFloat64 ? sizeof(PolicyPartial<double>) : sizeof(PolicyPartial<float>);
-  return detail::grid_blocks(rows * cols, detail::kMaxReduceBlocks) * partial;
+  (void)dtype;  // every dtype accumulates in double
+  return detail::grid_blocks(rows * cols, detail::kMaxReduceBlocks) * static_cast<int64_t>(sizeof(PolicyPartial<double>));
 }
 
 void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* workspace, cudaStream_t stream) {
@@ -78,15 +78,15 @@ void policy_loss_fwd(const PolicyLossArgs& a, void* loss, float* stats, void* wo
   MEGALIGN_DISPATCH_FLOAT(a.dtype, "policy_loss_fwd", [&] {
     MEGALIGN_DISPATCH_MASK(a.mask_dtype, "policy_loss_fwd", [&] {
       using S = acc_t<scalar_t>;
-      auto* partials = static_cast<PolicyPartial<S>*>(workspace);
+      auto* partials = static_cast<PolicyPartial<double>*>(workspace);
       if (blocks > 0) {
         dispatch_bool(inputs_dense(a), [&](auto dense) {
           fwd_kernel<scalar_t, mask_t, decltype(dense)::value><<<blocks, kThreads, 0, stream>>>(
               a, policy_coeffs<S>(a), static_cast<S*>(loss), partials);
         });
       }
-      detail::merge_partials_kernel<<<1, kThreads, 0, stream>>>(static_cast<const PolicyPartial<S>*>(partials),
-                                                                 blocks, StatsFinish<S>{stats});
+      detail::merge_partials_kernel<<<1, kThreads, 0, stream>>>(static_cast<const PolicyPartial<double>*>(partials),
+                                                                 blocks, StatsFinish{stats});
     });
   });
   detail::check_launch("policy_loss_fwd");

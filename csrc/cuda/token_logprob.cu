@@ -81,7 +81,12 @@ template <typename A, bool WithEntropy> struct ThreadStats {
     }
   }
   __device__ __forceinline__ void add(A z) {
-    if (m == -INFINITY) return;  // z <= m: a -inf logit adds nothing
+    // m = -inf: every logit so far is -inf (adds nothing) or NaN, which the maxima skip; s then
+    // carries the NaN so that the row's log-prob and entropy are NaN, as on the CPU.
+    if (m == -INFINITY) {
+      if (z != z) s = z;
+      return;
+    }
     if (WithEntropy) {
       math::accumulate(z, m, s, t);
     } else {

@@ -180,6 +180,40 @@ void test_compose_associative() {
   }
 }
 
+// Non-finite scores with lam = 0 or gamma = 0: a coefficient that is exactly 0 drops the term
+// (math::coef_mul), so a NaN or inf reaches only the positions whose advantage depends on it, in
+// the walk (the CPU kernel) and in the chunked scan of composed maps (the CUDA kernel) alike.
+// r = 1 and V = 0.5 everywhere, the row fully valid; position k gets a non-finite reward or value.
+void test_gae_nonfinite_stays_local() {
+  const int64_t T = 37, k = 20;
+  const double bad_values[] = {std::nan(""), INFINITY, -INFINITY};
+  const double params[][2] = {{0.9, 0.0}, {0.0, 0.95}, {0.0, 0.0}};
+  const std::vector<bool> m(T, true);
+  for (const double bad : bad_values)
+    for (const auto& gl : params)
+      for (const bool in_value : {false, true}) {
+        std::vector<double> r(T, 1.0), v(T, 0.5);
+        (in_value ? v : r)[k] = bad;
+        // Which positions the definition makes non-finite: A_k always; A_{k-1} reads V_k (gamma > 0).
+        auto expect_finite = [&](int64_t t) { return !(t == k || (in_value && gl[0] != 0.0 && t == k - 1)); };
+        std::vector<double> adv(T), ret(T);
+        std::unique_ptr<bool[]> mb(new bool[T]);
+        for (int64_t t = 0; t < T; ++t) mb[t] = true;
+        megalign::cpu::gae(DType::kFloat64, r.data(), {T, 1}, v.data(), {T, 1}, mb.get(), {T, 1}, 1, T, gl[0], gl[1],
+                           adv.data(), ret.data());
+        for (int64_t t = 0; t < T; ++t) EXPECT_TRUE(std::isfinite(adv[t]) == expect_finite(t));
+        for (int64_t chunk : {1, 3, 8, 64}) {
+          std::vector<double> cadv, cret;
+          chunked_gae(r, v, m, gl[0], gl[1], chunk, cadv, cret);
+          for (int64_t t = 0; t < T; ++t) {
+            EXPECT_TRUE(std::isfinite(cadv[t]) == expect_finite(t));
+            EXPECT_CLOSE(cadv[t], adv[t], 1e-12, 1e-12);
+            EXPECT_CLOSE(cret[t], ret[t], 1e-12, 1e-12);
+          }
+        }
+      }
+}
+
 // Naive group advantages from the textbook formulas, in double.
 double naive_advantage(const std::vector<double>& members, double r, GroupMode mode, double eps, bool unbiased) {
   const double n = static_cast<double>(members.size());
@@ -401,6 +435,7 @@ int main() {
   test_gae_random();
   test_gae_strided();
   test_compose_associative();
+  test_gae_nonfinite_stays_local();
   test_group_hand_worked();
   test_group_random();
   test_group_by_id_layouts();

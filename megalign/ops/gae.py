@@ -38,7 +38,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     Leading padding, trailing padding and holes inside a sequence all follow this one rule, and an
     all-masked row gives zeros. Masked positions get advantage 0 and return 0, and their rewards and
     values are ignored: a reward placed on a masked token is dropped (use `masked_reward_count` to
-    log how many were). Accumulation is float32 (float64 for float64 inputs).
+    log how many were). Accumulation is float32 (float64 for float64 inputs). A gamma or
+    gamma * lam of exactly 0 drops its term rather than multiplying by 0, so an inf or NaN score
+    makes non-finite only the advantages that depend on it (with lam = 0: A_k and, through V_k,
+    A_{n^-1(k)}), the same on the CPU walk and the CUDA scan.
 
     No gradients: GAE targets are constants of the PPO loss, so the inputs are detached and the
     outputs never require grad.

@@ -20,8 +20,9 @@ turns them into their gradient in place. This is Liger-Kernel's fused linear cro
 (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for LLM Training": peak memory 27.6 GB ->
 5.8 GB at V=128k) made vocab-parallel: the chunk partials of all chunks are gathered in one
 all-gather at the end of the forward. Memory beyond inputs and outputs: one [chunk, V / tp] logits
-chunk in the hidden dtype; for bf16/fp16 weights also an fp32 [V / tp, H] gradient accumulator
-and one [V / tp, H] product per chunk (see `fused_linear_token_logprob`).
+chunk in the hidden dtype; for bf16/fp16 weights also an fp32 [V / tp, H] gradient accumulator,
+into which the GEMM writes directly on CUDA (an fp32-output addmm) and which elsewhere adds one
+[V / tp, H] product per chunk (see `fused_linear_token_logprob`).
 
 Conventions shared by both:
 - `group=None` or a one-rank group means no tensor parallelism: no collective is issued and
@@ -168,6 +169,24 @@ def vocab_parallel_token_logprob(logits_shard: torch.Tensor, targets: torch.Tens
     return out.reshape(targets.shape)
 
 
+_FP32_OUT_ADDMM: dict[str, bool] = {}
+
+
+def _fp32_out_addmm(device: torch.device) -> bool:
+    """Whether this torch accumulates a bf16/fp16 product into an fp32 buffer in the GEMM itself
+    (`torch.addmm(buf, a, b, out_dtype=torch.float32, out=buf)`, CUDA, torch >= 2.8); asked once
+    per device type with a tiny call."""
+    if device.type not in _FP32_OUT_ADDMM:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            buf = torch.ones(2, 2, device=device)
+            torch.addmm(buf, a, a, out_dtype=torch.float32, out=buf)
+            _FP32_OUT_ADDMM[device.type] = bool((buf == 3).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_ADDMM[device.type] = False
+    return _FP32_OUT_ADDMM[device.type]
+
+
 def _chunks(n: int, chunk_size: int):
     return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
 
@@ -201,6 +220,10 @@ class _FusedLinearTokenLogprob(torch.autograd.Function):
         low_precision = weight.dtype in (torch.bfloat16, torch.float16)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32 if low_precision else weight.dtype,
                                   device=weight.device) if need_weight else None
+        # Where the GEMM can write fp32 (CUDA), the chunk's product is accumulated into the buffer
+        # by the GEMM itself; else a [Vs, H] product in the weight dtype is made and then added,
+        # which reads and writes the fp32 buffer once more per chunk.
+        fused_accumulate = need_weight and low_precision and _fp32_out_addmm(weight.device)
         for s, e in _chunks(hidden.shape[0], chunk_size):
             h = hidden[s:e]
             grad_logits = F.linear(h, w)  # recomputed, then overwritten by its own gradient
@@ -210,7 +233,9 @@ class _FusedLinearTokenLogprob(torch.autograd.Function):
                 inplace=True)
             if need_hidden:
                 torch.mm(grad_logits, w, out=grad_hidden[s:e])
-            if need_weight and low_precision:
+            if fused_accumulate:
+                torch.addmm(grad_weight[:valid], grad_logits.t(), h, out_dtype=torch.float32, out=grad_weight[:valid])
+            elif need_weight and low_precision:
                 grad_weight[:valid] += grad_logits.t() @ h
             elif need_weight:
                 grad_weight[:valid].addmm_(grad_logits.t(), h)

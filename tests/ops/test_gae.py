@@ -190,3 +190,28 @@ def test_cuda_long_rows_undiscounted(kernels):
     ra, _ = reference_gae(r, v, m, 1.0, 1.0)
     a, _ = gae(r.cuda(), v.cuda(), m.cuda(), 1.0, 1.0)
     torch.testing.assert_close(a.cpu(), ra, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("gamma,lam", [(0.9, 0.0), (0.0, 0.95), (0.0, 0.0)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("in_value", [False, True])
+def test_nonfinite_score_stays_local(kernels, device, gamma, lam, bad, in_value):
+    """With lam = 0 or gamma = 0 a NaN / inf reward or value at k reaches only A_k and (a value,
+    gamma > 0) the previous valid position's A: zero coefficients drop their terms. T = 5000 spans
+    several tiles of the CUDA scan, whose composed maps multiplied by those zeros before."""
+    T, k = 5000, 3001
+    r = torch.ones(2, T, device=device)
+    v = torch.full((2, T), 0.5, device=device)
+    m = torch.ones(2, T, dtype=torch.bool, device=device)
+    m[1, k - 1] = False  # row 1: the previous valid position of k is k - 2
+    (v if in_value else r)[:, k] = bad
+    adv, ret = gae(r, v, m, gamma, lam)
+    ref_adv, ref_ret = reference_gae(r.cpu(), v.cpu(), m.cpu(), gamma, lam)
+    for row, prev in ((0, k - 1), (1, k - 2)):
+        bad_at = {k} | ({prev} if in_value and gamma != 0 else set())
+        finite = torch.isfinite(adv[row]).cpu()
+        assert set((~finite).nonzero().flatten().tolist()) == bad_at, f"row {row}: non-finite at {(~finite).nonzero()}"
+        assert set((~torch.isfinite(ref_adv[row])).nonzero().flatten().tolist()) == bad_at
+    torch.testing.assert_close(adv.cpu(), ref_adv, equal_nan=True)
+    torch.testing.assert_close(ret.cpu(), ref_ret, equal_nan=True)

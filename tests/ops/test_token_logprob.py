@@ -438,3 +438,40 @@ def test_nan_logit_propagates(kernels):
     logp, ent = token_logprob(logits, targets, return_entropy=True)
     assert torch.isnan(logp[1]) and torch.isnan(ent[1])
     assert torch.isfinite(logp[[0, 2]]).all() and torch.isfinite(ent[[0, 2]]).all()
+
+
+def _nan_cases(dtype, device):
+    """(name, logits [N, V] view, NaN row) with the NaN where a GPU thread sees it first: an aligned
+    row [NaN, 1.0], the first logit of a long row, the scalar head of a row that is not 16-byte
+    aligned, the tail of a short row, a padded vocabulary (a [N, V] view of a wider buffer, as the
+    fused head passes with V < its padded width), and a row whose other logits are all -inf."""
+    def buf(n, v, seed):
+        return _inputs(n, v, dtype, device, seed=seed)[0]
+    aligned = torch.tensor([[0.5, 2.0], [float("nan"), 1.0]], dtype=dtype, device=device)
+    long_first = buf(2, 5000, 1)
+    long_first[1, 0] = float("nan")
+    head = buf(2, 1031, 2)[:, 1:1025]
+    head[1, 0] = float("nan")
+    tail = buf(2, 7, 3)
+    tail[1, 6] = float("nan")
+    padded = buf(2, 1024, 4)[:, :1001]
+    padded[1, 1000] = float("nan")
+    only_inf = torch.full((2, 300), float("-inf"), dtype=dtype, device=device)
+    only_inf[0, 0] = 1.0
+    only_inf[1, 150] = float("nan")
+    return [("aligned", aligned), ("long_first", long_first), ("head", head), ("tail", tail),
+            ("padded", padded), ("only_inf", only_inf)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_logit_propagates_everywhere(kernels, device, dtype):
+    for name, logits in _nan_cases(dtype, device):
+        targets = torch.zeros(2, dtype=torch.long, device=device)
+        for with_entropy in (False, True):
+            out = token_logprob(logits, targets, return_entropy=with_entropy)
+            logp, ent = out if with_entropy else (out, None)
+            assert torch.isnan(logp[1]), f"{name} ({dtype}, {device}): row with a NaN logit gave {logp[1].item()}"
+            assert torch.isfinite(logp[0]), f"{name}: the finite row gave {logp[0].item()}"
+            if with_entropy:
+                assert torch.isnan(ent[1]) and torch.isfinite(ent[0]), f"{name}: entropy {ent.tolist()}"

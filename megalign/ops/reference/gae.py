@@ -56,8 +56,12 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     next_value = r.new_zeros(batch)
     next_adv = r.new_zeros(batch)
     columns = []
+    gamma_lam = gamma * lam
     for t in reversed(range(steps)):
-        adv_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv
+        # A zero coefficient drops its term (as the kernels do): 0 * inf would be NaN and carry a
+        # non-finite score to positions that do not depend on it.
+        adv_t = (r[:, t] + (gamma * next_value if gamma != 0 else 0.0) - v[:, t]
+                 + (gamma_lam * next_adv if gamma_lam != 0 else 0.0))
         next_adv = torch.where(valid[:, t], adv_t, next_adv)
         next_value = torch.where(valid[:, t], v[:, t], next_value)
         columns.append(torch.where(valid[:, t], adv_t, 0.0))

@@ -27,10 +27,21 @@
 
 namespace megalign::math {
 
+// c * x where a zero coefficient drops x even when x is inf or NaN. The recursion's coefficients
+// (gamma, gamma * lam, and p, which is 0 at a valid position) are exact zeros when the quantity
+// does not enter: with lam = 0 an advantage does not depend on the next one, and a valid position's
+// value replaces the carried one. A product 0 * inf = NaN would instead spread one non-finite score
+// over every earlier position of the row, further in the composed maps of the CUDA scan than in
+// the walk (the two must agree position for position).
+template <typename acc>
+MEGALIGN_HD acc coef_mul(acc c, acc x) {
+  return c == acc(0) ? acc(0) : c * x;
+}
+
 // One GAE step at a valid position: the advantage given the next valid position's value and advantage.
 template <typename acc>
 MEGALIGN_HD acc gae_step(acc reward, acc value, acc next_value, acc next_adv, acc gamma, acc gamma_lam) {
-  return reward + gamma * next_value - value + gamma_lam * next_adv;
+  return reward + coef_mul(gamma, next_value) - value + coef_mul(gamma_lam, next_adv);
 }
 
 // The affine map (V_next, A_next) -> (V', A') of a run of positions, see the file comment.
@@ -46,21 +57,22 @@ struct GaeMap {
 };
 
 // left ∘ right: apply `right` (the later positions) first, then `left`. Associative; exact when
-// either side is the identity.
+// either side is the identity. Products with a coefficient of `left` go through coef_mul, so a
+// non-finite v or e of `right` reaches only the positions that depend on it.
 template <typename acc>
 MEGALIGN_HD GaeMap<acc> gae_compose(const GaeMap<acc>& left, const GaeMap<acc>& right) {
-  return GaeMap<acc>{left.p * right.p,
-                     left.p * right.v + left.v,
-                     left.ca * right.p + left.cb * right.ca,
-                     left.cb * right.cb,
-                     left.ca * right.v + left.cb * right.e + left.e};
+  return GaeMap<acc>{coef_mul(left.p, right.p),
+                     coef_mul(left.p, right.v) + left.v,
+                     coef_mul(left.ca, right.p) + coef_mul(left.cb, right.ca),
+                     coef_mul(left.cb, right.cb),
+                     coef_mul(left.ca, right.v) + coef_mul(left.cb, right.e) + left.e};
 }
 
 // The carried state (V, A) after applying `m` to the incoming state (next_value, next_adv).
 template <typename acc>
 MEGALIGN_HD void gae_apply(const GaeMap<acc>& m, acc& next_value, acc& next_adv) {
-  const acc value = m.p * next_value + m.v;
-  next_adv = m.ca * next_value + m.cb * next_adv + m.e;
+  const acc value = coef_mul(m.p, next_value) + m.v;
+  next_adv = coef_mul(m.ca, next_value) + coef_mul(m.cb, next_adv) + m.e;
   next_value = value;
 }
 

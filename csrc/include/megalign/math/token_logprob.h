@@ -67,7 +67,8 @@ template <typename A> MEGALIGN_HD SoftmaxStats<A> rebase_stats(SoftmaxStats<A> x
 // Statistics of the union of two disjoint slices (see the file comment).
 template <typename A> MEGALIGN_HD SoftmaxStats<A> merge_stats(SoftmaxStats<A> x, SoftmaxStats<A> y) {
   const A m = x.m > y.m ? x.m : y.m;
-  if (m == -INFINITY) return empty_stats<A>();
+  // Both slices without a finite logit: empty, unless one of them carries a NaN in s.
+  if (m == -INFINITY) return {m, x.s + y.s, x.t + y.t};
   const SoftmaxStats<A> rx = rebase_stats(x, m);
   const SoftmaxStats<A> ry = rebase_stats(y, m);
   return {m, rx.s + ry.s, rx.t + ry.t};
