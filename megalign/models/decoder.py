@@ -192,6 +192,9 @@ class SlotKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.valid = torch.zeros(slots, max_len, dtype=torch.bool, device=device)
         self.columns = torch.zeros(slots, dtype=torch.long, device=device)
+        # the value `prepare` writes into `valid`, on the device: `valid[rows, cols] = True` would copy a host
+        # scalar to the GPU inside the decode step, which CUDA-graph capture refuses (an unpinned host copy)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self.max_len = max_len
         self.window = max_len
 
@@ -203,16 +206,18 @@ class SlotKVCache:
     def prepare(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mark the first `batch` rows' new slots valid; (key_valid `[batch, window]`, query slots `[batch, 1]`)."""
         rows = torch.arange(batch, device=self.columns.device)
-        self.valid[rows, self.columns[:batch].clamp(max=self.max_len - 1)] = True
+        self.valid[rows, self.columns[:batch].clamp(max=self.max_len - 1)] = self._true
         return self.valid[:batch, :self.window], self.columns[:batch, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one new key/value `[B, h, 1, D]` per row at its column; return the window `[B, h, window, D]`."""
+        """Store one new key/value `[B, h, 1, D]` per row at its column (in the cache's dtype: under autocast the
+        projections give bf16 values and RoPE's fp32 tables promote the keys to fp32); return the window
+        `[B, h, window, D]`."""
         b = k.shape[0]
         rows = torch.arange(b, device=k.device)
         cols = self.columns[:b].clamp(max=self.max_len - 1)
-        self.k[layer][rows, :, cols] = k[:, :, 0]
-        self.v[layer][rows, :, cols] = v[:, :, 0]
+        self.k[layer][rows, :, cols] = k[:, :, 0].to(self.k[layer].dtype)
+        self.v[layer][rows, :, cols] = v[:, :, 0].to(self.v[layer].dtype)
         return self.k[layer][:b, :, :self.window], self.v[layer][:b, :, :self.window]
 
     def advance(self, num_tokens: int) -> None:
@@ -223,8 +228,8 @@ class SlotKVCache:
         starting at slot 0), `valid` `[m, W]` their real tokens; each row's next token goes after its last one."""
         width = valid.shape[1]
         for k, v, src_k, src_v in zip(self.k, self.v, source.k, source.v):
-            k[rows, :, :width] = src_k[source_rows, :, :width]
-            v[rows, :, :width] = src_v[source_rows, :, :width]
+            k[rows, :, :width] = src_k[source_rows, :, :width].to(k.dtype)
+            v[rows, :, :width] = src_v[source_rows, :, :width].to(v.dtype)
         self.valid[rows] = False
         self.valid[rows, :width] = valid
         self.columns[rows] = valid.sum(-1)
@@ -353,11 +358,19 @@ class Decoder(nn.Module):
     def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                      slotted: bool = False) -> KVCache | SlotKVCache:
         """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated), in this rank's heads;
-        `slotted`: a `SlotKVCache` (rows at their own columns) instead of a `KVCache` (rows aligned)."""
+        `slotted`: a `SlotKVCache` (rows at their own columns) instead of a `KVCache` (rows aligned).
+
+        `dtype` default: the autocast dtype when autocast is on for the weights' device (bf16 compute over fp32
+        master weights: attention reads its keys and values in bf16 anyway, so a bf16 cache holds the same values in
+        half the memory), else the weights' dtype."""
         attn = self.layers[0].attn
         weight = attn.o_proj.weight
+        if dtype is None:
+            device_type = weight.device.type
+            autocast = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+            dtype = torch.get_autocast_dtype(device_type) if autocast else weight.dtype
         return (SlotKVCache if slotted else KVCache)(len(self.layers), batch, attn.n_kv_heads_local, max_len,
-                                                     attn.head_dim, dtype or weight.dtype, weight.device)
+                                                     attn.head_dim, dtype, weight.device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,

@@ -185,7 +185,7 @@ class _Slots:
         """Append `tokens` / `logp` `[m]` to rows `rows` `[m]` that are live; finished rows write to the trash column."""
         done = self.done[rows]
         counts = self.counts[rows]
-        cols = torch.where(done, self.max_new, counts)
+        cols = counts.masked_fill(done, self.max_new)
         self.hist_tokens[rows, cols] = tokens
         self.hist_logp[rows, cols] = logp
         counts = counts + (~done).long()
