@@ -33,6 +33,14 @@ template <typename T> struct Pack {
   };
 };
 
+// z = logit / temperature, rounded once. A plain product would let nvcc contract it into the
+// subtraction that follows (z - m, z - lse) as one FMA with the unrounded product, so the max
+// logit would no longer give exactly 0 against the rounded m or lse it was stored as (seen on an
+// H200: a one-logit row's gradient 2.8e-7 instead of 0).
+__device__ __forceinline__ float scaled(float x, float inv_t) { return __fmul_rn(x, inv_t); }
+__device__ __forceinline__ double scaled(double x, double inv_t) { return __dmul_rn(x, inv_t); }
+template <typename T> __device__ __forceinline__ acc_t<T> scaled(T x, acc_t<T> inv_t) { return scaled(to_acc(x), inv_t); }
+
 template <typename T> __device__ __forceinline__ int64_t head_elems(const T* p, int64_t vocab) {
   const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % 16);
   const int64_t head = ((16 - misalign) % 16) / static_cast<int64_t>(sizeof(T));
@@ -120,7 +128,7 @@ partials_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
   const int64_t head = head_elems(x, vocab);
   const int64_t n_vec = (vocab - head) / kVec;
   for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
-    const A z = to_acc(x[j]) * inv_t;
+    const A z = scaled(x[j], inv_t);
     ts.rebase_to(z);
     ts.add(z);
   }
@@ -139,7 +147,7 @@ partials_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
       A lm = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        z[k] = to_acc(pk[u].v[k]) * inv_t;
+        z[k] = scaled(pk[u].v[k], inv_t);
         lm = z[k] > lm ? z[k] : lm;
       }
       ts.rebase_to(lm);
@@ -148,7 +156,7 @@ partials_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
     }
   }
   for (int64_t j = head + n_vec * kVec + threadIdx.x; j < vocab; j += blockDim.x) {
-    const A z = to_acc(x[j]) * inv_t;
+    const A z = scaled(x[j], inv_t);
     ts.rebase_to(z);
     ts.add(z);
   }
@@ -157,7 +165,7 @@ partials_kernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
     const int64_t local = target - vocab_start;
     o[0] = st.m;
     o[1] = st.s;
-    o[2] = (local >= 0 && local < vocab) ? to_acc(x[local]) * inv_t : A(0);
+    o[2] = (local >= 0 && local < vocab) ? scaled(x[local], inv_t) : A(0);
     o[3] = st.t;
   }
 }
@@ -196,7 +204,7 @@ backward_kernel(BackwardRows<T> b, int64_t vocab, int64_t row_stride,
   const int64_t local = targets[r] - vocab_start;
   auto value = [&](T xj, int64_t j) -> T {
     if (ignored) return from_acc<T>(A(0));
-    return from_acc<T>(math::logit_grad<WithEntropy>(to_acc(xj) * inv_t, row_lse, row_h, gl, ge, j == local));
+    return from_acc<T>(math::logit_grad<WithEntropy>(scaled(xj, inv_t), row_lse, row_h, gl, ge, j == local));
   };
   const bool same_alignment = reinterpret_cast<uintptr_t>(x) % 16 == reinterpret_cast<uintptr_t>(g) % 16;
   const int64_t head = same_alignment ? head_elems(x, vocab) : vocab;
