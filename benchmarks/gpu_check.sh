@@ -4,7 +4,7 @@
 #   benchmarks/gpu_check.sh          on a CUDA machine (python3 holds torch there)
 #   benchmarks/gpu_check.sh --cpu    the same steps on this machine's CPU (no build, no sanitizer),
 #                                    so a typo is found here and not in the GPU slot
-# Steps (limits in seconds; about 8 minutes in all on an H200):
+# Steps (each under its own time limit; 322 s in all on an H200 on 2026-12-04, BENCHMARKS.md):
 #   1 build   pip install --no-build-isolation --no-deps -e . for sm_90 (MEGALIGN_CUDA_ARCHS), then
 #             every megalign:: op must have a CUDA kernel (scripts/check_op_kernels.py)
 #   2 tests   the CUDA tests only (ops on CUDA tensors, the CUDA-graph rollout, flash-attention),
