@@ -17,13 +17,15 @@ the next one runs:
            row, no model row the tokenizer cannot decode) passes and a random model's samples decode to text.
            (Not in the model folder: there transformers 5's AutoTokenizer picks Qwen2Tokenizer for a qwen2
            config.json, which adds `<|endoftext|>`, one id more than the model has rows.)
-  rollout  the engine alone (`megalign.rollout.rollout`): 64 prompts of 128 tokens, 256 new tokens, on bf16 weights
-           eager (the trainers' default engine), static shapes, static + CUDA graphs; then on fp32 weights under
-           bf16 autocast (how the actor rolls out) static, and static + CUDA graphs. Tokens/s (whole call, and the
-           engine's decode tokens/s) and whether each graph replay gives its static eager run's tokens (it must: the
-           same kernels on the same shapes). It runs first because the trainers roll out as `graphs_autocast` does:
-           when that mode raised or hung here, grpo and ppo run with `cuda_graphs=false` (reported), so one capture
-           bug does not cost the whole end-to-end check.
+  rollout  the engine alone (`megalign.rollout.rollout`) on the bf16 model: 64 prompts of 128 tokens, 256 new
+           tokens, static shapes without and with CUDA graphs (`--rollout-modes`; also `static_autocast` /
+           `graphs_autocast`: fp32 weights under bf16 autocast, as the actor rolls out, and `eager` / `eager_again`:
+           the trainers' default engine, whose window grows every step, run only while the phase has time left: on
+           the H200 it ran at 870 tokens/s against 2700 static and 14500 with graphs). Tokens/s (whole call, and the
+           engine's decode tokens/s and ms per decode step) and whether each graph replay gives its static eager
+           run's tokens (it must: the same kernels on the same shapes). It runs before the trainers: when its graph
+           mode raised or hung, grpo and ppo run with `cuda_graphs=false` (reported), so one capture bug does not
+           cost the whole end-to-end check.
   grpo     `python3 -m torch.distributed.run --standalone --nproc-per-node 1 launch/train_grpo.py --config
            examples/grpo_arith.yaml ...`: world size 1 on NCCL (device=cuda, gloo beside it for CPU tensors),
            actor.dtype=bf16 (bf16 compute over fp32 master weights), SDPA attention (MEGALIGN_ATTENTION=sdpa), the
@@ -46,7 +48,14 @@ generate phase, and the engine's decode tokens/s), peak GPU memory (`torch.cuda.
 losses and gradient norms, the checkpoint's size, and whether megalign.ops has its CUDA kernels (`ops_with_cuda`;
 the trainers use them whenever it is true, MEGALIGN_OPS being unset). Model, runs and checkpoints live in a
 work folder (on /dev/shm when it has room, as checkpoints of the 0.5B model are ~6 GB per trained role), removed
-at the end unless `--keep`. Exit status 0 when every phase is ok, else 1.
+at the end unless `--keep`. Exit status 0 when every phase is ok, else 1. The trainer phases also report
+`startup_s` (imports, torchrun, the roles' models built: the log's time stamps), `train_to_table_s` (evaluation
+before, the steps, checkpoint, HF export, evaluation after) and `checkpoint_mib`.
+
+Measured on the H200 (2026-12-04, torch 2.11.0+cu130, transformers 5.17, megalign._C not built so the pure-torch
+ops; `--budget 240`): build 14 s; grpo ok in 45 s (steps 4.55 s with graph capture, then 0.80 s; rollout 18.8k
+tokens/s in step 2; peak 14.6 GiB; 6.2 GB checkpoint); ppo ok in 59 s (steps 2.34 / 1.31 s; peak 21.0 GiB; 11.8 GB
+checkpoint, about 30 s of the phase); rollout phase at batch 64: eager 870, static 2707, graphs 14535 tokens/s.
 """
 from __future__ import annotations
 
@@ -60,6 +69,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import zlib
@@ -67,6 +77,7 @@ import zlib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.abspath(__file__)
 PHASES = ("build", "rollout", "grpo", "ppo")
+ROLLOUT_MODES = ("static", "graphs", "static_autocast", "graphs_autocast", "eager", "eager_again")
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -89,8 +100,10 @@ class Sizes:
     rollout_prompt: int   # their length
     rollout_new: int      # new tokens
     # phase timeouts (seconds) at most, and the least a later phase is left
-    caps: tuple = (("build", 45), ("rollout", 45), ("grpo", 70), ("ppo", 80))
-    floors: tuple = (("build", 10), ("rollout", 15), ("grpo", 25), ("ppo", 30))
+    # measured on the H200 (torch 2.11, /dev/shm): build 14 s, rollout static + graphs ~20 s, grpo 45 s, ppo 59 s
+    # (about half of each trainer phase is writing its checkpoint: 6 GB for GRPO, 12 GB for PPO)
+    caps: tuple = (("build", 45), ("rollout", 40), ("grpo", 70), ("ppo", 85))
+    floors: tuple = (("build", 10), ("rollout", 15), ("grpo", 45), ("ppo", 60))
 
 
 FULL = Sizes(prompts=16, group=8, response=64, eval_samples=16, eval_new=16, rollout_batch=64, rollout_prompt=128,
@@ -132,7 +145,7 @@ class Runner:
         return self.args.budget - (time.perf_counter() - self.start)
 
     def timeout_for(self, phase: str, later: list[str]) -> float:
-        caps, floors = dict(self.sizes.caps), dict(self.sizes.floors)
+        caps, floors = {**dict(self.sizes.caps), **self.args.cap}, dict(self.sizes.floors)
         reserve = sum(floors[p] for p in later)
         return min(caps[phase], self.remaining() - reserve)
 
@@ -178,7 +191,8 @@ class Runner:
     # ----- children
 
     def child(self, phase: str, cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, float, str]:
-        """Run `cmd` in its own process group with its output in OUT/<phase>.log; (status, seconds, log path).
+        """Run `cmd` in its own process group with its output in OUT/<phase>.log, each line (and each progress-bar
+        update) stamped with the seconds since the start (`+  12.3s| `); (status, seconds, log path).
         On a timeout the whole group is killed (status 124)."""
         log_path = os.path.join(self.out, f"{phase}.log")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MEGALIGN_ATTENTION": "sdpa", **(env or {})}
@@ -187,18 +201,22 @@ class Runner:
         with open(log_path, "w", encoding="utf-8") as log:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            reader = threading.Thread(target=copy_stamped, args=(proc.stdout, log, t0), daemon=True)
+            reader.start()
             try:
                 rc = proc.wait(timeout=max(timeout, 1))
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 rc = 124
+            reader.join(timeout=10)
+            if rc == 124:
                 log.write(f"\n[gpu_e2e] killed after the phase's timeout of {timeout:.0f} s\n")
         return rc, time.perf_counter() - t0, log_path
 
     def failure(self, phase: str, rc: int, log_path: str, figures: dict) -> tuple[str, dict]:
-        lines = read_tail(log_path, 2000)
+        lines = unstamped(read_tail(log_path, 2000))
         ranked = [line for line in lines if line.startswith("[rank")]  # torchrun's copy of the trainer's traceback
         tail = (ranked[-50:] + ["..."] + lines[-3:]) if ranked else lines[-60:]
         print(f"# ---- {phase} failed (status {rc}); from {log_path}:", flush=True)
@@ -208,7 +226,9 @@ class Runner:
     def worker(self, phase: str, timeout: float, extra: list[str] = ()) -> tuple[str, dict]:
         result = os.path.join(self.work, f"{phase}_result.json")
         cmd = [sys.executable, SCRIPT, "--worker", phase, "--result", result, "--workdir", self.work,
-               "--device", self.args.device] + (["--tiny"] if self.args.tiny else []) + list(extra)
+               "--device", self.args.device, "--deadline", f"{time.time() + timeout - 3:.1f}"]
+        cmd += ["--rollout-modes", ",".join(self.args.rollout_modes)] + (["--tiny"] if self.args.tiny else [])
+        cmd += list(extra)
         rc, seconds, log_path = self.child(phase, cmd, timeout)
         figures = {}
         if os.path.isfile(result):
@@ -255,6 +275,13 @@ class Runner:
         figures = {**self.build_info, "cuda_graphs": any(o == "rollout.engine.cuda_graphs=true" for o in overrides),
                    "steps": [step_figures(r, roles) for r in steps],
                    "eval_accuracy": [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and "time/step" not in r]}
+        lines = read_tail(log_path, 5000)
+        ready, table = stamp_of(lines, "roles ["), stamp_of(lines, "held-out accuracy")
+        if ready is not None:  # imports, torchrun, the roles' models built and loaded
+            figures["startup_s"] = ready
+        if ready is not None and table is not None:  # eval before, the steps, checkpoint, HF export, eval after
+            figures["train_to_table_s"] = round(table - ready, 1)
+            figures["after_table_s"] = round(seconds - table, 1)  # process group teardown, exit
         if steps:
             figures["peak_gpu_gib"] = max((r.get("memory/cuda_peak_allocated_gib") or 0.0) for r in steps)
             figures["step_s"] = [round(r["time/step"], 3) for r in steps]
@@ -282,10 +309,14 @@ class Runner:
 
     def phase_rollout(self, timeout: float) -> tuple[str, dict]:
         status, figures = self.worker("rollout", timeout)
-        if self.args.device == "cuda" and "static_autocast" in figures:
-            # the trainers roll out as graphs_autocast does: CUDA graphs off for them when it raised or hung here
-            # (the worker writes its figures after every mode, so a killed run still tells)
-            self.graphs_ok = "graphs_autocast" in figures
+        if self.args.device == "cuda":
+            # the trainers roll out as graphs_autocast does (graphs on bf16 weights when that mode did not run):
+            # CUDA graphs off for them when it raised or hung here (the worker writes its figures after every mode,
+            # so a killed run still tells)
+            for static, graphs in (("static_autocast", "graphs_autocast"), ("static", "graphs")):
+                if static in figures and graphs in self.args.rollout_modes:
+                    self.graphs_ok = graphs in figures
+                    break
         return status, {**self.build_info, **figures}
 
 
@@ -315,6 +346,42 @@ def kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+STAMP = re.compile(r"^\+\s*(\d+\.\d)s\| ")
+
+
+def copy_stamped(stream, log, t0: float) -> None:
+    """Copy a child's output to `log` line by line (a carriage return, as progress bars write, ends a line too),
+    each prefixed with the seconds since `t0`."""
+    pending = b""
+    while True:
+        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        if not chunk:
+            break
+        pending += chunk
+        *lines, pending = re.split(rb"[\r\n]", pending)
+        stamp = f"+{time.perf_counter() - t0:6.1f}s| "
+        for line in lines:
+            if line.strip():
+                log.write(stamp + line.decode("utf-8", "replace") + "\n")
+        log.flush()
+    if pending.strip():
+        log.write(f"+{time.perf_counter() - t0:6.1f}s| " + pending.decode("utf-8", "replace") + "\n")
+    log.flush()
+
+
+def unstamped(lines: list[str]) -> list[str]:
+    return [STAMP.sub("", line) for line in lines]
+
+
+def stamp_of(lines: list[str], needle: str) -> float | None:
+    """The time stamp of the first log line containing `needle`, or None."""
+    for line in lines:
+        match = STAMP.match(line)
+        if match and needle in line:
+            return float(match.group(1))
+    return None
 
 
 def folder_bytes(path: str) -> int:
@@ -506,24 +573,30 @@ def worker_rollout(args, sizes: Sizes) -> dict:
     params = SamplingParams(max_new_tokens=sizes.rollout_new, temperature=1.0, eos_token_id=2, pad_token_id=0)
     warm = SamplingParams(max_new_tokens=8, temperature=1.0, eos_token_id=2, pad_token_id=0)
     eager, static, graphs = EngineConfig(), EngineConfig(static=True), EngineConfig(static=True, cuda_graphs=True)
-    # name -> (weights, engine, under bf16 autocast); the CUDA-graph modes run last in each group
-    modes = {"eager": ("bf16", eager, False), "static": ("bf16", static, False)}
-    if cuda:
-        modes["graphs"] = ("bf16", graphs, False)
-    modes["static_autocast"] = ("fp32", static, True)
-    if cuda:
-        modes["graphs_autocast"] = ("fp32", graphs, True)
+    # name -> (weights, engine, under bf16 autocast)
+    known = {"static": ("bf16", static, False), "graphs": ("bf16", graphs, False),
+             "static_autocast": ("fp32", static, True), "graphs_autocast": ("fp32", graphs, True),
+             "eager": ("bf16", eager, False), "eager_again": ("bf16", eager, False)}
+    modes = {name: known[name] for name in args.rollout_modes if cuda or not name.startswith("graphs")}
 
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
 
-    tokens, errors = {}, []
+    tokens, errors, skipped = {}, [], []
     for name, (weights, config, autocast) in modes.items():
+        # the eager engine (the trainers' default: its window grows with the longest live row, so every step is a
+        # new attention shape) ran at 1/3 of the static step's speed on the H200: it runs only when time is left
+        static_s = out.get("static", {}).get("wall_s", 5.0)
+        need = (4 * static_s if name.startswith("eager") else 0.0) + (8.0 if weights not in models else 0.0)
+        if args.deadline and time.time() + need > args.deadline:
+            skipped.append(name)
+            continue
         try:
             if weights not in models:
                 models.clear()  # one model on the device at a time
-                models[weights] = from_pretrained(path).eval().to(device)
+                dtype = torch.bfloat16 if weights == "bf16" else None
+                models[weights] = from_pretrained(path, dtype=dtype).eval().to(device)
             model = models[weights]
             amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
             with amp:
@@ -537,7 +610,8 @@ def worker_rollout(args, sizes: Sizes) -> dict:
             tokens[name] = result.sequences[:, sizes.rollout_prompt:].cpu()
             out[name] = {"tokens": generated, "wall_s": round(wall, 3), "tokens_per_s": round(generated / wall, 1),
                          "decode_tokens_per_s": round(stats.decode_tokens / max(stats.decode_s, 1e-9), 1),
-                         "prefill_s": round(stats.prefill_s, 4), "decode_steps": stats.decode_steps}
+                         "prefill_s": round(stats.prefill_s, 4), "decode_steps": stats.decode_steps,
+                         "ms_per_decode_step": round(1000 * stats.decode_s / max(stats.decode_steps, 1), 2)}
         except Exception as exc:
             traceback.print_exc()
             errors.append(f"{name}: {type(exc).__name__}: {exc}"[:400])
@@ -545,13 +619,16 @@ def worker_rollout(args, sizes: Sizes) -> dict:
     for a, b in (("static", "graphs"), ("static_autocast", "graphs_autocast"), ("eager", "static")):
         if a in tokens and b in tokens and tokens[a].shape == tokens[b].shape:
             out[f"same_tokens_{b}_vs_{a}"] = round(float((tokens[a] == tokens[b]).float().mean()), 4)
-    for a, b in (("graphs", "static"), ("graphs", "eager"), ("graphs_autocast", "static_autocast")):
+    for a, b in (("graphs", "static"), ("graphs", "eager"), ("graphs", "eager_again"),
+                 ("graphs_autocast", "static_autocast")):
         if a in out and b in out:
             out[f"speedup_{a}_vs_{b}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 2)
     for a, b in (("static", "graphs"), ("static_autocast", "graphs_autocast")):
         same = out.get(f"same_tokens_{b}_vs_{a}")
         if same is not None and same < 1.0:  # the same kernels on the same shapes: bit for bit
             errors.append(f"{b}: the CUDA-graph replay's tokens differ from {a}'s ({same:.2%} equal)")
+    if skipped:
+        out["skipped_for_time"] = skipped
     if cuda:
         out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return {**device_info(args.device), **out, "errors": errors}
@@ -591,8 +668,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--workdir", default=None, help="work folder to use and keep (default: a fresh one, removed)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (model, runs, checkpoints)")
+    p.add_argument("--rollout-modes", default=None,
+                   help=f"rollout phase modes, of {','.join(ROLLOUT_MODES)} (default static,graphs,eager,eager_again "
+                        "on CUDA, the eager ones only while time is left; every non-graph mode on the CPU)")
+    p.add_argument("--cap", action="append", default=[], metavar="PHASE=SECONDS",
+                   help="a phase's timeout at most (default " + ", ".join(f"{k}={v}" for k, v in FULL.caps) + ")")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)  # a worker's end (epoch seconds)
     args = p.parse_args(argv)
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     unknown = [x for x in args.phases if x not in PHASES]
@@ -600,6 +683,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--phases: unknown {unknown}; choose from {', '.join(PHASES)}")
     if args.out is None:
         args.out = os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu_results")
+    if args.rollout_modes is None:
+        args.rollout_modes = ("static,graphs,eager,eager_again" if args.device == "cuda" else
+                              "static,static_autocast,eager,eager_again")
+    args.rollout_modes = [m.strip() for m in args.rollout_modes.split(",") if m.strip()]
+    if set(args.rollout_modes) - set(ROLLOUT_MODES):
+        p.error(f"--rollout-modes: unknown {sorted(set(args.rollout_modes) - set(ROLLOUT_MODES))}")
+    try:
+        args.cap = {k: float(v) for k, v in (item.split("=", 1) for item in args.cap)}
+    except ValueError:
+        p.error(f"--cap: expected PHASE=SECONDS, got {args.cap}")
+    if set(args.cap) - set(PHASES):
+        p.error(f"--cap: unknown phases {sorted(set(args.cap) - set(PHASES))}")
     if args.budget is None:
         args.budget = 150.0 if args.device == "cuda" else 600.0
     return args
