@@ -142,10 +142,15 @@ class OptimizerState:
     now, from whichever shard of whichever format holds them, after checking tp and pp.
 
     Learning rates and other hyper-parameters: not restored (module doc); the trainers set `lr` from
-    the step before every update. Note `get_optimizer_state_dict` gives an optimizer that has never
-    stepped its state by one zero-lr step (the state must exist to be loaded into); a save before the
-    first update therefore sets `step` to 1 in the saved *and* the running optimizer alike, so a
-    resumed run still continues exactly.
+    the step before every update.
+
+    Saving changes nothing. `get_optimizer_state_dict` builds the state of an optimizer that has never
+    stepped by one zero-gradient, zero-lr step (the state must exist to be saved and loaded into),
+    which left AdamW's `step` at 1: the first real update was then bias-corrected as the second,
+    about 26% smaller, whenever a save came first (PPO's critic warm-up, GRPO's empty first steps).
+    That step leaves the moments at exactly zero and the weights untouched, so with its `step`
+    counters set back to 0 the state is bit for bit the one AdamW creates at its first real step;
+    the running optimizer keeps it and the checkpoint holds it, and a resume continues identically.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Optional[ParallelLayout] = None):
@@ -156,7 +161,16 @@ class OptimizerState:
         self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
 
     def state_dict(self) -> dict[str, Any]:
+        if not self.optimizer.state:
+            self._build_fresh_state()
         return {self.key: {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}}
+
+    def _build_fresh_state(self) -> None:
+        """The state of an Adam-family optimizer (the trainers' AdamW) that never stepped, as its first real step
+        would create it (class doc)."""
+        get_optimizer_state_dict(self.model, self.optimizer)  # one zero-gradient, zero-lr step
+        for values in self.optimizer.state.values():
+            values["step"].zero_()
 
     def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
         """{saved shard prefix: {"state": {name: {key: tensor}}}} for the parameters this optimizer holds."""

@@ -184,3 +184,30 @@ def _two_rank_round_trip(run_dir: str, tp: int) -> None:
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_two_rank_round_trip(tmp_path, tp):
     run_distributed(_two_rank_round_trip, str(tmp_path), tp)
+
+
+def _weights_after(tmp_path, save_before_first_step: bool, resume: bool):
+    """The weights after two real AdamW steps of `tiny_model`, with or without a checkpoint written (and, `resume`,
+    loaded into a fresh model and optimizer) before the first one."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if save_before_first_step:
+        manager = CheckpointManager(tmp_path)
+        manager.save(0, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)})
+        if resume:
+            model = tiny_model(seed=1)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            manager.load(0, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)})
+    for seed in (1, 2):
+        train_step(model, optimizer, seed)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_saving_before_the_first_step_changes_nothing(tmp_path, resume):
+    # issue 32 item 8: DCP builds a never-stepped optimizer's state by a zero-lr step, which counted as AdamW's
+    # step 1, so the first real update was bias-corrected as step 2 (about 26% smaller at beta2 = 0.999)
+    expected = _weights_after(tmp_path / "unsaved", save_before_first_step=False, resume=False)
+    got = _weights_after(tmp_path / "saved", save_before_first_step=True, resume=resume)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
