@@ -59,7 +59,8 @@ fi
 timeout_arg=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
 MEGALIGN_REQUIRE_EXT=1 step tests 200 "$PY" -m pytest -q -p no:cacheprovider -rfE --maxfail 25 "${timeout_arg[@]}" \
-  -k "cuda or graph" tests/ops tests/rollout/test_engine.py tests/models/test_flash_attention.py
+  -k "cuda or graph" tests/ops tests/rollout/test_engine.py tests/rollout/test_engine_autocast.py \
+  tests/models/test_flash_attention.py
 
 step probe 150 "$PY" benchmarks/gpu_probe.py --device "$MODE" --out "$(mktemp -d)"
 
