@@ -40,6 +40,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from typing import Any, Literal, Mapping, Optional, Protocol, Sequence
@@ -173,12 +174,25 @@ class CharTokenizer:
 class HFTokenizer:
     """`transformers.AutoTokenizer` from a local folder, behind the `Tokenizer` interface."""
 
+    # tokenizer_config.json classes that mean "exactly the tokenizer.json beside me" (transformers 4 / 5)
+    GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         self.path = path
         self.name = f"hf {path!r}"
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # A generic fast tokenizer (CharTokenizer.save writes one) is loaded as that class: from
+        # transformers 5, AutoTokenizer lets a config.json beside it choose the model family's class
+        # instead (model_type qwen2 -> Qwen2Tokenizer), which adds its own <|endoftext|> and so one
+        # id more than the exported model has rows.
+        config_path = os.path.join(path, "tokenizer_config.json")
+        generic = False
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as fh:
+                generic = json.load(fh).get("tokenizer_class") in self.GENERIC_CLASSES
+        loader = PreTrainedTokenizerFast if generic else AutoTokenizer
+        self.hf = loader.from_pretrained(path, local_files_only=True)
         if self.hf.eos_token_id is None:
             raise ValueError(f"tokenizer at {path!r} has no eos token; generation needs one to stop")
         self.eos_id = int(self.hf.eos_token_id)

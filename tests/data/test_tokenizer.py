@@ -127,3 +127,19 @@ def test_hf_vocab_size_counts_added_tokens(hf_dir, tmp_path):
     assert tok.encode("<|im_end|>") == [50] and tok.vocab_size == 51
     with pytest.raises(ValueError, match=r"tokenizer \(hf '.*', 51 ids\) does not match m \(vocab_size 50\)"):
         check_vocab(tok, 50, "m")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_saved_char_tokenizer_loads_back_beside_any_model_config(tmp_path, model_type):
+    """A CharTokenizer saved into an HF export folder loads back with the same ids, whatever model
+    family's config.json sits beside it (transformers 5's AutoTokenizer would pick Qwen2Tokenizer
+    for qwen2 and add an <|endoftext|> id the exported model has no row for)."""
+    char = CharTokenizer()
+    char.save(str(tmp_path))
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    hf = HFTokenizer(str(tmp_path))
+    assert hf.vocab_size == char.vocab_size
+    text = "12+30=\\boxed{42}\n"
+    assert hf.encode(text, add_bos=True) == char.encode(text, add_bos=True)
+    assert hf.decode(char.encode(text)) == text
+    assert (hf.eos_id, hf.pad_id, hf.bos_id) == (char.eos_id, char.pad_id, char.bos_id)
