@@ -35,6 +35,7 @@ import torch
 from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
 from megalign.algos.grpo import LOSS_AGGREGATIONS, informative_groups, overlong_mask, overlong_penalty
 from megalign.algos.ppo import KL_IN_REWARD
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.parallel.collectives import all_reduce
 from megalign.trainers.base import TrainResult
@@ -86,11 +87,22 @@ class AlgoConfig(PolicyLossOptions):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    @property
+    def reward_kl(self) -> bool:
+        """Whether the advantage estimator puts -kl_coef * KL_t in the per-token reward."""
+        return estimator(self.advantage).token_kl and self.kl_coef > 0
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a run builds the reference: the k3 loss term (beta) or the reward's KL (the registry reads this too)."""
+        return self.beta > 0 or self.reward_kl
+
 
 @dataclasses.dataclass
 class GRPOConfig(OnlineConfig):
     """One GRPO run (`launch/train_grpo.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["grpo"] = algorithm_option("grpo")
     run_dir: str = option("runs/grpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(60, doc="training steps (one rollout + its updates each)")
     save_every: int = option(20, doc="checkpoint every N steps (and after the last); 0: only after the last")
@@ -103,11 +115,7 @@ class GRPOTrainer(OnlineTrainer):
     name = "GRPO"
 
     def needs_reference(self) -> bool:
-        return self.cfg.algo.beta > 0 or self.reward_kl()
-
-    def reward_kl(self) -> bool:
-        """Whether the advantage estimator puts -kl_coef * KL_t in the per-token reward."""
-        return estimator(self.cfg.algo.advantage).token_kl and self.cfg.algo.kl_coef > 0
+        return self.cfg.algo.uses_reference
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         if self.cfg.algo.overlong == "penalty":
@@ -156,7 +164,7 @@ class GRPOTrainer(OnlineTrainer):
         if self.reference is not None:
             with self.phase("reference", reference=("weights",)):
                 batch.ref_logp = self.score_logprobs(self.reference, batch, algo.micro_batch_size)
-        in_reward = self.reward_kl()
+        in_reward = self.cfg.algo.reward_kl
         batch.advantages = estimator(algo.advantage).fn(
             batch.rewards, batch.response_mask, cfg.rollout.group_size, eps=algo.advantage_eps,
             logp=batch.old_logp if in_reward else None, ref_logp=batch.ref_logp if in_reward else None,

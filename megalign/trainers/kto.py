@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 
 from megalign.algos import check_kto_weight_ratio, kto_loss, kto_loss_at, kto_reference_point
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import (PromptExample, UnpairedExample, collate_replies, load_unpaired, make_splits,
                            write_unpaired_jsonl)
@@ -61,6 +62,7 @@ class KTOAlgoConfig:
 class KTOConfig(SupervisedConfig):
     """One KTO run (`launch/train_kto.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["kto"] = algorithm_option("kto")
     run_dir: str = option("runs/kto_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(300, doc="optimizer steps")
     batch_size: int = option(64, doc="examples per step over all dp ranks (a multiple of dp, at least 2 per rank)")

@@ -53,11 +53,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
 from megalign.algos import DPO_LOSSES, dpo_loss
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import IGNORE_INDEX
 from megalign.parallel import Pipeline
@@ -100,6 +101,7 @@ class OnlineDPOAlgoConfig:
 class OnlineDPOConfig(OnlineConfig):
     """One online DPO run (`launch/train_online_dpo.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["online_dpo"] = algorithm_option("online_dpo")
     run_dir: str = option("runs/online_dpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(200, doc="training steps (one rollout + its updates each)")
     save_every: int = option(50, doc="checkpoint every N steps (and after the last); 0: only after the last")

@@ -66,6 +66,7 @@ from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns
                                 token_rewards, value_loss, whiten)
 from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.models import ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
@@ -154,6 +155,7 @@ class PPOAlgoConfig(PolicyLossOptions):
 class PPOConfig(OnlineConfig):
     """One PPO run (`launch/train_ppo.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["ppo"] = algorithm_option("ppo")
     run_dir: str = option("runs/ppo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/, critic_hf/")
     steps: int = option(60, doc="training steps (one rollout + the critic's and the actor's updates each)")
     save_every: int = option(20, doc="checkpoint every N steps (and after the last); 0: only after the last")

@@ -36,6 +36,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from megalign.algos import DPO_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import (IGNORE_INDEX, PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
                            load_prompts, make_splits, write_preference_jsonl)
@@ -90,11 +91,17 @@ class PreferenceAlgoConfig:
     def beta_value(self) -> float:
         return self.beta if self.beta is not None else (2.0 if self.loss == "simpo" else 0.1)
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss compares with the frozen reference (the registry reads this too)."""
+        return self.loss not in REFERENCE_FREE
+
 
 @dataclasses.dataclass
 class DPOConfig(SupervisedConfig):
     """One pairwise preference run (`launch/train_dpo.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["dpo"] = algorithm_option("dpo")
     run_dir: str = option("runs/dpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(200, doc="optimizer steps")
     batch_size: int = option(32, doc="pairs per step over all dp ranks (a multiple of dp)")
@@ -178,7 +185,7 @@ class PairwiseObjective(Objective[PreferenceExample]):
     count_name = "pairs"
 
     def needs_reference(self) -> bool:
-        return self.cfg.algo.loss not in REFERENCE_FREE
+        return self.cfg.algo.uses_reference
 
     def examples(self) -> tuple[list[PreferenceExample], list[PromptExample]]:
         data = self.cfg.data
@@ -263,6 +270,7 @@ class RewardAlgoConfig:
 class RMConfig(SupervisedConfig):
     """One reward-model run (`launch/train_rm.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["rm"] = algorithm_option("rm")
     run_dir: str = option("runs/rm_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(200, doc="optimizer steps")
     batch_size: int = option(32, doc="pairs per step over all dp ranks (a multiple of dp)")

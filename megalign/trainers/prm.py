@@ -37,6 +37,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from megalign.algos import IGNORE_INDEX, prm_loss
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import ArithChainConfig, StepwiseExample, collate_stepwise, load_stepwise, make_chain_splits
 from megalign.data.arith import write_stepwise_jsonl
@@ -87,6 +88,7 @@ class PRMAlgoConfig:
 class PRMConfig(SupervisedConfig):
     """One process (or outcome) reward model run (`launch/train_prm.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["prm"] = algorithm_option("prm")
     run_dir: str = option("runs/prm_chain", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(300, doc="optimizer steps")
     batch_size: int = option(64, doc="solutions per step over all dp ranks (a multiple of dp)")

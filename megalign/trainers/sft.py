@@ -23,10 +23,11 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 
+from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import PromptExample, Tokenizer, load_prompts, make_splits
 from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_sft, load_sft
@@ -53,6 +54,7 @@ class SFTDataConfig(DataConfig):
 class SFTConfig(SupervisedConfig):
     """One SFT run (`launch/train_sft.py --config ... key.sub=value`)."""
 
+    algorithm: Literal["sft"] = algorithm_option("sft")
     run_dir: str = option("runs/sft_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
     steps: int = option(900, doc="optimizer steps")
     save_every: int = option(300, doc="checkpoint every N steps (and always after the last); 0: only after the last")

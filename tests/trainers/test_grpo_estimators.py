@@ -1,6 +1,7 @@
 """The GRPO trainer with each new option (REINFORCE++ estimators, CISPO, GSPO) and PPO with CISPO / GSPO: a few steps
 on the tiny policy that run with finite metrics, and config errors that name the bad value."""
 import math
+from types import SimpleNamespace
 
 import pytest
 from parallel.dist_utils import run_distributed
@@ -8,6 +9,7 @@ from trainers.grpo_helpers import tiny_config, tiny_policy
 from trainers.helpers import metric_rows
 from trainers.test_ppo_trainer import tiny_ppo_config
 
+from megalign.algos.registry import get as get_algorithm
 from megalign.config import ConfigError
 from megalign.trainers.grpo import GRPOTrainer, train_grpo
 from megalign.trainers.ppo import train_ppo
@@ -53,8 +55,10 @@ def test_grpo_option_runs(policy, tmp_path, overrides):
 
 def test_reference_only_when_the_reward_kl_is_on(policy, tmp_path):
     def roles(*overrides):
-        return GRPOTrainer.needs_reference(type("T", (), {"cfg": tiny_config(policy, str(tmp_path), *overrides),
-                                                          "reward_kl": GRPOTrainer.reward_kl})())
+        cfg = tiny_config(policy, str(tmp_path), *overrides)
+        built = GRPOTrainer.needs_reference(SimpleNamespace(cfg=cfg))
+        assert get_algorithm("grpo").needs_reference(cfg) == built  # the planner reads the registry
+        return built
     assert roles("algo.advantage=reinforce_plus_plus")
     assert not roles("algo.advantage=reinforce_plus_plus", "algo.kl_coef=0")
     assert not roles("algo.advantage=grpo")  # kl_coef is the reward's; the group estimators have none
