@@ -1,17 +1,9 @@
 """Pairwise preference training (DPO family, SimPO, CPO, ORPO by `algo.loss`):
 `python launch/train_dpo.py --config examples/dpo_arith.yaml [key.sub=value ...]`.
 
-Runs as one process with plain `python`, or on several with `torchrun --nproc-per-node N` (gloo on
-CPU, NCCL on GPUs); see `megalign.trainers.preference` for what it does and `megalign.trainers.cli.main`
-for argv, config and process group.
+`megalign.trainers.preference` says what it does; `launch/train.py` how it starts (one process, torchrun, srun, mpirun).
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalign.trainers.cli import main  # noqa: E402
-from megalign.trainers.preference import DPOConfig, train_dpo  # noqa: E402
+from train import run
 
 if __name__ == "__main__":
-    main(DPOConfig, train_dpo, sys.argv[1:])
+    run("dpo")

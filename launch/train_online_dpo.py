@@ -1,16 +1,9 @@
-"""Online DPO: `python launch/train_online_dpo.py --config examples/online_dpo_arith.yaml [key.sub=value ...]`.
+"""Online DPO:
+`python launch/train_online_dpo.py --config examples/online_dpo_arith.yaml [key.sub=value ...]`.
 
-Runs as one process with plain `python`, or on several with `torchrun --nproc-per-node N` (gloo on
-CPU, NCCL on GPUs); see `megalign.trainers.online_dpo` for what it does and `megalign.trainers.cli.main`
-for argv, config and process group.
+`megalign.trainers.online_dpo` says what it does; `launch/train.py` how it starts (one process, torchrun, srun, mpirun).
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalign.trainers.cli import main  # noqa: E402
-from megalign.trainers.online_dpo import OnlineDPOConfig, train_online_dpo  # noqa: E402
+from train import run
 
 if __name__ == "__main__":
-    main(OnlineDPOConfig, train_online_dpo, sys.argv[1:])
+    run("online_dpo")

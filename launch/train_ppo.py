@@ -1,16 +1,9 @@
-"""PPO: `python launch/train_ppo.py --config examples/ppo_arith.yaml [key.sub=value ...]`.
+"""PPO:
+`python launch/train_ppo.py --config examples/ppo_arith.yaml [key.sub=value ...]`.
 
-Runs as one process with plain `python`, or on several with `torchrun --nproc-per-node N` (gloo on
-CPU, NCCL on GPUs); see `megalign.trainers.ppo` for what it does and `megalign.trainers.cli.main`
-for argv, config and process group.
+`megalign.trainers.ppo` says what it does; `launch/train.py` how it starts (one process, torchrun, srun, mpirun).
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalign.trainers.cli import main  # noqa: E402
-from megalign.trainers.ppo import PPOConfig, train_ppo  # noqa: E402
+from train import run
 
 if __name__ == "__main__":
-    main(PPOConfig, train_ppo, sys.argv[1:])
+    run("ppo")

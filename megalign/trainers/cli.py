@@ -1,10 +1,14 @@
 """What every launch script does before handing over to a trainer: argv, process group, logging.
 
-`launch/train_*.py` stay thin: `main(SFTConfig, train_sft, sys.argv[1:])` parses argv, loads the
-typed config, initialises the process group and logging, runs the trainer and tears the group down.
+`launch/train_<name>.py` is one call, `run_algorithm("<name>", sys.argv[1:])`, and the generic
+`launch/train.py` is `run_algorithm(None, ...)`, which runs the algorithm the config names (its
+`algorithm` key; `megalign.algos.registry`). Both end in `main(config_cls, train_fn, argv)`: parse
+argv, load the typed config, initialise the process group and logging, run the trainer and tear the
+group down.
 
 Exit statuses: `--help` prints the usage and every config key of the trainer's config class (type,
-default, doc; `megalign.config.config_help`) on stdout and exits 0. A bad command line, or a
+default, doc; `megalign.config.config_help`), or for the generic entry the registered algorithms, on
+stdout and exits 0. A bad command line, or a
 `ConfigError` (unknown key, bad type, failed check, a refused resume with a changed config) prints one
 line `error: ...` on stderr, naming the file and line or the override and the dotted key, and exits 2
 (argparse's status for usage errors) instead of a traceback; so does a `LaunchError` (a launcher
@@ -30,6 +34,9 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from megalign.algos.registry import ALGORITHMS, Algorithm
+from megalign.algos.registry import get as get_algorithm
+from megalign.algos.registry import load as load_algorithm
 from megalign.config import ConfigError, config_help, load_config
 from megalign.parallel.launch import LaunchError, cuda_device_index, resolve_launch
 
@@ -38,15 +45,31 @@ C = TypeVar("C")
 USAGE = "usage: [-h] [--config CONFIG.yaml] [key.sub=value ...]"
 
 
+OPTIONS = ("  -h, --help            print this text and exit\n"
+           "  --config CONFIG.yaml  YAML file of config keys (nested sections)\n"
+           "  key.sub=value         set one config key (the value is YAML); applied after the file, in order\n")
+
+
 def help_text(config_cls: type) -> str:
     """The `--help` text: usage, the config class's summary, the options, then every config key."""
     summary = (inspect.getdoc(config_cls) or config_cls.__name__).splitlines()[0]
     keys = "\n".join(f"  {line}" for line in config_help(config_cls).splitlines())
-    return (f"{USAGE}\n\n{summary}\n\n"
-            "  -h, --help            print this text and exit\n"
-            "  --config CONFIG.yaml  YAML file of config keys (nested sections)\n"
-            "  key.sub=value         set one config key (the value is YAML); applied after the file, in order\n\n"
-            f"config keys of {config_cls.__name__}:\n{keys}")
+    return f"{USAGE}\n\n{summary}\n\n{OPTIONS}\nconfig keys of {config_cls.__name__}:\n{keys}"
+
+
+def _roles(algo: Algorithm) -> str:
+    reference = {True: ["reference"], False: []}.get(algo.reference, [f"reference when {algo.reference}"])
+    trained = "actor" if algo.family == "online" else "model"
+    return ", ".join([trained, *reference, *["critic"] * algo.critic, *["reward"] * algo.reward])
+
+
+def algorithms_help() -> str:
+    """The generic entry's `--help`: usage, the options, then every registered algorithm and its roles."""
+    width = max(map(len, ALGORITHMS))
+    rows = "\n".join(f"  {a.name:<{width}}  {a.summary} (roles: {_roles(a)})" for a in ALGORITHMS.values())
+    return (f"{USAGE}\n\nTrain the algorithm a config names: its top-level `algorithm` key, or the override "
+            f"algorithm=NAME.\n\n{OPTIONS}\nalgorithms (launch/train_NAME.py --help lists the config keys of one):\n"
+            f"{rows}")
 
 
 def _fail(message: str) -> NoReturn:
@@ -58,7 +81,7 @@ def _fail(message: str) -> NoReturn:
 def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[Optional[str], list[str]]:
     """(`--config` path or None, ["key.sub=value", ...]) from argv.
 
-    `-h` / `--help`: print `help_text(config_cls)` (the usage alone without a class) and exit 0.
+    `-h` / `--help`: print `help_text(config_cls)` (without a class: `algorithms_help()`) and exit 0.
     Anything else that is not `--config PATH`, `--config=PATH` or `key=value`: one error line and
     the usage on stderr, exit 2.
     """
@@ -71,7 +94,7 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[O
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
-            print(help_text(config_cls) if config_cls is not None else USAGE, flush=True)
+            print(help_text(config_cls) if config_cls is not None else algorithms_help(), flush=True)
             raise SystemExit(0)
         if arg == "--config" or arg.startswith("--config="):
             if config is not None:
@@ -139,6 +162,25 @@ def main(config_cls: type[C], train_fn: Callable[[C], Any], argv: Sequence[str])
         cfg = load_config(config_cls, config_path, overrides)
     except ConfigError as exc:
         _fail(str(exc))
+    return _train(cfg, train_fn)
+
+
+def run_algorithm(name: Optional[str], argv: Sequence[str]) -> Any:
+    """`launch/train_<name>.py` (`name` given) or the generic `launch/train.py` (None: the algorithm the
+    config names, `megalign.algos.registry.load`); then as `main`."""
+    if name is not None:
+        algo = get_algorithm(name)
+        return main(algo.config_class(), algo.train_fn(), argv)
+    config_path, overrides = parse_cli(argv)
+    try:
+        algo, cfg = load_algorithm(config_path, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+    return _train(cfg, algo.train_fn())
+
+
+def _train(cfg: C, train_fn: Callable[[C], Any]) -> Any:
+    """The process group, logging and `train_fn(cfg)` of a loaded config (`main`'s doc)."""
     try:
         init_distributed(cfg.device)
     except LaunchError as exc:
