@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from megalign.algos.registry import ALGORITHMS
 from megalign.plan.__main__ import main
-from megalign.plan.runconfig import detect_trainer
+from megalign.plan.runconfig import PLANNED_AS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "plan", "*.yaml")))
@@ -42,15 +43,46 @@ def test_a_layout_that_does_not_fit_exits_1(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name, trainer", [("grpo_arith.yaml", "grpo"), ("sft_arith.yaml", "sft"),
-                                           ("dpo_arith.yaml", "dpo"), ("rm_arith.yaml", "rm"), ("kto_arith.yaml", "kto")])
-def test_run_configs_of_every_trainer_are_read(name, trainer, capsys):
-    path = os.path.join(ROOT, "examples", name)
-    assert detect_trainer(path) == trainer
-    model = [] if trainer == "sft" else ["--model", "llama3-8b"]  # the arith checkpoints are not built here
-    main(["--run-config", path, "--gpus", "8", *model, "--json"])
+RUN_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
+# the roles each example's run builds (reference: GRPO's beta and REINFORCE++'s reward KL are off in grpo_arith,
+# ORPO / SimPO / CPO have none; PPO's kl_coef > 0 builds one); the planner must see the same
+EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "kto_arith": {"actor", "reference"},
+                 "online_dpo_arith": {"actor", "reference"}, "ppo_arith": {"actor", "reference", "critic", "reward"},
+                 "ppo_chain_prm": {"actor", "reference", "critic", "reward"}, "prm_chain": {"actor"},
+                 "rm_arith": {"actor"}, "sft_arith": {"actor"}, "sft_chain": {"actor"}}
+
+
+def test_every_registered_algorithm_has_a_phase_model():
+    assert PLANNED_AS.keys() == ALGORITHMS.keys()
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=os.path.basename)
+def test_every_example_run_config_is_planned(path, capsys):
+    name = os.path.basename(path)[:-len(".yaml")]
+    # the examples' checkpoints are not built here; the SFT ones build their model from scratch
+    model = [] if name.startswith("sft_") else ["--model", "llama3-8b"]
+    assert main(["--run-config", path, "--gpus", "8", *model, "--json"]) in (0, 1)
     report = json.loads(capsys.readouterr().out)
-    assert report["algorithm"] == trainer and report["layout"]["actor"]["dp"] == 8
+    with open(path) as f:
+        algorithm = next(line.split()[1] for line in f if line.startswith("algorithm:"))
+    assert report["algorithm"] == PLANNED_AS[algorithm] and report["layout"]["actor"]["dp"] == 8
+    assert set(report["layout"]) == EXAMPLE_ROLES[name]
+
+
+@pytest.mark.parametrize("overrides, has_reference", [
+    (["algo.advantage=reinforce_plus_plus"], True),  # -kl_coef * KL_t in the reward needs the reference
+    (["algo.advantage=reinforce_plus_plus", "algo.kl_coef=0"], False),
+    (["algo.beta=0.04"], True)])
+def test_grpo_plans_the_reference_exactly_when_the_trainer_builds_it(overrides, has_reference, capsys):
+    path = os.path.join(ROOT, "examples", "grpo_arith.yaml")
+    main(["--run-config", path, "--gpus", "8", "--model", "llama3-8b", "--json", *overrides])
+    assert ("reference" in json.loads(capsys.readouterr().out)["layout"]) == has_reference
+
+
+def test_reference_free_losses_plan_no_reference(capsys):
+    path = os.path.join(ROOT, "examples", "dpo_arith.yaml")
+    main(["--run-config", path, "--gpus", "8", "--model", "llama3-8b", "--json", "algo.loss=orpo"])
+    assert "reference" not in json.loads(capsys.readouterr().out)["layout"]
 
 
 def test_bad_input_names_the_problem(tmp_path, capsys):
@@ -67,13 +99,14 @@ def test_bad_input_names_the_problem(tmp_path, capsys):
     assert "actor.path" in capsys.readouterr().err
 
 
-def test_a_critic_section_is_read_as_ppo_where_the_trainer_exists(tmp_path, capsys):
+def test_a_file_without_the_algorithm_key_is_the_one_whose_config_loads_it(tmp_path, capsys):
     path = tmp_path / "ppo.yaml"
-    path.write_text("actor: {path: /none, tp: 1}\ncritic: {path: /none, tp: 1}\n")
-    assert detect_trainer(str(path)) == "ppo"
-    rc = main(["--run-config", str(path), "--gpus", "8", "--model", "llama3-8b", "--json"])
-    out = capsys.readouterr()
-    if importlib.util.find_spec("megalign.trainers.ppo") is None:  # the PPO trainer is on another branch
-        assert rc == 2 and "PPO trainer" in out.err
-    else:
-        assert json.loads(out.out)["layout"]["critic"]["dp"] == 8
+    path.write_text("actor: {path: /none, tp: 1}\ncritic: {path: /none, tp: 1}\n")  # only PPO has a critic
+    assert main(["--run-config", str(path), "--gpus", "8", "--model", "llama3-8b", "--json"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out)["layout"]["critic"]["dp"] == 8
+    path.write_text("actor: {path: /none, tp: 1}\n")  # GRPO, PPO and online DPO all have an actor
+    assert main(["--run-config", str(path), "--gpus", "8", "--model", "llama3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert "names no algorithm and it loads as each of grpo, ppo, online_dpo" in err and "algorithm: <name>" in err
+    assert main(["--run-config", str(path), "--gpus", "8", "--model", "llama3-8b", "--json", "algorithm=online_dpo"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out)["layout"]["reference"]["dp"] == 8  # online DPO always has one
