@@ -572,7 +572,8 @@ def worker_rollout(args, sizes: Sizes) -> dict:
     mask = torch.ones_like(ids)
     params = SamplingParams(max_new_tokens=sizes.rollout_new, temperature=1.0, eos_token_id=2, pad_token_id=0)
     warm = SamplingParams(max_new_tokens=8, temperature=1.0, eos_token_id=2, pad_token_id=0)
-    eager, static, graphs = EngineConfig(), EngineConfig(static=True), EngineConfig(static=True, cuda_graphs=True)
+    eager = EngineConfig(static=False, cuda_graphs=False)
+    static, graphs = EngineConfig(static=True, cuda_graphs=False), EngineConfig(static=True, cuda_graphs=True)
     # name -> (weights, engine, under bf16 autocast)
     known = {"static": ("bf16", static, False), "graphs": ("bf16", graphs, False),
              "static_autocast": ("fp32", static, True), "graphs_autocast": ("fp32", graphs, True),

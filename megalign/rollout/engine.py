@@ -22,7 +22,8 @@ with far less work:
   batch sizes are rounded up to powers of two, so each step of a given batch size has the same
   shapes and reads no host value: `config.cuda_graphs` captures one CUDA graph per batch size and
   replays it (on CUDA; the same step is what `torch.compile(fullgraph=True)` traces). Eager mode
-  instead attends only up to the longest live column and compacts to the exact live count.
+  instead attends only up to the longest live column and compacts to the exact live count. Both
+  default to `auto`: static with CUDA graphs on CUDA, eager on the CPU (`EngineConfig.resolved`).
 - Randomness: one counter-based stream per sample, independent of batching. The uniform behind
   sample g of prompt key p at response step s is
   `u = (h >> 40 + 1) / 2**24` in (0, 1] with `h = mix(mix(mix(mix(seed) + (p + 1) c) + (g + 1) c) + (s + 1) c)`,
@@ -47,7 +48,7 @@ import time
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
 
@@ -117,8 +118,12 @@ class EngineConfig:
     max_batch: int = option(0, doc="rows decoded together at most (the slot cache's size); 0 = every sample of the call")
     sync_every: int = option(4, doc="decode steps between the host's checks for finished rows (the only host sync)")
     prefill_batch: int = option(16, doc="prompts prefilled together at most")
-    static: bool = option(False, doc="static-shape decode step: attend the whole cache, batch sizes in powers of two")
-    cuda_graphs: bool = option(False, doc="capture the static decode step as CUDA graphs, one per batch size (CUDA only)")
+    static: Union[bool, Literal["auto"]] = option(
+        "auto", doc="static-shape decode step: attend the whole cache, batch sizes in powers of two; auto = on CUDA "
+                    "(at pp = 1)")
+    cuda_graphs: Union[bool, Literal["auto"]] = option(
+        "auto", doc="capture the static decode step as CUDA graphs, one per batch size (CUDA only); auto = on CUDA "
+                    "with the static step")
     pp_microbatches: int = option(0, doc="micro-batches of rows in flight in `pipeline_rollout` at pp > 1 (at least pp "
                                          "keeps every stage busy); 0 = 2 * pp")
 
@@ -129,6 +134,19 @@ class EngineConfig:
             raise ValueError(f"pp_microbatches must be >= 0 (0 = 2 * pp), got {self.pp_microbatches}")
         if self.sync_every < 1 or self.prefill_batch < 1:
             raise ValueError(f"sync_every and prefill_batch must be >= 1, got {self.sync_every} and {self.prefill_batch}")
+        for name in ("static", "cuda_graphs"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"{name} must be true, false or auto, got {getattr(self, name)!r}")
+
+    def resolved(self, device: torch.device, pipelined: bool = False, tp: int = 1) -> "EngineConfig":
+        """This config with `auto` decided for `device`: the static step and its CUDA graphs on CUDA, where
+        they measured 2707 and 14535 tokens/s against the eager step's 870 (H200, a 0.5B model, batch 64,
+        BENCHMARKS.md), off on the CPU (where the eager step's shorter window is the faster one) and in
+        `pipeline_rollout` (`pipelined`), whose step is eager. Graphs stay off at tp > 1 unless asked
+        for: capturing the tp collectives has not yet run on GPUs."""
+        static = (device.type == "cuda" and not pipelined) if self.static == "auto" else self.static
+        graphs = (device.type == "cuda" and static and tp == 1) if self.cuda_graphs == "auto" else self.cuda_graphs
+        return dataclasses.replace(self, static=static, cuda_graphs=graphs)
 
 
 @dataclass
@@ -239,6 +257,7 @@ class _Rollout:
     def __init__(self, model: CausalLM, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                  params: SamplingParams, seed: int, config: EngineConfig, prompt_keys: torch.Tensor,
                  logits_processor: Optional[LogitsProcessor]):
+        config = config.resolved(input_ids.device, tp=model.model.factory.tp_size)  # no-op for `rollout`'s
         self.model, self.params, self.config, self.processor = model, params, config, logits_processor
         self.device = input_ids.device
         self.group = group_size
@@ -407,7 +426,7 @@ def rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tens
     statistics). `seed` (an int; every tp rank must pass the same, tp rank 0's is used) and the prompt
     keys (default 0..U-1) fix every sample (module doc). `logits_processor` edits each step's logits.
     """
-    config = config or EngineConfig()
+    config = (config or EngineConfig()).resolved(input_ids.device, tp=model.model.factory.tp_size)
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if config.cuda_graphs and (input_ids.device.type != "cuda" or not config.static):

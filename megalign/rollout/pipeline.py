@@ -247,6 +247,7 @@ def pipeline_rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: t
     if layout.pp == 1:
         return rollout(model, input_ids, attention_mask, group_size, params, seed, config, prompt_keys,
                        logits_processor)
+    config = config.resolved(layout.device, pipelined=True)
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if config.max_batch or config.static or config.cuda_graphs:

@@ -246,3 +246,21 @@ def test_tp2_equals_tp1(model_path, model):
               CONFIGS["continuous_3"])]
     refs = [(case, rollout(model, ids, mask, 3, case[0], seed=9, config=case[1])[0]) for case in cases]
     run_distributed(_check_tp, model_path, ids, mask, refs)
+
+
+def test_engine_auto_resolves_per_device():
+    """static / cuda_graphs default to auto: the static step with CUDA graphs on CUDA (measured 16x the eager
+    step on an H200), the eager step on the CPU and in pipeline_rollout; explicit values are kept."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # device objects only, nothing allocated
+    auto = EngineConfig()
+    assert (auto.static, auto.cuda_graphs) == ("auto", "auto")
+    assert (auto.resolved(cpu).static, auto.resolved(cpu).cuda_graphs) == (False, False)
+    assert (auto.resolved(cuda).static, auto.resolved(cuda).cuda_graphs) == (True, True)
+    assert (auto.resolved(cuda, pipelined=True).static, auto.resolved(cuda, pipelined=True).cuda_graphs) == (False, False)
+    assert (auto.resolved(cuda, tp=2).static, auto.resolved(cuda, tp=2).cuda_graphs) == (True, False)
+    assert EngineConfig(cuda_graphs=True).resolved(cuda, tp=2).cuda_graphs is True
+    assert EngineConfig(static=True).resolved(cpu).static is True
+    assert EngineConfig(cuda_graphs=False).resolved(cuda).cuda_graphs is False
+    assert EngineConfig(static=False).resolved(cuda).cuda_graphs is False
+    with pytest.raises(ValueError, match="static must be true, false or auto"):
+        EngineConfig(static="yes")
