@@ -1,4 +1,7 @@
-"""Pure loss and advantage functions of the alignment algorithms; no models, no process groups unless passed in."""
+"""Pure loss and advantage functions of the alignment algorithms; no models, no process groups unless passed in.
+
+`megalign.algos.registry` (imported by its users, not here) is the table of algorithms: name -> config, trainer, roles.
+"""
 from megalign.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,

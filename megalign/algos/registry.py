@@ -148,7 +148,7 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> tuple[Algorithm,
         return loaded[0]
     if not loaded and len(errors) == 1:  # the same error for every algorithm: the file itself (unreadable, not YAML)
         raise ConfigError(errors.pop())
-    where = f"config file {os.fspath(path)!r}" if path is not None else "the overrides"
+    where = f"config file {os.fspath(path)!r} names" if path is not None else "the command line names"
     fits = f"it loads as each of {', '.join(a.name for a, _ in loaded)}" if loaded else "no algorithm's config loads it"
-    raise ConfigError(f"{where} names no algorithm and {fits}: add a top-level `algorithm: <name>` "
+    raise ConfigError(f"{where} no algorithm and {fits}: add a top-level `algorithm: <name>` "
                       f"(one of {', '.join(ALGORITHMS)}) or the override algorithm=<name>", key="algorithm")

@@ -1,0 +1,88 @@
+"""Every examples/*.yaml, loaded the way `launch/train.py` loads it and run for one step, so config drift fails here.
+
+Each example runs from a folder holding the `runs/` tree its YAML names (the checkpoints, data and
+exports that `launch/run_embedded.sh`'s earlier stages leave), made tiny: a 2-layer random policy
+for every SFT export, a reward model from it with `reward_stats.json`, a PRM export (made by the
+`prm_chain` example itself), and the chain data files. Overrides shrink only sizes (batch, prompts,
+response length, a from-scratch model) and switch off evaluation, checkpoints and the HF export;
+the verifier-only GRPO and online-DPO examples score digits instead, which a random policy gets
+partly right, so their step has informative groups and really updates.
+"""
+import glob
+import json
+import math
+import os
+
+import pytest
+import yaml
+from parallel.dist_utils import run_distributed
+from trainers.grpo_helpers import HERE, policy_and_rm
+
+from megalign.algos.registry import load as load_algorithm
+from megalign.data import ArithChainConfig, make_chain_splits, write_jsonl, write_stepwise_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
+QUICK = ["steps=1", "save_every=0", "export_hf=false", "tensorboard=false", "eval.max_samples=0", "device=cpu"]
+SUPERVISED = ["batch_size=4"]
+SCRATCH = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.num_heads=2",
+           "model.num_kv_heads=1"]
+ONLINE = ["rollout.prompts_per_step=2", "rollout.max_response_length=8"]
+DIGITS = [f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]"]
+OVERRIDES = {
+    "sft_arith": SUPERVISED + SCRATCH, "sft_chain": SUPERVISED + SCRATCH,
+    "dpo_arith": SUPERVISED, "kto_arith": SUPERVISED, "rm_arith": SUPERVISED,
+    "prm_chain": SUPERVISED + ["data.max_length=60"],  # the tiny policy has 64 positions
+    "grpo_arith": ONLINE + DIGITS, "online_dpo_arith": ONLINE + DIGITS,
+    "ppo_arith": ONLINE + ["algo.critic_warmup=0"], "ppo_chain_prm": ONLINE + ["algo.critic_warmup=0"],
+}
+
+
+def _train(root, example, run_dir, *overrides):
+    """One rank: `example` as `launch/train.py` reads it (registry), from the folder `root`, into `run_dir`."""
+    os.chdir(root)  # the YAML's relative paths (runs/sft_arith/hf, ...) resolve here
+    algo, cfg = load_algorithm(example, [f"run_dir={run_dir}", *QUICK, *overrides])
+    assert algo.train_fn()(cfg).step == 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A folder with the tiny `runs/` tree every example reads (module doc)."""
+    root = tmp_path_factory.mktemp("examples")
+    policy, rm = policy_and_rm(root)
+    with open(os.path.join(rm, "reward_stats.json"), "w") as f:
+        json.dump({"reward_mean": 0.1, "reward_std": 0.5}, f)
+    for run, folder in (("sft_arith", policy), ("sft_chain", policy), ("rm_self", rm)):
+        os.makedirs(root / "runs" / run)
+        os.symlink(folder, root / "runs" / run / "hf")
+    data = root / "runs" / "prm_data"
+    os.makedirs(data)
+    train, held_out = make_chain_splits(ArithChainConfig(max_ops=2, max_operand=4, num_problems=40))
+    write_jsonl(train, data / "chain_train.jsonl")
+    write_jsonl(held_out, data / "chain_held_out.jsonl")
+    write_stepwise_jsonl(train, data / "mc_steps.jsonl")
+    # the PRM export ppo_chain_prm scores with, made by its own stage
+    prm_overrides = [*OVERRIDES["prm_chain"], "export_hf=true"]
+    run_distributed(_train, str(root), os.path.join(ROOT, "examples", "prm_chain.yaml"), "runs/prm_chain",
+                    *prm_overrides, world_size=1, timeout_s=300)
+    return str(root)
+
+
+def test_every_example_has_its_overrides():
+    assert sorted(OVERRIDES) == sorted(os.path.basename(p)[:-len(".yaml")] for p in EXAMPLES)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
+def test_example_runs_one_step(runs, example, tmp_path):
+    name = os.path.basename(example)[:-len(".yaml")]
+    run_distributed(_train, runs, example, str(tmp_path), *OVERRIDES[name], world_size=1, timeout_s=300)
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    (row,) = rows
+    bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+    assert row["step"] == 1 and not bad, bad
+    assert row.get("grad_norm", row.get("actor/grad_norm")) > 0 and row["nan_skips"] == row["empty_updates"] == 0  # it updated
+    with open(tmp_path / "config.yaml") as f:
+        written = yaml.safe_load(f)["algorithm"]
+    with open(example) as f:
+        assert written == yaml.safe_load(f)["algorithm"]  # the resolved config names it: the planner reads it back
