@@ -12,6 +12,7 @@ from megalign.checkpoint.hf_export import export_hf
 from megalign.checkpoint.manager import CheckpointManager, checkpoint_step
 from megalign.checkpoint.resume import check_resume_config, config_changes, with_defaults, write_run_config
 from megalign.checkpoint.state import (
+    Counters,
     ModelState,
     OptimizerState,
     RNGState,
@@ -21,7 +22,7 @@ from megalign.checkpoint.state import (
 )
 
 __all__ = [
-    "CheckpointManager", "checkpoint_step", "ModelState", "OptimizerState", "RNGState",
+    "CheckpointManager", "checkpoint_step", "Counters", "ModelState", "OptimizerState", "RNGState",
     "capture_rng_state", "restore_rng_state", "nonfinite_keys", "export_hf",
     "check_resume_config", "config_changes", "with_defaults", "write_run_config",
 ]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import random
 import re
 from typing import Any, Mapping, Optional, Protocol, runtime_checkable
@@ -50,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from megalign.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
 
 
 def _coords(layout: Optional[ParallelLayout]) -> dict[str, int]:
@@ -257,6 +260,32 @@ class RNGState:
         restore_rng_state(streams)
         if key != self.key:
             _reseed(streams, self.rank)
+
+
+class Counters:
+    """A dict of run counters (a trainer's progress: step, skipped updates...) saved as it is.
+
+    It loads from a checkpoint written before some of its keys existed: those keep their values (the
+    start values) and are named in a warning, so a counter added to the trainers does not make the
+    checkpoints of earlier runs unloadable. `values` is updated in place.
+    """
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
+        present = set(saved.under(name))
+        missing = [key for key in self.values if key not in present]
+        if missing:
+            logger.warning("checkpoint %s predates the counters %s: they count from this resume on", saved.path,
+                           ", ".join(missing))
+        return {key: value for key, value in self.values.items() if key in present}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.values.update(state)
 
 
 def nonfinite_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -193,6 +193,9 @@ class TrainableRole(PolicyRole):
     trainer's data dp). A role whose dp is larger than the data layout's (a pp = 1 critic beside a
     pp = 2 actor: two critic replicas inside one actor replica, each holding that replica's whole
     batch) computes the same gradient on each copy, so the summed gradient is divided by the copies.
+
+    `updates` counts the optimizer steps taken (the same on every rank, the decision being collective),
+    so a trainer can tell a step that moved the model from one whose updates were all skipped.
     """
 
     def __init__(self, name: str, model: CausalLM, layout: ParallelLayout, precision: MixedPrecision,
@@ -204,6 +207,7 @@ class TrainableRole(PolicyRole):
         self.optimizer = optimizer
         self.grad_clip = grad_clip
         self.batch_copies = batch_copies
+        self.updates = 0
 
     def parts(self):
         return {**super().parts(), "optimizer": optimizer_slots(getattr(self.optimizer, "optim", self.optimizer))}
@@ -222,6 +226,7 @@ class TrainableRole(PolicyRole):
         stepped = all_finite([loss.detach(), norm])
         if stepped:
             self.optimizer.step()
+            self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 

@@ -26,6 +26,14 @@ Design choices:
   on any rank, `megalign.roles.actor.TrainableRole`), the trainer reports through `skip_update`,
   which warns with the step number and counts per reason in `progress` (`nan_skips`,
   `empty_updates`), so every trainer logs the same counters.
+- A run that does not train must not look like one that did (a reward model returning NaN, online
+  DPO where every group ties, exits 0 with the initial model exported otherwise). The loop classifies
+  every step by the trainer's `policy_role()`: its optimizer stepped (`progress["updates"]`), or an
+  update was skipped and it did not (`progress["skipped_steps"]`), or neither (the policy waits by
+  design, PPO's critic warm-up). After the last step and its checkpoint, a run whose policy never
+  moved, or that skipped more than `max_skipped_fraction` of the steps meant to move it, raises
+  `SkippedUpdatesError` with the counts by reason before anything is exported; otherwise the closing
+  lines state how many updates happened.
 - Metrics are reduced over ranks through `MetricSums`: named sums, one all-reduce, then named
   means; no positional `total[8]`.
 - The progress bar shows `loss`, `reward/mean` and `accuracy` (`MetricsLogger.PROGRESS_KEYS`)
@@ -44,11 +52,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint import CheckpointManager, RNGState, check_resume_config, with_defaults, write_run_config
+from megalign.checkpoint import CheckpointManager, Counters, RNGState, check_resume_config, with_defaults, write_run_config
 from megalign.config import option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
+from megalign.roles.actor import TrainableRole
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +79,10 @@ class RunConfig:
     export_hf: bool = option(True, doc="write the final model in HF format (with tokenizer files) to run_dir/hf")
     log_every: int = option(1, doc="write metrics every N steps (and always the last)")
     tensorboard: bool = option(True, doc="also write TensorBoard scalars")
+    max_skipped_fraction: float = option(
+        0.5, doc="fail the run (after its last checkpoint, before the export) when more than this fraction of the "
+                 "steps meant to update the policy skipped their update (NaN, no informative group); 1: only a "
+                 "run whose policy never moved fails")
 
     def __post_init__(self):
         for name in ("steps", "keep_last", "log_every"):
@@ -77,6 +90,8 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.save_every < 0 or self.seed < 0:
             raise ValueError(f"save_every and seed must be >= 0, got {self.save_every}, {self.seed}")
+        if not 0 <= self.max_skipped_fraction <= 1:
+            raise ValueError(f"max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
 
 
 @dataclasses.dataclass
@@ -92,8 +107,11 @@ class DataConfig:
     shuffle: bool = option(True, doc="reshuffle the training data every epoch (seeded by seed and epoch)")
 
 
+SKIP_REASONS = ("nan_skips", "empty_updates")
+"""Why an update is skipped (`Trainer.skip_update`), each counted in `progress` and logged every step."""
+
 RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "keep_last", "resume", "resume_changes", "export_hf",
-                 "log_every", "tensorboard", "eval")
+                 "log_every", "tensorboard", "max_skipped_fraction", "eval")
 """Config keys (dotted prefixes) a resumed run may change without changing what it trains: where and
 how often it writes, how long it runs (a cosine schedule is recomputed for the new length) and how it
 evaluates. Anything else differing from the checkpoint's config is a `resume_changes` error."""
@@ -113,6 +131,8 @@ class TrainResult:
     """Held-out accuracy before training (trainers with `eval_before`; kept across resumes), or None."""
     accuracy: Optional[float] = None
     """Held-out accuracy at the end, in [0, 1], or None when no evaluation ran."""
+    updates: int = 0
+    """Steps that updated the policy (kept across resumes)."""
 
     @property
     def accuracy_after(self) -> Optional[float]:
@@ -168,11 +188,27 @@ class MetricSums:
         return dict(zip(self._values, total.tolist()))
 
 
-def accuracy_table(before: Optional[float], after: float, steps: int, label: str, trained: str) -> str:
-    """The before/after held-out accuracy table printed at the end of a run, headed by `label`."""
+class SkippedUpdatesError(RuntimeError):
+    """The policy never moved, or more of its updates were skipped than `max_skipped_fraction` allows (module doc)."""
+
+
+def update_summary(progress: dict[str, Any]) -> str:
+    """How many steps updated the policy, and the skipped updates by reason: "5 of 6 steps (1 skipped: ...)"."""
+    updates, skipped, steps = progress["updates"], progress["skipped_steps"], progress["step"]
+    reasons = ", ".join(f"{reason} {progress[reason]}" for reason in SKIP_REASONS)
+    waited = steps - updates - skipped
+    return (f"{updates} of {steps} steps ({skipped} skipped: {reasons}"
+            f"{f'; {waited} waiting by design' if waited > 0 else ''})")
+
+
+def accuracy_table(before: Optional[float], after: float, steps: int, label: str, trained: str,
+                   updates: str) -> str:
+    """The before/after held-out accuracy table printed at the end of a run, headed by `label`, with the
+    `updates` line (`update_summary`) under it."""
     rows = [("initial model", "-" if before is None else f"{before:6.1%}"), (f"{trained}, {steps} steps", f"{after:6.1%}")]
     if before is not None:
         rows.append(("change", f"{(after - before) * 100:+.1f} points"))
+    rows.append(("policy updated in", updates))
     width = max(len(name) for name, _ in rows)
     lines = [label] + [f"  {name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines)
@@ -237,9 +273,11 @@ class Trainer:
         if self.rank == 0:
             write_run_config(cfg.run_dir, cfg)  # after the check: a refused resume keeps the run's config.yaml
         seed_everything(cfg.seed)
-        self.progress: dict[str, Any] = {"step": 0, "nan_skips": 0, "empty_updates": 0, "accuracy_before": -1.0}
-        self.state: dict[str, Any] = {"rng": RNGState(), "progress": self.progress}
+        self.progress: dict[str, Any] = {"step": 0, **dict.fromkeys(SKIP_REASONS, 0), "accuracy_before": -1.0,
+                                         "updates": 0, "skipped_steps": 0}
+        self.state: dict[str, Any] = {"rng": RNGState(), "progress": Counters(self.progress)}
         self.timer = PhaseTimer()
+        self._skipped_in_step = False
 
     # ----- set-up helpers for subclasses
 
@@ -296,6 +334,7 @@ class Trainer:
     def skip_update(self, reason: Literal["nan_skips", "empty_updates"], detail: str) -> None:
         """Count and warn about an update that did not happen in the current step (module doc)."""
         self.progress[reason] += 1
+        self._skipped_in_step = True
         # progress["step"] counts finished steps: this is step + 1, as in metrics.jsonl and the checkpoints
         logger.warning("step %d: %s; skipping the update", self.progress["step"] + 1, detail)
 
@@ -308,6 +347,11 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One training step; returns its metrics, already reduced over ranks (same on every rank)."""
+        raise NotImplementedError
+
+    def policy_role(self) -> TrainableRole:
+        """The role whose optimizer steps are the run's updates (the actor; the supervised policy): the loop
+        counts the steps that moved it (module doc)."""
         raise NotImplementedError
 
     def evaluate(self) -> Optional[float]:
@@ -342,6 +386,33 @@ class Trainer:
 
     # ----- the loop
 
+    def _step(self) -> dict[str, float]:
+        """`train_step`, then the step's classification and skip counters (module doc)."""
+        policy = self.policy_role()
+        before, self._skipped_in_step = policy.updates, False
+        metrics = self.train_step()
+        if policy.updates > before:
+            self.progress["updates"] += 1
+        elif self._skipped_in_step:
+            self.progress["skipped_steps"] += 1
+        self.progress["step"] += 1
+        for reason in SKIP_REASONS:
+            metrics[reason] = float(self.progress[reason])
+        return metrics
+
+    def _check_updates(self) -> None:
+        """SkippedUpdatesError when the policy never moved or skipped too many updates (module doc)."""
+        updates, skipped = self.progress["updates"], self.progress["skipped_steps"]
+        if updates and skipped <= self.cfg.max_skipped_fraction * (updates + skipped):
+            return
+        why = ("the policy was never updated" if not updates else
+               f"more than max_skipped_fraction={self.cfg.max_skipped_fraction} of the steps meant to update the "
+               f"policy skipped their update")
+        raise SkippedUpdatesError(
+            f"{self.name}: {why}: updated in {update_summary(self.progress)}. The checkpoint of step "
+            f"{self.progress['step']} is kept and nothing was exported; the warnings 'step N: ... skipping the "
+            f"update' name the causes (a reward that is NaN, groups whose rewards all tie, ...)")
+
     def _save(self, step: int) -> None:
         self.prepare_checkpoint_io()
         with self.timer("checkpoint"):
@@ -364,11 +435,8 @@ class Trainer:
                             initial_step=self.progress["step"])
         try:
             while self.progress["step"] < cfg.steps:
-                metrics = self.train_step()
-                self.progress["step"] += 1
+                metrics = self._step()
                 step = self.progress["step"]
-                metrics["nan_skips"] = float(self.progress["nan_skips"])
-                metrics["empty_updates"] = float(self.progress["empty_updates"])
                 every = self.eval_every()
                 if every and step % every == 0 and step < cfg.steps:
                     accuracy = self.evaluate()
@@ -379,6 +447,7 @@ class Trainer:
                     history.append({"step": step, **metrics})
                 if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     self._save(step)
+            self._check_updates()
             hf_path = self.export() if cfg.export_hf else None
             after = self.evaluate()
             if after is not None:
@@ -386,6 +455,8 @@ class Trainer:
         finally:
             log.close()
         before = self.progress["accuracy_before"] if self.progress["accuracy_before"] >= 0 else None
-        if self.rank == 0 and after is not None:
-            print(accuracy_table(before, after, self.progress["step"], self.eval_label(), self.name), flush=True)
-        return TrainResult(self.progress["step"], history, hf_path, before, after)
+        updates = update_summary(self.progress)
+        if self.rank == 0:
+            print(f"{self.name}: policy updated in {updates}" if after is None else
+                  accuracy_table(before, after, self.progress["step"], self.eval_label(), self.name, updates), flush=True)
+        return TrainResult(self.progress["step"], history, hf_path, before, after, self.progress["updates"])

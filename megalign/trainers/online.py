@@ -430,6 +430,9 @@ class OnlineTrainer(Trainer):
     def prepare_checkpoint_io(self) -> None:
         self.place("checkpoint", actor=("weights", "optimizer"))
 
+    def policy_role(self) -> Actor:
+        return self.actor
+
     def shape_rewards(self, batch: RolloutBatch) -> None:
         """Adjust `batch.rewards` in place after scoring (e.g. DAPO's overlong penalty); default: nothing."""
 

@@ -162,6 +162,12 @@ class PPOConfig(OnlineConfig):
     critic: CriticConfig = option(CriticConfig(), doc="the value model")
     algo: PPOAlgoConfig = option(PPOAlgoConfig(), doc="objective")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.algo.critic_warmup >= self.steps:
+            raise ValueError(f"algo.critic_warmup={self.algo.critic_warmup} >= steps={self.steps}: the actor would "
+                             f"never be trained (the warm-up steps train only the critic)")
+
 
 def reward_stats(path: str) -> tuple[float, float]:
     """(mean, std) from a reward-model export's reward_stats.json (`megalign.trainers.preference`)."""

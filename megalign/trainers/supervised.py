@@ -391,6 +391,9 @@ class SupervisedTrainer(Trainer):
         logger.info("reference scores of %d training examples cached (%.1f s)", n,
                     self.timer.seconds.get("reference_cache", 0.0))
 
+    def policy_role(self) -> TrainableRole:
+        return self.policy
+
     def describe(self) -> str:
         return (f"{self.name}: {len(self.train_set)} training examples, {len(self.held_out or [])} held-out prompts, "
                 f"{sum(p.numel() for p in self.policy.parameters())} parameters per rank, "

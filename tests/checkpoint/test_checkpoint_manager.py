@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from parallel.dist_utils import run_distributed
 
-from megalign.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, checkpoint_step, nonfinite_keys
+from megalign.checkpoint import (CheckpointManager, Counters, ModelState, OptimizerState, RNGState, checkpoint_step,
+                                 nonfinite_keys)
 from megalign.checkpoint import manager as manager_mod
 from megalign.data import CharTokenizer, PromptSampler
 from megalign.models import CausalLM, ModelConfig
@@ -211,3 +212,11 @@ def test_saving_before_the_first_step_changes_nothing(tmp_path, resume):
     got = _weights_after(tmp_path / "saved", save_before_first_step=True, resume=resume)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_counters_load_from_a_checkpoint_written_before_some_existed(tmp_path, caplog):
+    CheckpointManager(tmp_path).save(3, {"progress": {"step": 3, "nan_skips": 1}})
+    progress = {"step": 0, "nan_skips": 0, "updates": 0}
+    CheckpointManager(tmp_path).load(3, {"progress": Counters(progress)})
+    assert progress == {"step": 3, "nan_skips": 1, "updates": 0}
+    assert "predates the counters updates" in caplog.text

@@ -20,6 +20,7 @@ from trainers.helpers import checkpoint_params, metric_rows
 
 from megalign.config import load_config
 from megalign.models import from_pretrained
+from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, preference_pairs, train_online_dpo
 
 VOLATILE = ("time/", "memory/", "tokens_per_s")
@@ -248,9 +249,16 @@ def test_reward_rises_two_ranks(policy, tmp_path):
     assert last > first + 0.15, rewards
 
 
-def test_all_tied_steps_skip_the_update(policy, tmp_path):
-    # every response scores 1: no prompt has a preference, so no optimizer step may move the weights
-    run_distributed(_train, policy, str(tmp_path), "save_every=1", "algo.missing_eos_penalty=0.0",
+def _train_never_updating(policy, run_dir, *overrides):
+    with pytest.raises(SkippedUpdatesError, match=r"the policy was never updated: updated in 0 of 2 steps \(2 skipped: "
+                                                  r"nan_skips 0, empty_updates 2\)"):
+        _train(policy, run_dir, *overrides)
+
+
+def test_all_tied_steps_skip_the_update_and_fail_the_run(policy, tmp_path):
+    # every response scores 1: no prompt has a preference, so no optimizer step may move the weights, and a run
+    # that never moved its policy fails (issue 32) after its checkpoints
+    run_distributed(_train_never_updating, policy, str(tmp_path), "save_every=1", "algo.missing_eos_penalty=0.0",
                     f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', weight: 1.0}}]", world_size=1)
     rows = _rows(str(tmp_path))
     assert [rows[s]["empty_updates"] for s in sorted(rows)] == [1, 2]

@@ -16,6 +16,7 @@ from trainers.helpers import capture_warnings, checkpoint_params
 from trainers.test_sft import tiny_config as sft_config
 
 from megalign.config import ConfigError, load_config
+from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.grpo import GRPOConfig, train_grpo
 from megalign.trainers.kto import KTOConfig
 from megalign.trainers.preference import DPOConfig, RMConfig
@@ -93,12 +94,13 @@ def test_reward_failing_on_every_sample_stops_the_run(policy, tmp_path):
 
 def _no_informative_group(policy, run_dir):
     warnings = capture_warnings("megalign.trainers")
-    train_grpo(tiny_config(policy, run_dir, "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2", "save_every=1",
-                           f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', weight: 1.0}}]"))
+    with pytest.raises(SkippedUpdatesError, match=r"GRPO: the policy was never updated: updated in 0 of 2 steps"):
+        train_grpo(tiny_config(policy, run_dir, "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2",
+                               "save_every=1", f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', weight: 1.0}}]"))
     assert sum("kept no group" in w and "skipping the update" in w for w in warnings) == 2, warnings
 
 
-def test_dynamic_sampling_without_informative_groups_skips_the_update(policy, tmp_path):
+def test_dynamic_sampling_without_informative_groups_skips_the_update_and_fails_the_run(policy, tmp_path):
     run_distributed(_no_informative_group, policy, str(tmp_path), world_size=1)
     rows = [r for r in _rows(str(tmp_path)) if "reward/mean" in r]
     assert [r["empty_updates"] for r in rows] == [1, 2] and all(r["sampling/kept_groups"] == 0 for r in rows)
