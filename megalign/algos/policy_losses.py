@@ -52,8 +52,7 @@ import torch
 
 from megalign.ops.kl_penalty import check_operands, kl_penalty
 from megalign.ops.policy_loss import PolicyLossStats, policy_loss
-from megalign.ops.reference.kl_penalty import acc_dtype
-from megalign.ops.reference.policy_loss import LOG_RATIO_BOUND
+from megalign.ops.common import LOG_RATIO_BOUND, acc_dtype
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, PolicyLossStats]]
 

@@ -2,7 +2,9 @@
 
 Each op validates its inputs, runs the C++/CUDA kernel when `megalign._C` is built for the
 tensors' device (see `megalign.ops._backend` for the MEGALIGN_OPS switch), supports autograd, and
-has a fake (meta) implementation so `torch.compile` can trace it.
+has a fake (meta) implementation so `torch.compile` can trace it. Names, types and constants that
+the ops, their references and the algorithms share live in `megalign.ops.common`; only the ops'
+reference fallback and the tests import `megalign.ops.reference`.
 """
 from megalign.ops._backend import HAVE_EXTENSION, WITH_CUDA
 from megalign.ops.gae import gae, masked_reward_count

@@ -36,7 +36,7 @@ import torch
 
 from megalign.ops import _backend
 from megalign.ops._backend import FLOAT_DTYPES
-from megalign.ops.reference.kl_penalty import acc_dtype, resolve_kind
+from megalign.ops.common import acc_dtype, resolve_kind
 from megalign.ops.reference.kl_penalty import kl_penalty as reference_kl_penalty
 from megalign.ops.reference.kl_penalty import kl_penalty_masked_mean as reference_kl_penalty_masked_mean
 

@@ -46,8 +46,7 @@ import torch
 
 from megalign.ops import _backend
 from megalign.ops.kl_penalty import check_operands, wants_dlogp
-from megalign.ops.reference.kl_penalty import acc_dtype
-from megalign.ops.reference.policy_loss import PolicyLossStats
+from megalign.ops.common import PolicyLossStats, acc_dtype
 from megalign.ops.reference.policy_loss import policy_loss as reference_policy_loss
 
 __all__ = ["policy_loss", "PolicyLossStats", "REDUCTIONS"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import TOL, assert_close_to_oracle, requires_cuda
 
+from megalign.ops.common import KINDS as KL_KINDS
 from megalign.ops.kl_penalty import kl_penalty, kl_penalty_masked_mean
 from megalign.ops.policy_loss import PolicyLossStats, policy_loss
 
@@ -16,7 +17,7 @@ ref_kl = importlib.import_module("megalign.ops.reference.kl_penalty")
 ref_pl = importlib.import_module("megalign.ops.reference.policy_loss")
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-KINDS = ref_kl.KINDS
+KINDS = KL_KINDS
 SHAPES = [(0,), (1,), (3, 7), (5, 0), (2, 3, 11), (4, 257)]
 
 

@@ -18,22 +18,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
-ALIASES = {"kl": "k1", "mse": "k2"}
-
-
-def resolve_kind(kind: str) -> str:
-    """The canonical estimator name for `kind` (aliases resolved); ValueError naming `kind` otherwise."""
-    canonical = ALIASES.get(kind, kind)
-    if canonical not in KINDS:
-        valid = ", ".join(KINDS + tuple(ALIASES))
-        raise ValueError(f"kl_penalty: kind must be one of {valid}, got {kind!r}")
-    return canonical
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation/output dtype of the KL and policy-loss ops: fp64 for fp64 inputs, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from megalign.ops.common import acc_dtype, resolve_kind
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", *,

@@ -6,48 +6,14 @@ acc_dtype, the statistics in fp32), so the reference is the exact value rounded 
 particular its k3 term does not cancel for small log-ratios as fp32 does (see
 reference/kl_penalty.py). Tests pass compute_dtype=torch.float32 to measure plain fp32 torch.
 
-Also defines PolicyLossStats, the statistics both paths return.
+Returns PolicyLossStats (megalign.ops.common), the statistics both paths return.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from megalign.ops.reference.kl_penalty import acc_dtype, k3
-
-LOG_RATIO_BOUND = 20.0
-
-
-class PolicyLossStats(NamedTuple):
-    """Statistics of one policy_loss call over its valid tokens (mask != 0), each a 0-d fp32
-    tensor (no host sync). With no valid token every field is finite: count 0, fractions and
-    means 0, ratio_min = ratio_max = 1.
-
-    Fields, in the order of the kernel's stats vector (megalign/math/policy.h, PolicyStat):
-      count:           number of valid tokens.
-      clip_frac:       fraction of valid tokens where the clipped surrogate is the larger one
-                       (verl's pg_clipfrac: surr2 > surr1).
-      dual_clip_frac:  fraction of valid tokens with A < 0 where the dual-clip bound -A*c is used
-                       (verl's pg_clipfrac_lower); 0 without dual_clip.
-      approx_kl:       mean of old_logp - logp using the clamped log-ratio (verl's ppo_kl).
-      ratio_min:       smallest importance ratio exp(clamp(logp - old_logp, -20, 20)).
-      ratio_max:       largest importance ratio.
-      kl_mean:         mean k3(logp, ref_logp); 0 when ref_logp is not given.
-    """
-
-    count: torch.Tensor
-    clip_frac: torch.Tensor
-    dual_clip_frac: torch.Tensor
-    approx_kl: torch.Tensor
-    ratio_min: torch.Tensor
-    ratio_max: torch.Tensor
-    kl_mean: torch.Tensor
-
-    @classmethod
-    def from_tensor(cls, stats: torch.Tensor) -> "PolicyLossStats":
-        """Split the kernel's fp32 stats vector [7] into named 0-d views."""
-        return cls(*stats.unbind(0))
+from megalign.ops.common import LOG_RATIO_BOUND, PolicyLossStats, acc_dtype
+from megalign.ops.reference.kl_penalty import k3
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
