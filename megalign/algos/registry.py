@@ -63,11 +63,6 @@ class Algorithm:
             return self.reference
         return bool(operator.attrgetter(self.reference)(cfg))
 
-    def roles(self, cfg: Any) -> tuple[str, ...]:
-        """The roles a run of `cfg` builds: the trained one (`actor` online, `model` supervised), then the others."""
-        needed = (("reference", self.needs_reference(cfg)), ("critic", self.critic), ("reward", self.reward))
-        return ("actor" if self.family == "online" else "model", *(role for role, on in needed if on))
-
 
 def _import(ref: str) -> Any:
     module, _, attr = ref.partition(":")

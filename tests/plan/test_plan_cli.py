@@ -1,6 +1,5 @@
 """The planner's command line: the 70B examples and their recorded reports, run configs, JSON, bad input."""
 import glob
-import importlib.util
 import json
 import os
 
