@@ -5,10 +5,12 @@ OptimizerState(model, optimizer, layout), "rng": RNGState(), "sampler": sampler,
 loads it back in place; `resolve_resume("auto")` finds the latest complete one. A checkpoint holds
 the config it was written with, and `check_resume_config` refuses (or, allowed, warns about) a resume
 whose config differs; `write_run_config` writes the run's `config.yaml`, keeping earlier ones.
-`export_hf` writes the final model for `transformers` and the next stage. (The trainers'
-skip-the-step check, `all_finite`, is a collective and lives in `megalign.parallel`.)
+`export_hf` writes the final model for `transformers` and the next stage; `RunDirLock` keeps a second
+job out of a run directory in use. (The trainers' skip-the-step check, `all_finite`, is a collective
+and lives in `megalign.parallel`.)
 """
 from megalign.checkpoint.hf_export import export_hf
+from megalign.checkpoint.lock import RunDirLock, RunDirLocked
 from megalign.checkpoint.manager import CheckpointManager, checkpoint_step
 from megalign.checkpoint.resume import check_resume_config, config_changes, with_defaults, write_run_config
 from megalign.checkpoint.state import (
@@ -24,5 +26,5 @@ from megalign.checkpoint.state import (
 __all__ = [
     "CheckpointManager", "checkpoint_step", "Counters", "ModelState", "OptimizerState", "RNGState",
     "capture_rng_state", "restore_rng_state", "nonfinite_keys", "export_hf",
-    "check_resume_config", "config_changes", "with_defaults", "write_run_config",
+    "check_resume_config", "config_changes", "with_defaults", "write_run_config", "RunDirLock", "RunDirLocked",
 ]

@@ -4,7 +4,8 @@ A trainer is a subclass that builds its tokenizer, data and roles in `__init__` 
 set the run up), registers what a checkpoint must hold, and implements `train_step`; the base owns
 the rest, so a new objective or role never copies the plumbing:
 
-    start-up (`Trainer.__init__`): device -> resume point resolved, and the checkpoint's config
+    start-up (`Trainer.__init__`): device -> the run directory's lock (`megalign.checkpoint.lock`: a
+    second job on it fails here, naming the first) -> resume point resolved, and the checkpoint's config
     compared with this one before any model is built (`check_resume_config`: keys outside
     `RUN_FREE_KEYS` and `free_keys()` that differ are an error unless `resume_changes=allow`)
     -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
@@ -12,7 +13,7 @@ the rest, so a new objective or role never copies the plumbing:
     `train()`: load the checkpoint -> `on_train_start` -> evaluation before training (`eval_before`, once per run)
     -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
     `eval_every()` steps -> checkpoint every `save_every` steps and after the last } -> HF export
-    -> final evaluation -> before/after table.
+    -> final evaluation -> before/after table -> the lock released (also when the run fails).
 
 Design choices:
 
@@ -45,14 +46,15 @@ import dataclasses
 import logging
 import os
 import random
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint import CheckpointManager, Counters, RNGState, check_resume_config, with_defaults, write_run_config
+from megalign.checkpoint import (CheckpointManager, Counters, RNGState, RunDirLock, check_resume_config, with_defaults,
+                                 write_run_config)
 from megalign.config import option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
@@ -264,6 +266,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self._layouts: dict[tuple[int, int], ParallelLayout] = {}
         self._accepted_vocab: set[int] = set()
+        self.lock = RunDirLock(cfg.run_dir)
+        self.on_rank0(self.lock.acquire)  # before anything is written there
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
         self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
         if self.resume_from is not None:
@@ -280,6 +284,19 @@ class Trainer:
         self._skipped_in_step = False
 
     # ----- set-up helpers for subclasses
+
+    def on_rank0(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on rank 0 alone (a decision about the run directory), then raise its error, if any, on every rank
+        together, so no rank goes on to wait in a collective for one that failed."""
+        error: list[Optional[BaseException]] = [None]
+        if self.rank == 0:
+            try:
+                fn()
+            except Exception as exc:  # sent to every rank, raised there
+                error[0] = exc
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise error[0]
 
     def layout_for(self, tp: int, pp: int = 1, key: str = "model") -> ParallelLayout:
         """The layout with tensor-parallel size `tp` and `pp` pipeline stages (dp = world / (tp x pp)), built once
@@ -419,7 +436,15 @@ class Trainer:
             self.checkpoints.save(step, self.state, config=to_dict(self.cfg))
 
     def train(self) -> TrainResult:
-        """Run (or resume) the whole training; every rank calls it."""
+        """Run (or resume) the whole training; every rank calls it. The run directory's lock is released however
+        the run ends."""
+        try:
+            return self._run()
+        finally:
+            if self.rank == 0:
+                self.lock.release()
+
+    def _run(self) -> TrainResult:
         cfg = self.cfg
         if self.resume_from is not None:
             self.prepare_checkpoint_io()

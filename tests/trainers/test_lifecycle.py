@@ -1,6 +1,9 @@
 """The run lifecycle every trainer shares (issue 32): checkpoints that change nothing, runs that never update,
 run-directory locking, fresh runs in a used directory, preemption by a signal."""
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +20,9 @@ from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.grpo import train_grpo
 from megalign.trainers.ppo import train_ppo
 from megalign.trainers.sft import train_sft
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +84,44 @@ def test_a_critic_warmup_as_long_as_the_run_fails_at_start_up(policy, tmp_path):
         tiny_ppo_config(policy, str(tmp_path), "steps=3", "algo.critic_warmup=3")
     with pytest.raises(ConfigError, match=r"max_skipped_fraction must be in \[0, 1\], got 1\.5"):
         tiny_ppo_config(policy, str(tmp_path), "max_skipped_fraction=1.5")
+
+
+HOLDER = """
+import sys, tempfile, torch.distributed as dist
+from trainers.test_sft import tiny_config
+from megalign.trainers.sft import train_sft
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+train_sft(tiny_config(sys.argv[1], "steps=100000", "save_every=0", "log_every=1"))
+"""
+
+
+def _second_job(run_dir, holder_pid):
+    from megalign.checkpoint import RunDirLocked
+    with pytest.raises(RunDirLocked, match=rf"run_dir '{run_dir}' is in use by host .*, pid {holder_pid}, job 4242 "
+                                           rf"\(since .*\), last alive \d+ s ago"):
+        train_sft(sft_config(run_dir, "steps=2"))
+
+
+def test_a_second_job_on_a_run_directory_fails_at_once_naming_the_first(tmp_path):
+    run_dir = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "SLURM_JOB_ID": "4242", "OMP_NUM_THREADS": "1"}
+    env.pop("SLURM_RESTART_COUNT", None)
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, run_dir], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(metrics) and os.path.getsize(metrics)):  # the first job is training
+            assert first.poll() is None and time.monotonic() < deadline, "the first job did not start"
+            time.sleep(0.2)
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            config = f.read()
+        run_distributed(_second_job, run_dir, first.pid)  # both ranks fail together
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            assert f.read() == config  # the second job wrote nothing
+    finally:
+        first.kill()
+        first.wait()
+    # the first job is gone (killed): its lock is stale, a new job takes the directory over and releases it at the end
+    run_distributed(train_sft, sft_config(run_dir, "steps=2"), world_size=1)
+    assert not os.path.exists(os.path.join(run_dir, ".lock"))
