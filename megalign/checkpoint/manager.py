@@ -22,7 +22,8 @@ Design choices:
 - `keep_last` completed checkpoints are kept; older ones are deleted by rank 0 after a new one is
   complete, so a crash during pruning still leaves the newest checkpoint.
 - `resolve_resume("auto" | "none" | step | path)` turns the `resume` config value into a folder,
-  so trainers share one meaning of it.
+  so trainers share one meaning of it; `not_continued` names the checkpoints a run starting there
+  would not continue (another run's), which a trainer refuses to mix with its own.
 - A checkpoint holds the resolved config it was written with (`save(..., config=to_dict(cfg))`
   writes `config.yaml` into the folder before the rename), so a resume can compare it with its own
   (`saved_config`, `megalign.checkpoint.resume.check_resume_config`).
@@ -149,6 +150,28 @@ class CheckpointManager:
         for name in os.listdir(self.dir):
             if name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+    def not_continued(self, resume_from: Optional[str]) -> list[int]:
+        """Steps of this run's completed checkpoints that a run starting from `resume_from` does not continue.
+
+        `resume_from`: a checkpoint folder (`resolve_resume`), or None for a run from scratch. A run
+        from scratch, or from another run directory's checkpoint, continues none of them; a run from
+        its own step N continues those up to N. The others belong to another run (or to an abandoned
+        continuation of this one): its saves would mix with them, pruning (which keeps the highest
+        steps) would delete its own, and a later `resume=auto` would pick theirs.
+        """
+        start = -1
+        if resume_from is not None:
+            folder = os.path.normpath(os.fspath(resume_from))
+            match = _STEP_DIR.fullmatch(os.path.basename(folder))
+            if match and os.path.realpath(os.path.dirname(folder)) == os.path.realpath(self.dir):
+                start = int(match.group(1))
+        return [step for step in self.steps() if step > start]
+
+    def delete(self, steps: list[int]) -> None:
+        """Remove the completed checkpoints of `steps` (rank 0 alone; nothing is being saved)."""
+        for step in steps:
+            shutil.rmtree(self.path(step))
 
     def load(self, checkpoint: Union[int, str, os.PathLike], state: State) -> None:
         """Restore `state` in place from a step number or a checkpoint folder.

@@ -8,7 +8,8 @@ the rest, so a new objective or role never copies the plumbing:
     second job on it fails here, naming the first) -> resume point resolved, and the checkpoint's config
     compared with this one before any model is built (`check_resume_config`: keys outside
     `RUN_FREE_KEYS` and `free_keys()` that differ are an error unless `resume_changes=allow`)
-    -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
+    -> checkpoints in run_dir that the run does not continue (another run's, `not_continued`) refuse
+    the start, unless `overwrite_checkpoints` deletes them -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
     -> every RNG seeded -> [subclass: tokenizer, data, roles, `register_state`]
     `train()`: load the checkpoint -> `on_train_start` -> evaluation before training (`eval_before`, once per run)
     -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
@@ -55,7 +56,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from megalign.checkpoint import (CheckpointManager, Counters, RNGState, RunDirLock, check_resume_config, with_defaults,
                                  write_run_config)
-from megalign.config import option, to_dict
+from megalign.config import ConfigError, option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
@@ -76,6 +77,9 @@ class RunConfig:
     save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
     keep_last: int = option(2, doc="completed checkpoints to keep")
     resume: str = option("auto", doc="'auto' (latest checkpoint in run_dir, if any), 'none', a step number or a checkpoint folder")
+    overwrite_checkpoints: bool = option(
+        False, doc="a run that does not continue the checkpoints in run_dir (resume=none, or from an earlier step): "
+                   "delete them at start-up; false: refuse to start")
     resume_changes: Literal["error", "allow"] = option(
         "error", doc="resuming with a config whose meaning changed (model, data, objective, lr...): 'error' or 'allow' (warned)")
     export_hf: bool = option(True, doc="write the final model in HF format (with tokenizer files) to run_dir/hf")
@@ -112,7 +116,8 @@ class DataConfig:
 SKIP_REASONS = ("nan_skips", "empty_updates")
 """Why an update is skipped (`Trainer.skip_update`), each counted in `progress` and logged every step."""
 
-RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "keep_last", "resume", "resume_changes", "export_hf",
+RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "keep_last", "resume", "overwrite_checkpoints",
+                 "resume_changes", "export_hf",
                  "log_every", "tensorboard", "max_skipped_fraction", "eval")
 """Config keys (dotted prefixes) a resumed run may change without changing what it trains: where and
 how often it writes, how long it runs (a cosine schedule is recomputed for the new length) and how it
@@ -274,6 +279,7 @@ class Trainer:
             check_resume_config(with_defaults(type(cfg), self.checkpoints.saved_config(self.resume_from)), to_dict(cfg),
                                 RUN_FREE_KEYS + self.free_keys(), cfg.resume_changes == "allow",
                                 checkpoint=self.resume_from)
+        self.on_rank0(self._claim_checkpoints)  # after the resume checks: a refused resume deletes nothing
         if self.rank == 0:
             write_run_config(cfg.run_dir, cfg)  # after the check: a refused resume keeps the run's config.yaml
         seed_everything(cfg.seed)
@@ -282,6 +288,23 @@ class Trainer:
         self.state: dict[str, Any] = {"rng": RNGState(), "progress": Counters(self.progress)}
         self.timer = PhaseTimer()
         self._skipped_in_step = False
+
+    def _claim_checkpoints(self) -> None:
+        """Refuse to start beside checkpoints this run does not continue, or delete them (`overwrite_checkpoints`)."""
+        others = self.checkpoints.not_continued(self.resume_from)
+        if not others:
+            return
+        start = "from scratch" if self.resume_from is None else f"from {self.resume_from}"
+        listed = ", ".join(map(str, others))
+        if not self.cfg.overwrite_checkpoints:
+            raise ConfigError(
+                f"resume={self.cfg.resume!r} starts {start}, but {self.checkpoints.dir} holds checkpoints this run "
+                f"does not continue (steps {listed}): its saves would mix with them, pruning would delete its own and "
+                f"resume=auto would continue them. Set resume=auto to continue them, overwrite_checkpoints=true to "
+                f"delete them first, or another run_dir", key="resume")
+        logger.warning("overwrite_checkpoints=true: deleting the checkpoints of steps %s in %s (the run starts %s)",
+                       listed, self.checkpoints.dir, start)
+        self.checkpoints.delete(others)
 
     # ----- set-up helpers for subclasses
 

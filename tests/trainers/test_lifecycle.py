@@ -13,6 +13,7 @@ from trainers.helpers import NaNOnCalls, checkpoint_params
 from trainers.test_ppo_trainer import tiny_ppo_config
 from trainers.test_sft import tiny_config as sft_config
 
+from megalign.checkpoint import CheckpointManager
 from megalign.config import ConfigError
 from megalign.roles.reward import OutcomeReward
 from megalign.trainers import sft as sft_mod
@@ -125,3 +126,29 @@ def test_a_second_job_on_a_run_directory_fails_at_once_naming_the_first(tmp_path
     # the first job is gone (killed): its lock is stale, a new job takes the directory over and releases it at the end
     run_distributed(train_sft, sft_config(run_dir, "steps=2"), world_size=1)
     assert not os.path.exists(os.path.join(run_dir, ".lock"))
+
+
+def _fresh_run_in_a_used_directory(root):
+    old = sft_config(root, "steps=4", "save_every=2", "keep_last=1", "seed=1")
+    train_sft(old)
+    manager = CheckpointManager(root)
+    assert manager.steps() == [4]
+    with pytest.raises(ConfigError, match=r"resume='none' starts from scratch, but .*checkpoints holds checkpoints this "
+                                          r"run does not continue \(steps 4\).*overwrite_checkpoints=true"):
+        train_sft(sft_config(root, "steps=2", "keep_last=1", "resume=none"))
+    assert manager.steps() == [4]
+    # told to overwrite: the old checkpoints go first, so the new run's own are kept and resume=auto continues it
+    train_sft(sft_config(root, "steps=2", "keep_last=1", "resume=none", "overwrite_checkpoints=true"))
+    assert manager.steps() == [2]
+    assert manager.saved_config(2)["seed"] == 0
+    # a resume from an earlier step of this run: the later checkpoints are not continued either
+    train_sft(sft_config(root, "steps=4", "save_every=1", "keep_last=4"))
+    with pytest.raises(ConfigError, match=r"starts from .*step_00000002, but .* \(steps 3, 4\)"):
+        train_sft(sft_config(root, "steps=4", "keep_last=4", "resume=2"))
+    train_sft(sft_config(root, "steps=3", "keep_last=4", "resume=2", "overwrite_checkpoints=true"))
+    assert manager.steps() == [2, 3]
+
+
+def test_a_fresh_run_in_a_used_run_directory_refuses_unless_told_to_overwrite(tmp_path):
+    # before: resume=none saved step 2, pruning kept the old run's step 4 (the highest) and deleted it
+    run_distributed(_fresh_run_in_a_used_directory, str(tmp_path), world_size=1)
