@@ -1,10 +1,10 @@
-"""Decoder family (Llama 2/3, Qwen2/2.5, Mistral), its heads, and HF checkpoint interop.
+"""Decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral), its heads, and HF checkpoint interop.
 
 `from_pretrained(path, kind)` builds a policy ('causal_lm'), critic ('value') or reward model ('reward')
 from an HF folder; `save_hf_checkpoint` writes one back. `LayerFactory` is where tensor parallelism plugs in;
 `TensorParallelFactory` (parallelize.py) is the tensor-parallel one (`from_pretrained(path, layout=...)`).
 """
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig, RopeScaling, hf_architecture
 from .decoder import Decoder, KVCache, LayerFactory, SlotKVCache
 from .heads import CausalLM, LMHead, RewardHead, RewardModel, ValueHead, ValueModel
 from .hf_adapter import (from_pretrained, load_hf_weights, save_hf_checkpoint, scalar_head_from_pretrained,
@@ -12,7 +12,7 @@ from .hf_adapter import (from_pretrained, load_hf_weights, save_hf_checkpoint, s
 from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 __all__ = [
-    "ModelConfig", "RopeScaling", "Decoder", "KVCache", "SlotKVCache", "LayerFactory", "CausalLM", "LMHead",
+    "ModelConfig", "RopeScaling", "hf_architecture", "Decoder", "KVCache", "SlotKVCache", "LayerFactory", "CausalLM", "LMHead",
     "RewardHead", "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
     "scalar_head_from_pretrained", "stage_from_pretrained",
     "TensorParallelFactory", "tensor_parallel_config",

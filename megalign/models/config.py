@@ -1,17 +1,18 @@
-"""Typed model configuration for the decoder family (Llama 2/3, Qwen2/2.5, Mistral).
+"""Typed model configuration for the decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral).
 
 `ModelConfig.from_hf(config_json)` reads a Hugging Face `config.json` (a dict or a path to the file or
 its folder) and `to_hf()` writes one back, so a checkpoint can travel HF -> megalign -> HF.
 
 Design choices:
-- One dataclass for the three families: they differ only in attention biases (Qwen2 has q/k/v bias,
-  no o bias; Llama's `attention_bias` puts a bias on all four), RoPE scaling (Llama 3) and Mistral's
-  sliding window. The family is kept in `model_type` so `to_hf()` writes the right architecture.
+- One dataclass for the four families: they differ only in attention biases (Qwen2 has q/k/v bias,
+  no o bias; Llama's and Qwen3's `attention_bias` put a bias on all four), Qwen3's per-head RMSNorm
+  on q and k (`qk_norm`, implied by the family), RoPE scaling (Llama 3) and Mistral's sliding window.
+  The family is kept in `model_type` so `to_hf()` writes the right architecture (`hf_architecture`).
 - RoPE parameters are read from `rope_parameters` (transformers >= 5) or from the older top-level
   `rope_theta` + `rope_scaling` keys; both spellings give the same config.
 - Sliding window (Mistral): supported exactly as transformers does it, as a mask on the index
   distance between query and key, `q_idx - kv_idx < sliding_window` (padding included, as in HF).
-  Qwen2's per-layer windows (`use_sliding_window: true` with `max_window_layers`) are rejected.
+  Qwen2's and Qwen3's per-layer windows (`use_sliding_window: true` with `max_window_layers`) are rejected.
 - Vocab padding: `vocab_pad_multiple` rounds the embedding / LM-head rows up (Megatron-style, so a
   vocab splits evenly over tensor-parallel ranks). `vocab_size` stays the real vocabulary; the padded
   rows never receive probability (see `heads.LMHead`) and are dropped when saving.
@@ -23,9 +24,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+
+
+def hf_architecture(model_type: str, task: str = "CausalLM") -> str:
+    """The `transformers` class of family `model_type` for `task` ('CausalLM', 'SequenceClassification',
+    'TokenClassification'), e.g. ('qwen3', 'SequenceClassification') -> 'Qwen3ForSequenceClassification'."""
+    return f"{_HF_CLASS_PREFIX[model_type]}For{task}"
 
 
 @dataclass
@@ -66,7 +73,7 @@ class ModelConfig:
     """Shape and numerics of one decoder-only transformer; validated on construction."""
 
     model_type: str
-    """HF family: one of 'llama', 'qwen2', 'mistral' (chooses the architecture written by `to_hf`)."""
+    """HF family: one of 'llama', 'qwen2', 'qwen3', 'mistral' (chooses the architecture written by `to_hf`)."""
     vocab_size: int
     """Real vocabulary size V (rows of the HF embedding)."""
     hidden_size: int
@@ -88,9 +95,9 @@ class ModelConfig:
     rope_scaling: Optional[RopeScaling] = None
     """Llama 3 frequency scaling, or None for plain RoPE."""
     qkv_bias: bool = False
-    """Bias on the q, k, v projections (Qwen2: True; Llama: `attention_bias`)."""
+    """Bias on the q, k, v projections (Qwen2: True; Llama, Qwen3: `attention_bias`)."""
     o_bias: bool = False
-    """Bias on the output projection (Llama `attention_bias`; never in Qwen2)."""
+    """Bias on the output projection (Llama, Qwen3: `attention_bias`; never in Qwen2)."""
     mlp_bias: bool = False
     """Bias on gate/up/down projections (Llama `mlp_bias`)."""
     tie_word_embeddings: bool = False
@@ -127,6 +134,17 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+        if self.model_type in ("llama", "qwen3") and self.qkv_bias != self.o_bias:
+            raise ValueError(f"{self.model_type}'s one attention_bias switch biases q, k, v and o together; got "
+                             f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3's per-head RMSNorm on q and k: one `[head_dim]` gain each, applied to every head before RoPE.
+
+        A property of the family (every Qwen3 checkpoint has it, no other family does), so a config
+        cannot disagree with the architecture `to_hf` names."""
+        return self.model_type == "qwen3"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -165,15 +183,16 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; the SwiGLU MLP needs 'silu'")
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window=true (per-layer windows) is not supported")
 
         rope_theta, rope_scaling = _read_rope(hf)
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
-        # Qwen2 hard-codes q/k/v bias and no o bias; Mistral hard-codes none; Llama follows attention_bias.
-        qkv_bias = model_type == "qwen2" or (model_type == "llama" and bool(hf.get("attention_bias", False)))
-        o_bias = model_type == "llama" and bool(hf.get("attention_bias", False))
+        # Qwen2 hard-codes q/k/v bias and no o bias; Mistral hard-codes none; Llama and Qwen3 follow attention_bias.
+        attention_bias = model_type in ("llama", "qwen3") and bool(hf.get("attention_bias", False))
+        qkv_bias = model_type == "qwen2" or attention_bias
+        o_bias = attention_bias
         used = {
             "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
@@ -214,7 +233,7 @@ class ModelConfig:
                         original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings)
         out = dict(self.extra_hf)
         out.update(
-            architectures=[architecture or _ARCHITECTURES[self.model_type]],
+            architectures=[architecture or hf_architecture(self.model_type)],
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -230,10 +249,11 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             pad_token_id=self.pad_token_id,
         )
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
-        else:
+        if self.model_type != "qwen2":
             out["attention_bias"] = self.qkv_bias
+        if self.model_type in ("llama", "mistral"):
             out["mlp_bias"] = self.mlp_bias
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window

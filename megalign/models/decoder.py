@@ -1,4 +1,4 @@
-"""The decoder trunk shared by Llama 2/3, Qwen2/2.5 and Mistral: embeddings -> L x (attention + SwiGLU) -> RMSNorm.
+"""The decoder trunk shared by Llama 2/3, Qwen2/2.5, Qwen3 and Mistral: embeddings -> L x (attention + SwiGLU) -> RMSNorm.
 
 Design choices:
 - Every projection and the embedding are built by one `LayerFactory`. `LayerFactory` builds plain
@@ -7,6 +7,8 @@ Design choices:
   returns `VocabParallelEmbedding` / `ColumnParallelLinear` / `RowParallelLinear` instead and nothing
   else in the model changes. Attention reads its per-rank head counts (`n_heads_local`,
   `n_kv_heads_local`) from the factory's `tp_size`, so the model never assumes it holds all heads.
+  Qwen3's per-head q/k RMSNorm (`ModelConfig.qk_norm`) is built by the factory too (`head_norm`): its
+  one gain is shared by every head, so under tensor parallelism each rank's gradient must be summed.
 - Attention (`attention.causal_attention`) runs flash-attn 2 when it is installed and the inputs are
   fp16/bf16 on a GPU without a KV cache (padded and packed batches through its variable-length kernel,
   no mask), else `F.scaled_dot_product_attention` with `enable_gqa` and one boolean mask `[B, 1, T, S]`
@@ -31,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalign.parallel import Embedding
+from megalign.parallel.collectives import Group, copy_to_group
 
 from .attention import AttentionBatch, causal_attention
 from .config import ModelConfig, RopeScaling
@@ -66,6 +69,11 @@ class LayerFactory:
         """`[..., in / tp_size]` (this rank's slice) -> `[..., out]`, summed over ranks."""
         return nn.Linear(in_features, out_features, bias=bias)
 
+    def head_norm(self, head_dim: int, eps: float) -> nn.Module:
+        """RMSNorm over the last dim of `[..., heads_local, head_dim]` with one `[head_dim]` gain for every head of
+        every rank (Qwen3's q_norm / k_norm), replicated on each rank."""
+        return RMSNorm(head_dim, eps)
+
     def vocab_range(self, padded_vocab: int) -> tuple[int, int]:
         """Global rows `[start, end)` of the (padded) vocabulary held by this rank."""
         per_rank = padded_vocab // self.tp_size
@@ -85,18 +93,26 @@ class LayerFactory:
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019), normalised in fp32 like HF. Shape-preserving."""
+    """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019), normalised in fp32 like HF. Shape-preserving.
 
-    def __init__(self, dim: int, eps: float):
+    `grad_group`: the tensor-parallel group of a gain that is replicated but sees only this rank's part
+    of the input (a per-head norm over this rank's heads): the backward sums the gain's gradient over
+    the group (`copy_to_group`), so every rank holds the whole model's gradient, as for the other
+    replicated parameters. None (the default): the input is the same on every rank.
+    """
+
+    def __init__(self, dim: int, eps: float, grad_group: Group = None):
         super().__init__()
         self.eps = eps
+        self.grad_group = grad_group
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        weight = self.weight if self.grad_group is None else copy_to_group(self.weight, self.grad_group)
+        return weight * x.to(dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -245,7 +261,9 @@ class Attention(nn.Module):
     """Causal multi-head attention with grouped kv heads (GQA) and RoPE on q and k.
 
     x `[B, T, H]` -> `[B, T, H]`. Holds `n_heads_local` query heads and `n_kv_heads_local` kv heads
-    (the whole model's counts divided by the factory's tp_size).
+    (the whole model's counts divided by the factory's tp_size). With `config.qk_norm` (Qwen3) each
+    q and k head `[head_dim]` is RMS-normalised with the shared gain `q_norm` / `k_norm` after the
+    projection and before RoPE, as transformers' Qwen3Attention does.
     """
 
     def __init__(self, config: ModelConfig, factory: LayerFactory, layer_idx: int):
@@ -260,15 +278,19 @@ class Attention(nn.Module):
         self.k_proj = factory.column_linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.v_proj = factory.column_linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.o_proj = factory.row_linear(config.num_attention_heads * d, h, bias=config.o_bias)
+        self.q_norm = factory.head_norm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = factory.head_norm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                 kv_cache: Optional[KVCache]) -> torch.Tensor:
         """batch: padding, packing and window of this forward (see `attention.AttentionBatch`)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads_local, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads_local, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads_local, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads_local, self.head_dim)
         v = self.v_proj(x).view(b, t, self.n_kv_heads_local, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
         out = causal_attention(q, k, v, batch)

@@ -1,7 +1,7 @@
 """Hugging Face checkpoint interop: config.json + safetensors <-> megalign modules (torchtitan's state-dict adapter).
 
 The adapter is two things per tensor: a name mapping (megalign name <-> HF name, a small regex table
-shared by Llama, Qwen2 and Mistral, which name their tensors alike) and a transform applied while
+shared by Llama, Qwen2, Qwen3 and Mistral, which name their tensors alike) and a transform applied while
 reading one tensor through `safetensors.safe_open(...).get_slice`:
 - tensor-parallel slicing: each parameter is split along `shard_dim` (0 for column-parallel weights,
   biases and the vocabulary, 1 for row-parallel weights, None = replicated); a rank reads only rows /
@@ -36,7 +36,7 @@ from megalign.parallel.data_parallel import pp_tied_parameters
 from megalign.parallel.layout import ParallelLayout
 from megalign.parallel.pipeline import stage_layer_range
 
-from .config import ModelConfig
+from .config import ModelConfig, hf_architecture
 from .heads import CausalLM, RewardModel, ValueModel
 from .parallelize import TensorParallelFactory, tensor_parallel_config
 
@@ -51,6 +51,7 @@ _RULES = [
     (r"model\.layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}", 0),
     (r"model\.layers\.(\d+)\.attn\.o_proj\.weight", "model.layers.{0}.self_attn.o_proj.weight", 1),
     (r"model\.layers\.(\d+)\.attn\.o_proj\.bias", "model.layers.{0}.self_attn.o_proj.bias", None),
+    (r"model\.layers\.(\d+)\.attn\.([qk])_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight", None),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}", 0),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "model.layers.{0}.mlp.down_proj.weight", 1),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "model.layers.{0}.mlp.down_proj.bias", None),
@@ -185,8 +186,7 @@ def _hf_config(model: _Model, architecture: Optional[str]) -> dict:
     """config.json contents for `model`; `architecture` as in `save_hf_checkpoint`."""
     config: ModelConfig = model.config
     if architecture is None and not isinstance(model, CausalLM):
-        architecture = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                        "mistral": "MistralForSequenceClassification"}[config.model_type]
+        architecture = hf_architecture(config.model_type, "SequenceClassification")
     hf_config = config.to_hf(architecture)
     if not isinstance(model, CausalLM):
         for key in ("id2label", "label2id"):

@@ -14,6 +14,11 @@ uses it. Design choices:
   heads: query heads [r * n_h / tp, (r + 1) * n_h / tp) and kv heads [r * n_kv / tp, ...), which keeps
   each query head with its GQA kv head (HF orders query heads grouped by kv head), so attention and
   the KV cache are purely rank-local.
+- Qwen3's q/k norms. HF stores one `[head_dim]` gain for all heads (`q_norm`, `k_norm`); every rank
+  holds it whole (replicated, read unsliced) and applies it to its own heads. Its gradient on a rank
+  covers that rank's heads only, so the backward sums it over the tp group (`RMSNorm(grad_group=...)`,
+  HF's `replicated_with_grad_allreduce`): after the backward it is whole and equal on every rank, and
+  the grad norm counts it once like any replicated parameter.
 - Vocabulary. The embedding is a `VocabParallelEmbedding` and the LM head a `ColumnParallelLinear`
   over the same rows, so a tied LM head shares its shard with the embedding (split into pipeline stages,
   the last stage's head holds a copy of the same rows, see `heads`). The vocabulary is padded
@@ -42,7 +47,7 @@ from megalign.parallel.layers import ColumnParallelLinear, RowParallelLinear, Vo
 from megalign.parallel.layout import ParallelLayout
 
 from .config import ModelConfig
-from .decoder import LayerFactory
+from .decoder import LayerFactory, RMSNorm
 
 
 def tensor_parallel_config(config: ModelConfig, tp: int) -> ModelConfig:
@@ -80,6 +85,9 @@ class TensorParallelFactory(LayerFactory):
 
     def row_linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return RowParallelLinear(in_features, out_features, group=self.group, bias=bias)
+
+    def head_norm(self, head_dim: int, eps: float) -> nn.Module:
+        return RMSNorm(head_dim, eps, grad_group=self.group)
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
         return gather_from_group(x, self.group)

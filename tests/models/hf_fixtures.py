@@ -1,7 +1,8 @@
 """Tiny random HF models saved with `save_pretrained`: the references megalign is compared against."""
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification)
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification)
 
 VOCAB = 97  # prime: no accidental alignment with any padding multiple
 
@@ -19,9 +20,13 @@ FAMILIES = {
     "qwen2_tied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen2_untied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "mistral_window": (MistralConfig, MistralForCausalLM, dict(sliding_window=8, head_dim=16)),
+    # Qwen3: per-head q/k norms, no bias, head_dim (24, 32) unlike hidden / heads (16)
+    "qwen3_tied": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen3_untied": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=24)),
 }
 
-SEQ_CLS = {"llama": (LlamaConfig, LlamaForSequenceClassification), "qwen2": (Qwen2Config, Qwen2ForSequenceClassification)}
+SEQ_CLS = {"llama": (LlamaConfig, LlamaForSequenceClassification), "qwen2": (Qwen2Config, Qwen2ForSequenceClassification),
+           "qwen3": (Qwen3Config, Qwen3ForSequenceClassification)}
 
 
 def _randomise_norms(model):
@@ -42,11 +47,11 @@ def make_causal_lm(path, family: str, seed: int = 0, **overrides):
     return model
 
 
-def make_seq_cls(path, family: str, seed: int = 0):
+def make_seq_cls(path, family: str, seed: int = 0, **overrides):
     """Save a random HF `...ForSequenceClassification` (num_labels=1, pad id 0) in `path`; return it."""
     cfg_cls, model_cls = SEQ_CLS[family]
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**_TINY, num_labels=1))
+    model = model_cls(cfg_cls(**{**_TINY, **overrides}, num_labels=1))
     _randomise_norms(model).eval().save_pretrained(path)
     return model
 

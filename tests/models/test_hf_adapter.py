@@ -49,7 +49,7 @@ def test_wrong_shape_names_tensor(tmp_path):
         from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["qwen2_tied", "llama3_gqa", "mistral_window"])
+@pytest.mark.parametrize("family", ["qwen2_tied", "llama3_gqa", "mistral_window", "qwen3_untied"])
 def test_padded_vocab_round_trip_through_transformers(tmp_path, family):
     hf = make_causal_lm(tmp_path / "in", family)
     ours = from_pretrained(tmp_path / "in", vocab_pad_multiple=64).eval()
@@ -70,7 +70,7 @@ def test_padded_vocab_round_trip_through_transformers(tmp_path, family):
     assert not os.path.exists(tmp_path / "nan")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_reward_head_matches_sequence_classification(tmp_path, family):
     hf = make_seq_cls(tmp_path / "rm", family)
     ours = from_pretrained(tmp_path / "rm", kind="reward").eval()

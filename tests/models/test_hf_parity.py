@@ -1,4 +1,4 @@
-"""megalign's decoder vs transformers on tiny random Llama / Qwen2 / Mistral checkpoints (fp32, tight)."""
+"""megalign's decoder vs transformers on tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints (fp32, tight)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ def test_padded_batch_equals_unpadded(tmp_path, side):
         torch.testing.assert_close(logits[row][mask[row].bool()], ref, **FP32)
 
 
-@pytest.mark.parametrize("family", ["llama3_gqa", "mistral_window"])
+@pytest.mark.parametrize("family", ["llama3_gqa", "mistral_window", "qwen3_untied"])
 def test_packed_batch_equals_unpadded(tmp_path, family):
     hf = make_causal_lm(tmp_path, family)
     ours = from_pretrained(tmp_path).eval()
@@ -63,7 +63,8 @@ def test_packed_rejects_bad_boundaries(tmp_path):
         ours(random_ids(1, 6), cu_seqlens=torch.tensor([0, 2, 5]))
 
 
-@pytest.mark.parametrize("family,checkpointing", [("qwen2_tied", False), ("llama3_gqa", True)])
+@pytest.mark.parametrize("family,checkpointing", [("qwen2_tied", False), ("llama3_gqa", True), ("qwen3_tied", False),
+                                                  ("qwen3_untied", True)])
 def test_gradients_match_transformers(tmp_path, family, checkpointing):
     hf = make_causal_lm(tmp_path, family).train()
     ours = from_pretrained(tmp_path, activation_checkpointing=checkpointing).train()

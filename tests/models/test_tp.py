@@ -63,7 +63,7 @@ def test_tensor_parallel_config_pads_vocab_and_names_bad_sizes():
 
 # ----- logits (and a reward model's scores) vs transformers
 
-LOGIT_FAMILIES = ["llama3_gqa", "llama_bias_mha", "qwen2_tied", "qwen2_untied"]
+LOGIT_FAMILIES = ["llama3_gqa", "llama_bias_mha", "qwen2_tied", "qwen2_untied", "qwen3_tied", "qwen3_untied"]
 
 
 def _check_logits(paths, references, ids, reward_path, reward_ref):
@@ -123,7 +123,7 @@ def _check_gradients(path, checkpointing):
     assert_close(clip_grad_norm_(model, float("inf"), layout), dense_norm, **FP32)
 
 
-@pytest.mark.parametrize("family,checkpointing", [("qwen2_tied", False), ("llama_bias_mha", True)])
+@pytest.mark.parametrize("family,checkpointing", [("qwen2_tied", False), ("llama_bias_mha", True), ("qwen3_untied", True)])
 def test_tp2_loss_and_gradients_match_tp1(tmp_path, family, checkpointing):
     make_causal_lm(tmp_path, family)
     run_distributed(_check_gradients, tmp_path, checkpointing)
@@ -151,7 +151,7 @@ def _check_save(path, out, ids, ref):
         assert_close(AutoModelForCausalLM.from_pretrained(out / "trained").eval()(ids).logits, trained, **FP32)
 
 
-@pytest.mark.parametrize("family", ["qwen2_tied", "llama3_gqa"])
+@pytest.mark.parametrize("family", ["qwen2_tied", "llama3_gqa", "qwen3_tied"])
 def test_tp2_save_reloads_in_transformers(tmp_path, family):
     hf = make_causal_lm(tmp_path / "hf", family)
     ids = random_ids(2, 9)
@@ -235,8 +235,9 @@ def _check_bf16(path, ids, hf_logits, hf_grads):
     assert total_ours**0.5 <= 2 * total_hf**0.5, ("all gradients", total_ours**0.5, total_hf**0.5)
 
 
-def test_bf16_autocast_tp2_no_worse_than_transformers(tmp_path):
-    hf = make_causal_lm(tmp_path, "qwen2_untied").train()
+@pytest.mark.parametrize("family", ["qwen2_untied", "qwen3_untied"])
+def test_bf16_autocast_tp2_no_worse_than_transformers(tmp_path, family):
+    hf = make_causal_lm(tmp_path, family).train()
     ids = random_ids(2, 12)
     hf_logits, hf_grads = {}, {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -140,7 +140,7 @@ def _check_train_step(path, n_microbatches, split, batch, ref_loss, ref_grads, r
 
 
 @pytest.mark.parametrize("family,n_microbatches,split", [("qwen2_untied", 2, None), ("qwen2_untied", 4, (3, 1)),
-                                                         ("qwen2_tied", 2, None)])
+                                                         ("qwen2_tied", 2, None), ("qwen3_tied", 2, None)])
 def test_train_step_matches_unpipelined(tmp_path, family, n_microbatches, split):
     """Loss, grad norm and every gradient vs the unpipelined model; tied: both copies get the shared matrix's gradient."""
     make_causal_lm(tmp_path, family, num_hidden_layers=4)
