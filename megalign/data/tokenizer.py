@@ -27,6 +27,11 @@ Design choices:
   tokens, because templates write their own BOS; this is also stable across transformers versions
   (v5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`). A tokenizer without a
   pad token pads with EOS (pad positions are masked, so the id only has to be valid).
+  Qwen3's template has a thinking switch, the template variable `enable_thinking` (unset: thinking;
+  false: an empty `<think></think>` block closes the generation prompt, so the model answers
+  directly). `tokenizer.enable_thinking` passes it to every rendering of the run (prompts, SFT
+  conversations, multi-turn episodes alike); set on a template that never reads the variable, or on
+  a tokenizer without HF templates, it is an error rather than a silent no-op.
 - `SentencePieceTokenizer` reads a bare `tokenizer.model` (Llama-2 style) with the `sentencepiece`
   package itself rather than through transformers, whose handling of a folder without
   `tokenizer_config.json` differs between versions; ids are exactly `SentencePieceProcessor`'s.
@@ -177,7 +182,7 @@ class HFTokenizer:
     # tokenizer_config.json classes that mean "exactly the tokenizer.json beside me" (transformers 4 / 5)
     GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, enable_thinking: Optional[bool] = None):
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         self.path = path
@@ -199,6 +204,12 @@ class HFTokenizer:
         self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
         self.bos_id = int(self.hf.bos_token_id) if self.hf.bos_token_id is not None else None
         self.vocab_size = max(len(self.hf), max(self.hf.get_vocab().values()) + 1)  # ids need not be dense
+        self.template_kwargs = {}
+        if enable_thinking is not None:
+            if not _template_reads(self.hf.chat_template, "enable_thinking"):
+                raise ValueError(f"tokenizer.enable_thinking={enable_thinking} but the chat template of {path!r} "
+                                 "does not read enable_thinking; unset it for this tokenizer")
+            self.template_kwargs["enable_thinking"] = enable_thinking
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = list(self.hf.encode(text, add_special_tokens=False))
@@ -211,11 +222,24 @@ class HFTokenizer:
         check_messages(messages)
         if not self.hf.chat_template:
             raise ValueError(f"tokenizer at {self.path!r} has no chat template; use `prompt` rows or add one")
-        text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **self.template_kwargs)
         return self.encode(text)
 
     def save(self, path: str) -> None:
         self.hf.save_pretrained(path)
+
+
+def _template_reads(chat_template: Optional[str | dict[str, str]], variable: str) -> bool:
+    """Whether a Jinja chat template (or any of a tokenizer's named templates) reads `variable`."""
+    import jinja2
+    from jinja2 import meta
+
+    if not chat_template:
+        return False
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    env = jinja2.Environment()
+    return any(variable in meta.find_undeclared_variables(env.parse(t)) for t in templates)
 
 
 class SentencePieceTokenizer:
@@ -291,6 +315,10 @@ class TokenizerConfig:
                     "character tokenizer; 'hf': AutoTokenizer from `path`; 'sentencepiece': a tokenizer.model at `path`")
     path: Optional[str] = option(None, doc="local tokenizer folder (required for 'hf' and 'sentencepiece', which also "
                                            "takes the tokenizer.model file itself; optional for 'auto')")
+    enable_thinking: Optional[bool] = option(
+        None, doc="the chat template's thinking switch (Qwen3): false renders non-thinking prompts (an empty "
+                  "<think></think> block), true thinking ones; null: the template's default. Only for an HF "
+                  "tokenizer whose template reads enable_thinking")
 
     def __post_init__(self):
         if self.kind == "char" and self.path is not None:
@@ -312,10 +340,13 @@ def build_tokenizer(cfg: TokenizerConfig, model_path: Optional[str] = None) -> T
             kind, path = _detect(model_path), model_path
         else:
             kind = "char"
+    if cfg.enable_thinking is not None and kind != "hf":
+        raise ValueError(f"tokenizer.enable_thinking={cfg.enable_thinking} needs an HF tokenizer whose chat template "
+                         f"reads it; this run's tokenizer is {kind!r}")
     if kind == "char":
         return CharTokenizer()
     if kind == "hf":
-        return HFTokenizer(path)
+        return HFTokenizer(path, cfg.enable_thinking)
     if os.path.isdir(path):
         path = os.path.join(path, SENTENCEPIECE_FILE)
     if not os.path.isfile(path):

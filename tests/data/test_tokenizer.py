@@ -143,3 +143,26 @@ def test_saved_char_tokenizer_loads_back_beside_any_model_config(tmp_path, model
     assert hf.encode(text, add_bos=True) == char.encode(text, add_bos=True)
     assert hf.decode(char.encode(text)) == text
     assert (hf.eos_id, hf.pad_id, hf.bos_id) == (char.eos_id, char.pad_id, char.bos_id)
+
+
+# Qwen3's switch, cut down: the non-thinking generation prompt ends with an empty think block
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>"
+                     "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                     "{% endif %}")
+
+
+def test_enable_thinking_reaches_the_chat_template(hf_dir, tmp_path):
+    path = save_char_level_hf_tokenizer(tmp_path, ["<pad>", "<s>", "</s>", "<unk>"], "abcdefghijklmnopqrstuvwxyz12+=<>|/\n",
+                                        THINKING_TEMPLATE, bos_token="<s>", eos_token="</s>")
+    chat = [{"role": "user", "content": "1+1="}]
+    rendered = {}
+    for value in ("null", "true", "false"):
+        tok = build_tokenizer(load_config(TokenizerConfig, overrides=["kind=hf", f"path={path}", f"enable_thinking={value}"]))
+        rendered[value] = tok.decode(tok.apply_chat_template(chat))
+    assert rendered["null"] == rendered["true"] == "<|user|>1+1=\n<|assistant|>"
+    assert rendered["false"] == "<|user|>1+1=\n<|assistant|><think></think>"
+    with pytest.raises(ValueError, match=r"enable_thinking=False but the chat template of .* does not read enable_thinking"):
+        build_tokenizer(TokenizerConfig(kind="hf", path=hf_dir, enable_thinking=False))
+    with pytest.raises(ValueError, match=r"enable_thinking=True needs an HF tokenizer .* tokenizer is 'char'"):
+        build_tokenizer(TokenizerConfig(enable_thinking=True))
