@@ -34,13 +34,13 @@ from typing import Optional
 
 import torch
 
-from megalign.models import ValueModel
+from megalign.models import ValueModel, hf_architecture
+from megalign.models.config import SUPPORTED_MODEL_TYPES
 from megalign.parallel import MixedPrecision, ParallelLayout
 from megalign.roles.actor import TrainableRole
 from megalign.roles.packing import response_hidden, scatter_response
 
-TOKEN_CLASSIFICATION = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
-                        "mistral": "MistralForTokenClassification"}
+TOKEN_CLASSIFICATION = {family: hf_architecture(family, "TokenClassification") for family in SUPPORTED_MODEL_TYPES}
 
 
 def response_values(model: ValueModel, sequences: torch.Tensor, attention_mask: torch.Tensor,

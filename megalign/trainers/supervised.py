@@ -74,7 +74,7 @@ class PolicyModelConfig(TrainedRoleConfig):
     """The trained model: an HF checkpoint folder, or a small decoder built from scratch; its layout and dtype."""
 
     path: Optional[str] = option(None, doc="HF checkpoint folder to start from; null: build from scratch with the fields below")
-    model_type: Literal["llama", "qwen2", "mistral"] = option("llama", doc="from scratch: architecture family (written to the HF export)")
+    model_type: Literal["llama", "qwen2", "qwen3", "mistral"] = option("llama", doc="from scratch: architecture family (written to the HF export)")
     hidden_size: int = option(128, doc="from scratch: model width H")
     intermediate_size: int = option(384, doc="from scratch: SwiGLU inner width")
     num_layers: int = option(3, doc="from scratch: decoder layers")

@@ -1,8 +1,8 @@
 """ModelConfig from HF config.json: both rope spellings, per-family biases, and the errors' wording."""
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from megalign.models import ModelConfig, RopeScaling
+from megalign.models import ModelConfig, RopeScaling, hf_architecture
 
 _TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -30,6 +30,20 @@ def test_family_biases_window_and_head_dim():
     assert (llama.qkv_bias, llama.o_bias, llama.rope_scaling) == (True, True, None)
 
 
+def test_qwen3_norms_bias_and_head_dim():
+    qwen3 = ModelConfig.from_hf(Qwen3Config(**_TINY, head_dim=24).to_dict())
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.o_bias, qwen3.head_dim, qwen3.sliding_window) == (True, False, False, 24, None)
+    biased = ModelConfig.from_hf(Qwen3Config(**_TINY, attention_bias=True).to_dict())
+    assert (biased.qkv_bias, biased.o_bias, biased.head_dim) == (True, True, 128)  # Qwen3Config's own default head_dim
+    assert not ModelConfig.from_hf(Qwen2Config(**_TINY).to_dict()).qk_norm
+    for cfg in (qwen3, biased):
+        hf = cfg.to_hf()
+        assert (hf["architectures"], hf["attention_bias"], hf["use_sliding_window"]) == (["Qwen3ForCausalLM"],
+                                                                                        cfg.qkv_bias, False)
+        assert ModelConfig.from_hf(hf) == cfg
+    assert hf_architecture("qwen3", "TokenClassification") == "Qwen3ForTokenClassification"
+
+
 def test_to_hf_round_trips():
     cfg = ModelConfig.from_hf(MistralConfig(**_TINY, sliding_window=32).to_dict(), vocab_pad_multiple=64)
     again = ModelConfig.from_hf(cfg.to_hf(), vocab_pad_multiple=64)
@@ -48,3 +62,8 @@ def test_errors_name_the_problem():
         ModelConfig.from_hf({**LlamaConfig(**_TINY).to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="use_sliding_window"):
         ModelConfig.from_hf(Qwen2Config(**_TINY, use_sliding_window=True, sliding_window=16).to_dict())
+    with pytest.raises(ValueError, match="^qwen3 with use_sliding_window"):
+        ModelConfig.from_hf(Qwen3Config(**_TINY, use_sliding_window=True, sliding_window=16).to_dict())
+    with pytest.raises(ValueError, match=r"qwen3's one attention_bias switch .* qkv_bias=True, o_bias=False"):
+        ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, qkv_bias=True)
