@@ -14,11 +14,11 @@ state, activations, KV cache and loss-path logits on its worst pipeline stage, t
 whether it fits; a terminal table and JSON (`--json`). Exit status 0 fits, 1 does not, 2 bad input.
 
 The model of memory (formulas and their sources in `megalign.plan.formulas`):
-- Architecture: decoder-only Llama / Qwen2 / Mistral as megalign builds them: grouped-query attention
-  (num_key_value_heads kv heads of head_dim, k and v projections h x kv_heads * head_dim), a SwiGLU MLP
-  of three h x intermediate_size matrices, RMSNorm gains, Qwen2's q/k/v biases, the vocabulary padded
-  to a multiple of tp (lcm with vocab_pad_multiple), tied embeddings as one matrix at pp = 1 and a copy
-  on the last stage at pp > 1. Parameter counts equal the published ones (tests/plan).
+- Architecture: decoder-only Llama / Qwen2 / Qwen3 / Mistral as megalign builds them: grouped-query
+  attention (num_key_value_heads kv heads of head_dim, k and v projections h x kv_heads * head_dim), a
+  SwiGLU MLP of three h x intermediate_size matrices, RMSNorm gains (Qwen3's per-head q/k norms too),
+  Qwen2's q/k/v biases, the vocabulary padded to a multiple of tp (lcm with vocab_pad_multiple), tied
+  embeddings as one matrix at pp = 1 and a copy on the last stage at pp > 1. Parameter counts equal the published ones (tests/plan).
 - Placement: megalign colocates roles: every role on every rank of its pool, one computing at a time;
   the others keep their parts on the device unless their offload switch is on (`Role.need`). Roles on
   other pools (OpenRLHF / NeMo-Aligner style) do not share memory. A phase's peak is its worst step.

@@ -82,17 +82,20 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence
 
 def megalign_layer_bytes(s: int, b: int, h: int, a: int, kv_heads: int, ffn: int, t: int = 1,
                          compute_bytes: int = 4, attention: Literal["flash", "sdpa"] = "flash",
-                         recompute: Recompute = "none") -> float:
+                         recompute: Recompute = "none", head_dim: Optional[int] = None, qk_norm: bool = False) -> float:
     """Bytes megalign's `DecoderLayer` saves for backward, per micro-batch of b sequences of s tokens.
 
     megalign keeps fp32 master weights, so the embedding output and the residual stream are fp32 even
     under bf16 autocast (compute_bytes = 2). Per token, with e = compute_bytes, g = kv_heads / a:
     each RMSNorm saves its fp32 input and its fp32 normalised value (8h) and the fp32 rsqrt (4);
     the projections save their input: shared by q/k/v and by gate/up in fp32 (4h + 4h), one bf16 cast
-    per projection under autocast (3 * 2h + 2 * 2h); attention saves q, k, v, its output (e h (2 + 2g) / t)
-    and the log-sum-exp (4a / t), and the output projection a contiguous copy of the output (e h / t);
-    the SwiGLU saves gate, up, silu(gate) and the product (4 e f / t). SDPA over a padded batch (no
-    flash-attn: CPU, or the package missing) also saves the additive [b, 1, s, s] mask in e bytes.
+    per projection under autocast (3 * 2h + 2 * 2h); with q = a d and kv = kv_heads d the widths of the
+    queries and of the keys (d = head_dim, h / a unless given), attention saves q, k, v, its output
+    (e (2q + 2kv) / t) and the log-sum-exp (4a / t), and the output projection a contiguous copy of the
+    output (e q / t); Qwen3's per-head q/k norms (`qk_norm`) save their fp32 input and their normalised
+    value ((4 + e)(q + kv) / t) and one fp32 rsqrt per head (4 (a + kv_heads) / t); the SwiGLU saves
+    gate, up, silu(gate) and the product (4 e f / t). SDPA over a padded batch (no flash-attn: CPU, or
+    the package missing) also saves the additive [b, 1, s, s] mask in e bytes.
     Full recomputation (`torch.utils.checkpoint` per layer) keeps only the fp32 layer input (4h); the
     layer being recomputed is counted by the caller.
     """
@@ -102,7 +105,11 @@ def megalign_layer_bytes(s: int, b: int, h: int, a: int, kv_heads: int, ffn: int
     e = compute_bytes
     norms = 2 * (8 * h + 4)
     inputs = 8 * h if e == 4 else (3 + 2) * 2 * h
-    attn = (e * h * (2 + 2 * kv_heads / a) + 4 * a + e * h) / t
+    q = a * (h // a if head_dim is None else head_dim)
+    kv = q * kv_heads // a
+    attn = (e * (2 * q + 2 * kv) + 4 * a + e * q) / t
+    if qk_norm:
+        attn += ((4 + e) * (q + kv) + 4 * (a + kv_heads)) / t
     mlp = 4 * e * ffn / t
     mask = b * s * s * e if attention == "sdpa" else 0
     return tokens * (norms + inputs + attn + mlp) + mask

@@ -3,11 +3,12 @@
 A model is a `megalign.models.ModelConfig` (the same object the decoders are built from), so a preset,
 an HF `config.json` and a megalign checkpoint are read one way. Parameter counts follow megalign's
 decoder exactly (`megalign.models.decoder`): per layer the q/k/v/o projections (GQA: k and v have
-num_key_value_heads heads of head_dim), the three SwiGLU matrices h x f, two RMSNorm gains, and the
-biases the family has (Qwen2: q/k/v); the embedding and the LM head are padded_vocab x h each (one
-matrix when tied), the final norm h. Under tensor parallelism a rank holds 1/t of every projection,
-of the vocabulary rows and of the column-parallel biases, and whole copies of the norms and of the
-row-parallel biases. A pipeline stage holds its layers, the embedding on the first stage, the final
+num_key_value_heads heads of head_dim), the three SwiGLU matrices h x f, two RMSNorm gains, Qwen3's
+two per-head q/k norm gains (head_dim each), and the biases the family has (Qwen2: q/k/v); the
+embedding and the LM head are padded_vocab x h each (one matrix when tied), the final norm h. Under
+tensor parallelism a rank holds 1/t of every projection, of the vocabulary rows and of the
+column-parallel biases, and whole copies of the norms (the q/k norms too) and of the row-parallel
+biases. A pipeline stage holds its layers, the embedding on the first stage, the final
 norm and the head on the last (a tied head is a copy on the last stage when pp > 1, as Megatron).
 """
 from __future__ import annotations
@@ -42,6 +43,19 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-72b": ModelConfig("qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, qkv_bias=True,
                                rope_theta=1000000.0, max_position_embeddings=32768),
+    # Qwen3: head_dim 128 whatever the width (0.6B: 16 heads x 128 over h = 1024), tied below 4B
+    "qwen3-0.6b": ModelConfig("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                              rope_theta=1000000.0, max_position_embeddings=40960),
+    "qwen3-1.7b": ModelConfig("qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                              rope_theta=1000000.0, max_position_embeddings=40960),
+    "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            rope_theta=1000000.0, max_position_embeddings=40960),
+    "qwen3-32b": ModelConfig("qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                             rope_theta=1000000.0, max_position_embeddings=40960),
 }
 
 
@@ -82,7 +96,7 @@ def layer_params(cfg: ModelConfig, tp: int) -> int:
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     column = h * (q + 2 * kv) + 2 * h * f + (q + 2 * kv if cfg.qkv_bias else 0) + (2 * f if cfg.mlp_bias else 0)
     row = q * h + f * h
-    replicated = 2 * h + (h if cfg.o_bias else 0) + (h if cfg.mlp_bias else 0)
+    replicated = 2 * h + (2 * d if cfg.qk_norm else 0) + (h if cfg.o_bias else 0) + (h if cfg.mlp_bias else 0)
     return (column + row) // tp + replicated
 
 

@@ -51,7 +51,8 @@ class RolePlan:
 class PlanConfig:
     """A run to plan: the model, the GPUs, the algorithm's batch and the roles."""
 
-    model: str = option(doc="a preset (llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-72b), an HF config.json or a checkpoint folder")
+    model: str = option(doc="a preset (llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-72b, "
+                            "qwen3-0.6b, qwen3-1.7b, qwen3-8b, qwen3-32b), an HF config.json or a checkpoint folder")
     algorithm: Literal["grpo", "ppo", "sft", "dpo", "kto", "rm"] = option(doc="which phases run: grpo / ppo (rollout, scoring, update), sft / rm (update), dpo / kto (reference scoring, update)")
     gpus: int = option(doc="GPUs of the run (the 'main' pool unless `pools` says otherwise)")
     gpu_memory_gib: float = option(80.0, doc="memory of one GPU, GiB")
@@ -214,7 +215,7 @@ class Planner:
             return megalign_layer_bytes(self.seq, b, cfg.hidden_size, cfg.num_attention_heads,
                                         cfg.num_key_value_heads, cfg.intermediate_size, role.tp,
                                         self.compute_bytes(name), self.plan.attention,
-                                        "full" if recompute == "full" else "none")
+                                        "full" if recompute == "full" else "none", cfg.head_dim, cfg.qk_norm)
         return korthikanti_layer_bytes(self.seq, b, cfg.hidden_size, cfg.num_attention_heads, role.tp,
                                        role.sequence_parallel, recompute, cfg.intermediate_size,
                                        gated=True, kv_heads=cfg.num_key_value_heads, dropout=False,

@@ -71,6 +71,8 @@ PUBLISHED = {  # parameters, from each checkpoint's model.safetensors.index.json
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
     "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+    # Qwen3: the parameter counts keras-hub's qwen3_presets.py lists (8B: the index's 16_381_470_720 bytes / 2)
+    "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-8b": 8_190_735_360, "qwen3-32b": 32_762_123_264,
 }
 
 
@@ -87,11 +89,12 @@ def test_llama3_70b_stage_split_sums_to_the_model():
         assert per_rank * tp - (tp - 1) * replicated_norms == total_params(cfg)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_stage_counts_match_the_built_model(tied):
-    cfg = ModelConfig("qwen2", vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=True,
-                      tie_word_embeddings=tied, max_position_embeddings=64)
+def test_stage_counts_match_the_built_model(tied, family):
+    cfg = ModelConfig(family, vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8 if family == "qwen2" else 12,
+                      qkv_bias=family == "qwen2", tie_word_embeddings=tied, max_position_embeddings=64)
     for stage, layer_range in enumerate(((0, 2), (2, 4))):
         built = CausalLM(cfg, layer_range=layer_range)
         assert sum(p.numel() for p in built.parameters()) == stage_params(cfg, 1, 2, stage).total

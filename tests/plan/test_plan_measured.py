@@ -84,20 +84,22 @@ def _saved_bytes(model, ids, mask, dtype):
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("family,head_dim", [("llama", 12), ("qwen3", 16)])  # qwen3: q/k norms, head_dim != h / a
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attention", ["flash", "sdpa"])
-def test_layer_count_equals_saved_tensors(dtype, attention):
+def test_layer_count_equals_saved_tensors(dtype, attention, family, head_dim):
     # one layer's share: a 3-layer model minus a 2-layer one (embedding, final norm and head cancel)
     b, s = 3, 40
     ids = torch.randint(0, 98, (b, s))
     mask = torch.ones_like(ids) if attention == "sdpa" else None  # no mask: SDPA's O(s) causal kernel, as flash
     saved = []
     for layers in (2, 3):
-        cfg = ModelConfig("llama", vocab_size=98, hidden_size=48, intermediate_size=160, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64)
+        cfg = ModelConfig(family, vocab_size=98, hidden_size=48, intermediate_size=160, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64)
         saved.append(_saved_bytes(CausalLM(cfg), ids, mask, dtype))
     e = 2 if dtype == torch.bfloat16 else 4
-    assert saved[1] - saved[0] == megalign_layer_bytes(s, b, 48, 4, 2, 160, 1, e, attention)
+    assert saved[1] - saved[0] == megalign_layer_bytes(s, b, 48, 4, 2, 160, 1, e, attention, head_dim=head_dim,
+                                                       qk_norm=cfg.qk_norm)
 
 
 def test_kv_cache_bytes_equal_the_allocated_cache():
