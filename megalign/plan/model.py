@@ -20,6 +20,15 @@ from typing import Union
 from megalign.models.config import ModelConfig
 from megalign.models.parallelize import tensor_parallel_config
 
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> ModelConfig:
+    """A Qwen3 dense checkpoint: what its sizes share (151936 ids, 8 kv heads of head_dim 128 whatever the width,
+    so 0.6B's 16 query heads span 2048 over h = 1024; RoPE theta 1e6, 40960 positions); tied below 4B."""
+    return ModelConfig("qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=tied, rope_theta=1000000.0, max_position_embeddings=40960)
+
+
 # The published architectures (the config.json of each checkpoint on the Hugging Face hub).
 PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig("llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -43,19 +52,10 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-72b": ModelConfig("qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, qkv_bias=True,
                                rope_theta=1000000.0, max_position_embeddings=32768),
-    # Qwen3: head_dim 128 whatever the width (0.6B: 16 heads x 128 over h = 1024), tied below 4B
-    "qwen3-0.6b": ModelConfig("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                              rope_theta=1000000.0, max_position_embeddings=40960),
-    "qwen3-1.7b": ModelConfig("qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                              rope_theta=1000000.0, max_position_embeddings=40960),
-    "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            rope_theta=1000000.0, max_position_embeddings=40960),
-    "qwen3-32b": ModelConfig("qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                             num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                             rope_theta=1000000.0, max_position_embeddings=40960),
+    "qwen3-0.6b": _qwen3(hidden=1024, intermediate=3072, layers=28, heads=16, tied=True),
+    "qwen3-1.7b": _qwen3(hidden=2048, intermediate=6144, layers=28, heads=16, tied=True),
+    "qwen3-8b": _qwen3(hidden=4096, intermediate=12288, layers=36, heads=32, tied=False),
+    "qwen3-32b": _qwen3(hidden=5120, intermediate=25600, layers=64, heads=64, tied=False),
 }
 
 
