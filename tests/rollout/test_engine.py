@@ -45,7 +45,7 @@ def _stop_tokens(hf, ids, mask):
     return eos, [t for t in free[2, width + 1:].tolist() if t not in first and t != eos][:1]
 
 
-@pytest.mark.parametrize("family", ["llama3_gqa", "qwen2_untied", "mistral_window"])
+@pytest.mark.parametrize("family", ["llama3_gqa", "qwen2_untied", "mistral_window", "qwen3_tied"])
 def test_greedy_equals_transformers_and_the_simple_loop(tmp_path, family):
     hf = make_causal_lm(tmp_path, family)
     ours = from_pretrained(tmp_path).eval()

@@ -22,7 +22,7 @@ def _hf_greedy(hf, ids, mask, max_new, eos):
         return hf.generate(ids, attention_mask=mask, generation_config=config)
 
 
-@pytest.mark.parametrize("family", ["llama3_gqa", "qwen2_untied", "mistral_window"])
+@pytest.mark.parametrize("family", ["llama3_gqa", "qwen2_untied", "mistral_window", "qwen3_tied"])
 def test_greedy_equals_transformers(tmp_path, family):
     hf = make_causal_lm(tmp_path, family)
     ours = from_pretrained(tmp_path).eval()
