@@ -13,7 +13,9 @@ the rest, so a new objective or role never copies the plumbing:
     -> every RNG seeded -> [subclass: tokenizer, data, roles, `register_state`]
     `train()`: load the checkpoint -> `on_train_start` -> evaluation before training (`eval_before`, once per run)
     -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
-    `eval_every()` steps -> checkpoint every `save_every` steps and after the last } -> HF export
+    `eval_every()` steps -> the ranks agree on a stop signal and a time-based save
+    (`megalign.trainers.stopping`) -> checkpoint every `save_every` steps, after `save_every_minutes`,
+    on a signal (then exit with status 75) and after the last } -> HF export
     -> final evaluation -> before/after table -> the lock released (also when the run fails).
 
 Design choices:
@@ -62,6 +64,7 @@ from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
+from megalign.trainers.stopping import PREEMPTED_EXIT_STATUS, Preempted, SaveClock, StopSignals, agree_to_stop
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,10 @@ class RunConfig:
     seed: int = option(0, doc="seed of model init, data order, sampling and every RNG")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
     save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
+    save_every_minutes: float = option(
+        0.0, doc="also checkpoint at the end of the first step that finds this many minutes passed since the last "
+                 "checkpoint (or the start); 0: off. A SIGTERM / SIGUSR1 always checkpoints the current step and "
+                 "exits with status 75")
     keep_last: int = option(2, doc="completed checkpoints to keep")
     resume: str = option("auto", doc="'auto' (latest checkpoint in run_dir, if any), 'none', a step number or a checkpoint folder")
     overwrite_checkpoints: bool = option(
@@ -96,6 +103,8 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.save_every < 0 or self.seed < 0:
             raise ValueError(f"save_every and seed must be >= 0, got {self.save_every}, {self.seed}")
+        if self.save_every_minutes < 0:
+            raise ValueError(f"save_every_minutes must be >= 0, got {self.save_every_minutes}")
         if not 0 <= self.max_skipped_fraction <= 1:
             raise ValueError(f"max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
 
@@ -116,9 +125,9 @@ class DataConfig:
 SKIP_REASONS = ("nan_skips", "empty_updates")
 """Why an update is skipped (`Trainer.skip_update`), each counted in `progress` and logged every step."""
 
-RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "keep_last", "resume", "overwrite_checkpoints",
-                 "resume_changes", "export_hf",
-                 "log_every", "tensorboard", "max_skipped_fraction", "eval")
+RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "save_every_minutes", "keep_last", "resume",
+                 "overwrite_checkpoints", "resume_changes", "export_hf", "log_every", "tensorboard",
+                 "max_skipped_fraction", "eval")
 """Config keys (dotted prefixes) a resumed run may change without changing what it trains: where and
 how often it writes, how long it runs (a cosine schedule is recomputed for the new length) and how it
 evaluates. Anything else differing from the checkpoint's config is a `resume_changes` error."""
@@ -468,6 +477,10 @@ class Trainer:
                 self.lock.release()
 
     def _run(self) -> TrainResult:
+        with StopSignals() as signals:
+            return self._run_until_done_or_stopped(signals)
+
+    def _run_until_done_or_stopped(self, signals: StopSignals) -> TrainResult:
         cfg = self.cfg
         if self.resume_from is not None:
             self.prepare_checkpoint_io()
@@ -481,6 +494,7 @@ class Trainer:
         history: list[dict[str, float]] = []
         log = MetricsLogger(cfg.run_dir, rank=self.rank, tensorboard=cfg.tensorboard, progress_total=cfg.steps,
                             initial_step=self.progress["step"])
+        clock = SaveClock(cfg.save_every_minutes)
         try:
             while self.progress["step"] < cfg.steps:
                 metrics = self._step()
@@ -493,8 +507,15 @@ class Trainer:
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     log.log(step, metrics)
                     history.append({"step": step, **metrics})
-                if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                stop, due = agree_to_stop(signals, clock)
+                if stop or due or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     self._save(step)
+                    clock.saved()
+                if stop:
+                    logger.warning("stopped by %s after step %d of %d, with its checkpoint; exiting with status %d "
+                                   "(resume=auto continues)", signals.received or "a signal to another rank", step,
+                                   cfg.steps, PREEMPTED_EXIT_STATUS)
+                    raise Preempted()
             self._check_updates()
             hf_path = self.export() if cfg.export_hf else None
             after = self.evaluate()

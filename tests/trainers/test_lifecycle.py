@@ -1,15 +1,17 @@
 """The run lifecycle every trainer shares (issue 32): checkpoints that change nothing, runs that never update,
 run-directory locking, fresh runs in a used directory, preemption by a signal."""
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from parallel.dist_utils import RankFailure, run_distributed
-from trainers.grpo_helpers import policy_and_rm, tiny_config, tiny_policy
-from trainers.helpers import NaNOnCalls, checkpoint_params
+from trainers.grpo_helpers import policy_and_rm, tiny_config, tiny_overrides, tiny_policy
+from trainers.helpers import NaNOnCalls, checkpoint_params, metric_rows
 from trainers.test_ppo_trainer import tiny_ppo_config
 from trainers.test_sft import tiny_config as sft_config
 
@@ -21,6 +23,7 @@ from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.grpo import train_grpo
 from megalign.trainers.ppo import train_ppo
 from megalign.trainers.sft import train_sft
+from megalign.trainers.stopping import PREEMPTED_EXIT_STATUS, Preempted
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
@@ -152,3 +155,78 @@ def _fresh_run_in_a_used_directory(root):
 def test_a_fresh_run_in_a_used_run_directory_refuses_unless_told_to_overwrite(tmp_path):
     # before: resume=none saved step 2, pruning kept the old run's step 4 (the highest) and deleted it
     run_distributed(_fresh_run_in_a_used_directory, str(tmp_path), world_size=1)
+
+
+class SignalOnCall:
+    """Wraps a loss function: on rank `rank`, its call number `call` (1-based) first sends `sig` to this process, as
+    Slurm or torchrun would at that moment."""
+
+    def __init__(self, real, rank, call, sig):
+        self.real, self.rank, self.call, self.sig, self.calls = real, rank, call, sig, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if dist.get_rank() == self.rank and self.calls == self.call:
+            os.kill(os.getpid(), self.sig)
+        return self.real(*args, **kwargs)
+
+
+def _stopped_then_resumed(root):
+    real = sft_mod.sft_loss
+    sft_mod.sft_loss = SignalOnCall(real, rank=1, call=2, sig=signal.SIGUSR1)  # only rank 1, during step 2
+    with pytest.raises(Preempted) as stopped:
+        train_sft(sft_config(f"{root}/stopped", "save_every=0"))
+    assert stopped.value.code == PREEMPTED_EXIT_STATUS == 75
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are the process's again
+    assert CheckpointManager(f"{root}/stopped").steps() == [2]  # every rank stopped after the same step, saved
+    sft_mod.sft_loss = real
+    train_sft(sft_config(f"{root}/stopped", "save_every=0"))
+    train_sft(sft_config(f"{root}/straight", "save_every=0"))
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(tmp_path):
+    run_distributed(_stopped_then_resumed, str(tmp_path))
+    assert metric_rows(tmp_path / "stopped") == metric_rows(tmp_path / "straight")
+    expected = checkpoint_params(str(tmp_path / "straight"), 4)
+    for name, value in checkpoint_params(str(tmp_path / "stopped"), 4).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_save_every_minutes_checkpoints_when_the_time_has_passed(tmp_path):
+    run_distributed(train_sft, sft_config(str(tmp_path), "steps=3", "save_every=0", "save_every_minutes=1e-9"),
+                    world_size=1)
+    assert CheckpointManager(str(tmp_path)).steps() == [1, 2, 3]
+
+
+def _grpo(policy, run_dir, *overrides):
+    train_grpo(tiny_config(policy, run_dir, *overrides))
+
+
+def test_sigterm_to_torchrun_mid_run_then_resume_equals_the_uninterrupted_run(policy, tmp_path):
+    steps, run_dir = 40, str(tmp_path / "stopped")
+    entry = os.path.join(ROOT, "launch", "train_grpo.py")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", entry,
+            *tiny_overrides(policy, run_dir, f"steps={steps}", "export_hf=false")]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "torchrun.log", "w") as log:
+        torchrun = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            metrics, deadline = os.path.join(run_dir, "metrics.jsonl"), time.monotonic() + 120
+            while not (os.path.exists(metrics) and os.path.getsize(metrics)):  # step 1 is done
+                assert torchrun.poll() is None and time.monotonic() < deadline, open(tmp_path / "torchrun.log").read()
+                time.sleep(0.05)
+            torchrun.send_signal(signal.SIGTERM)  # as scancel or a preemption does; torchrun forwards it
+            torchrun.wait(timeout=120)
+        finally:
+            if torchrun.poll() is None:
+                torchrun.kill()
+    text = open(tmp_path / "torchrun.log").read()
+    assert text.count(f"exiting with status {PREEMPTED_EXIT_STATUS}") == 2, text  # both workers saved and stopped
+    saved = CheckpointManager(run_dir).steps()
+    assert len(saved) == 1 and 1 <= saved[0] < steps, (saved, text)
+    run_distributed(_grpo, policy, run_dir, f"steps={steps}", "export_hf=false")  # resume=auto
+    run_distributed(_grpo, policy, str(tmp_path / "straight"), f"steps={steps}", "export_hf=false")
+    assert metric_rows(run_dir) == metric_rows(tmp_path / "straight")
+    expected = checkpoint_params(str(tmp_path / "straight"), steps, role="actor")
+    for name, value in checkpoint_params(run_dir, steps, role="actor").items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
