@@ -7,10 +7,11 @@ import torch
 from models.hf_fixtures import VOCAB, make_causal_lm, make_seq_cls, random_ids
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from conftest import TOL
-from megalign.models import CausalLM, LayerFactory, ModelConfig, from_pretrained, load_hf_weights, save_hf_checkpoint
+from megalign.models import (CausalLM, LayerFactory, ModelConfig, from_pretrained, hf_architecture, load_hf_weights,
+                             save_hf_checkpoint)
 from megalign.models.hf_adapter import hf_rule
 
 FP32 = TOL[torch.float32]
@@ -86,6 +87,13 @@ def test_reward_head_matches_sequence_classification(tmp_path, family):
         critic = from_pretrained(tmp_path / "rm", kind="value").eval()
         values = hf.score(hf.model(ids, attention_mask=mask).last_hidden_state)[..., 0]
         torch.testing.assert_close(critic(ids, attention_mask=mask)[mask.bool()], values[mask.bool()], **FP32)
+    # the critic's export (what verl's critic loads): the family's token classifier, one label, no bias
+    save_hf_checkpoint(critic, tmp_path / "critic", architecture=hf_architecture(family, "TokenClassification"))
+    token_cls = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
+    assert type(token_cls).__name__ == hf_architecture(family, "TokenClassification") and token_cls.score.bias is None
+    with torch.no_grad():
+        torch.testing.assert_close(token_cls(ids, attention_mask=mask).logits[..., 0][mask.bool()], values[mask.bool()],
+                                   **FP32)
     save_hf_checkpoint(ours, tmp_path / "out")
     reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
