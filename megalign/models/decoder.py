@@ -43,12 +43,13 @@ class LayerFactory:
     """Builds every embedding and projection of a model: the single place tensor parallelism plugs in.
 
     This factory is tensor-parallel size 1: modules hold whole weights. A tensor-parallel factory
-    (`megalign.models.parallelize.TensorParallelFactory`) overrides the three builders (and `tp_size`,
+    (`megalign.models.parallelize.TensorParallelFactory`) overrides the four builders (and `tp_size`,
     `tp_rank`) so that
     - `embedding` returns a vocab-parallel embedding holding rows `vocab_range(num_embeddings)`,
     - `column_linear` returns a layer whose output features are split over ranks (q/k/v, gate/up, LM head),
       output not gathered: attention and the MLP work on the local slice,
     - `row_linear` returns a layer whose input features are split and whose output is all-reduced (o, down),
+    - `head_norm` returns a whole per-head norm whose gain's gradient is summed over ranks (Qwen3's q/k norms),
     and the three collectives below, which code outside the layers needs (full logits for sampling,
     one sampled token for all ranks, whole tensors for saving). Here they are identities, so the model,
     generation and the checkpoint writer run without `torch.distributed` at tp = 1.
