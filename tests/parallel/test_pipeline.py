@@ -291,10 +291,12 @@ def _check_tp_pipeline(path, ids, mask, ref_logits, batch, ref_loss, ref_embed_g
     torch.testing.assert_close(weight.grad, expected, **GRAD_TOL)
 
 
-def test_tensor_parallel_pipeline_matches_transformers(tmp_path):
-    """tp=2 x pp=2 on 4 ranks, tied Qwen2 with a vocabulary (97) padded for tp: logits vs Qwen2ForCausalLM; loss,
-    grad norm and the tied matrix's gradient shards (per tp rank, on both stages) vs the unpipelined model."""
-    hf = make_causal_lm(tmp_path, "qwen2_tied", num_hidden_layers=4)
+@pytest.mark.parametrize("family", ["qwen2_tied", "qwen3_tied"])
+def test_tensor_parallel_pipeline_matches_transformers(tmp_path, family):
+    """tp=2 x pp=2 on 4 ranks, tied Qwen2 / Qwen3 with a vocabulary (97) padded for tp: logits vs transformers; loss,
+    grad norm (Qwen3's q/k norm gradients summed over tp) and the tied matrix's gradient shards (per tp rank, on
+    both stages) vs the unpipelined model."""
+    hf = make_causal_lm(tmp_path, family, num_hidden_layers=4)
     ids, mask = _padded_batch()
     batch = _pg_batch(ids, mask)
     with torch.no_grad():
