@@ -449,10 +449,13 @@ class Trainer:
             metrics[reason] = float(self.progress[reason])
         return metrics
 
-    def _check_updates(self) -> None:
-        """SkippedUpdatesError when the policy never moved or skipped too many updates (module doc)."""
+    def _check_updates(self, ran: int) -> None:
+        """SkippedUpdatesError when the policy never moved or skipped too many updates (module doc); `ran`: the
+        steps this invocation ran. A finished run started again from a checkpoint written before the counters
+        existed (`Counters`) ran and counted nothing, and has nothing to judge."""
         updates, skipped = self.progress["updates"], self.progress["skipped_steps"]
-        if updates and skipped <= self.cfg.max_skipped_fraction * (updates + skipped):
+        never = not updates and (skipped or ran)
+        if not never and skipped <= self.cfg.max_skipped_fraction * (updates + skipped):
             return
         why = ("the policy was never updated" if not updates else
                f"more than max_skipped_fraction={self.cfg.max_skipped_fraction} of the steps meant to update the "
@@ -495,6 +498,7 @@ class Trainer:
         log = MetricsLogger(cfg.run_dir, rank=self.rank, tensorboard=cfg.tensorboard, progress_total=cfg.steps,
                             initial_step=self.progress["step"])
         clock = SaveClock(cfg.save_every_minutes)
+        first_step = self.progress["step"]
         try:
             while self.progress["step"] < cfg.steps:
                 metrics = self._step()
@@ -516,7 +520,7 @@ class Trainer:
                                    "(resume=auto continues)", signals.received or "a signal to another rank", step,
                                    cfg.steps, PREEMPTED_EXIT_STATUS)
                     raise Preempted()
-            self._check_updates()
+            self._check_updates(self.progress["step"] - first_step)
             hf_path = self.export() if cfg.export_hf else None
             after = self.evaluate()
             if after is not None:

@@ -19,7 +19,8 @@ acts on it at the end of the step:
   rank says so, so clocks that disagree by a little never split the ranks.
 
 The handlers are installed for the duration of `Trainer.train` only (the previous ones come back
-after it), in the main thread (where Python runs signal handlers).
+after it), in the main thread (where Python runs signal handlers). A signal that arrives after the
+last step (its checkpoint is written) lets the HF export and the final evaluation finish.
 """
 from __future__ import annotations
 

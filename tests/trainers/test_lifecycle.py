@@ -15,7 +15,7 @@ from trainers.helpers import NaNOnCalls, checkpoint_params, metric_rows
 from trainers.test_ppo_trainer import tiny_ppo_config
 from trainers.test_sft import tiny_config as sft_config
 
-from megalign.checkpoint import CheckpointManager
+from megalign.checkpoint import CheckpointManager, Counters
 from megalign.config import ConfigError
 from megalign.roles.reward import OutcomeReward
 from megalign.trainers import sft as sft_mod
@@ -230,3 +230,18 @@ def test_sigterm_to_torchrun_mid_run_then_resume_equals_the_uninterrupted_run(po
     expected = checkpoint_params(str(tmp_path / "straight"), steps, role="actor")
     for name, value in checkpoint_params(run_dir, steps, role="actor").items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def _finished_before_the_counters_existed(root):
+    real = Counters.state_dict
+    Counters.state_dict = lambda self: {k: v for k, v in real(self).items() if k not in ("updates", "skipped_steps")}
+    train_sft(sft_config(root, "steps=2"))  # checkpoints as written before issue 32
+    Counters.state_dict = real
+    assert train_sft(sft_config(root, "steps=2")).updates == 0  # started again: nothing ran, nothing to judge
+    with pytest.raises(SkippedUpdatesError, match="never updated"):  # a step that ran and did not update is judged
+        sft_mod.sft_loss = NaNOnCalls(sft_mod.sft_loss, nan_calls={1})
+        train_sft(sft_config(root, "steps=3"))
+
+
+def test_a_finished_run_from_before_the_update_counters_starts_again_without_judging(tmp_path):
+    run_distributed(_finished_before_the_counters_existed, str(tmp_path), world_size=1)
