@@ -1,5 +1,6 @@
-"""A GRPO step on an actor started from a Qwen3 checkpoint written by transformers: tensor-parallel actor (the q/k
-norm gradients summed over the tp group), a reference, and an export transformers loads back as Qwen3."""
+"""Qwen3 through the trainers: a GRPO step on an actor started from a Qwen3 checkpoint written by transformers
+(tensor-parallel actor, the q/k norm gradients summed over the tp group, a reference), and SFT of a Qwen3 built
+from scratch; both exports load back in transformers as Qwen3."""
 import json
 import os
 
@@ -9,9 +10,11 @@ from safetensors.torch import load_file
 from trainers.grpo_helpers import tiny_config
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from megalign.config import load_config
 from megalign.data import CharTokenizer
 from megalign.models import from_pretrained
 from megalign.trainers.grpo import train_grpo
+from megalign.trainers.sft import SFTConfig, train_sft
 
 
 def _qwen3_policy(path) -> str:
@@ -54,3 +57,24 @@ def test_grpo_step_from_a_qwen3_checkpoint(tmp_path):
     ids = torch.randint(3, CharTokenizer().vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(from_pretrained(export).eval()(ids), reloaded(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def _sft_from_scratch(run_dir):
+    train_sft(load_config(SFTConfig, None, [
+        f"run_dir={run_dir}", "steps=2", "batch_size=4", "model.model_type=qwen3", "model.tp=2", "model.hidden_size=32",
+        "model.intermediate_size=64", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
+        "data.arith.max_operand=4", "optim.lr=1e-2", "optim.warmup_steps=0", "eval.max_samples=0", "tensorboard=false",
+        "save_every=0"]))
+
+
+def test_sft_of_a_qwen3_from_scratch(tmp_path):
+    run_distributed(_sft_from_scratch, str(tmp_path))
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    q_norm = exported["model.layers.0.self_attn.q_norm.weight"]
+    assert q_norm.shape == (16,) and not torch.equal(q_norm, torch.ones(16))  # started at 1, trained as one gain
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert isinstance(reloaded, Qwen3ForCausalLM)
+    ids = torch.randint(3, CharTokenizer().vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(from_pretrained(tmp_path / "hf").eval()(ids), reloaded(ids).logits, atol=1e-5,
+                                   rtol=1e-4)
