@@ -4,7 +4,6 @@ every rank through srun (and torchrun), the run stops after its step with a chec
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
