@@ -259,7 +259,7 @@ def fused_linear_token_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor,
         hidden: [..., H] final hidden states, replicated across `group` (float32/float64/bfloat16/float16).
         weight_shard: [Vs, H] this rank's rows of the LM head (a `ColumnParallelLinear` weight or the
             whole head at tp = 1), ids [vocab_start, vocab_start + Vs); same dtype as hidden. No bias:
-            LLM heads (Llama, Qwen2, Mistral) have none.
+            LLM heads (Llama, Qwen2, Qwen3, Mistral) have none.
         targets: [...] int64 global ids, or ignore_index; the same on every rank.
         group: the tensor-parallel group (None: plain single-device use, no collective).
         vocab_start: global id of the shard's first row.
