@@ -86,7 +86,7 @@ def test_crash_mid_save_leaves_only_tmp_which_is_ignored(tmp_path, monkeypatch):
     state = {"progress": {"step": 1}, "w": {"x": torch.ones(3)}}
     manager.save(1, state)
 
-    def crash(state_dict, checkpoint_id):
+    def crash(state_dict, checkpoint_id, storage_writer=None):
         with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as f:
             f.write(b"half a shard")
         raise KeyboardInterrupt("killed mid-save")
