@@ -1,4 +1,4 @@
-"""Process-supervision data from a policy's own samples (`megalign.trainers.best_of_n`):
+"""Process-supervision data from a policy's own samples (`megalign.tools.best_of_n`):
 
     python launch/prm_tools.py data [key=value ...]    # the chains' SFT rows (ChainDataConfig)
     python launch/prm_tools.py label [key=value ...]   # Monte-Carlo step labels (LabelStepsConfig)
@@ -12,8 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalign.trainers.best_of_n import (BestOfNConfig, ChainDataConfig, LabelStepsConfig, best_of_n,  # noqa: E402
-                                         label_steps, write_chain_data)
+from megalign.tools.best_of_n import (BestOfNConfig, ChainDataConfig, LabelStepsConfig, best_of_n,  # noqa: E402
+                                      label_steps, write_chain_data)
 from megalign.trainers.cli import main  # noqa: E402
 
 COMMANDS = {"data": (ChainDataConfig, write_chain_data), "label": (LabelStepsConfig, label_steps),

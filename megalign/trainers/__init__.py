@@ -4,8 +4,8 @@
   registry, loop with save / eval cadence, skipped-update counting, export, closing table), the
   shared `RunConfig` and `DataConfig`, and `MetricSums` (named metric reduction over ranks).
 - `supervised`: the supervised family, one trainer with an objective plugged in (`Objective`);
-  `sft`, `preference` (DPO family, reward model), `kto` and `prm` (process reward model; `best_of_n`
-  makes its Monte-Carlo labels and measures it by reranking) are objectives on it.
+  `sft`, `preference` (DPO family, reward model), `kto` and `prm` (process reward model;
+  `megalign.tools.best_of_n` makes its Monte-Carlo labels and measures it by reranking) are objectives on it.
 - `online`: the online (RL) family: colocated actor / reference / reward roles, rollouts
   (`RolloutBatch`), scoring; `grpo` is GRPO and its DAPO / Dr. GRPO variants on it; `online_dpo` is
   online DPO (pairs of the actor's own samples ranked by the reward, the offline DPO loss).

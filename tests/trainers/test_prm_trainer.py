@@ -20,8 +20,8 @@ from megalign.algos import IGNORE_INDEX, prm_loss
 from megalign.config import load_config
 from megalign.data import CharTokenizer, collate_stepwise, encode_steps, load_stepwise
 from megalign.models import from_pretrained
-from megalign.trainers.best_of_n import (BestOfNConfig, LabelStepsConfig, _vote, best_of_n, best_of_n_table,
-                                         label_steps, split_steps, verifier_scores)
+from megalign.tools.best_of_n import (BestOfNConfig, LabelStepsConfig, _vote, best_of_n, best_of_n_table,
+                                      label_steps, split_steps, verifier_scores)
 from megalign.trainers.prm import (PRMConfig, load_prm_info, outcome_only, reward_token_ids, step_logits, step_probs,
                                    train_prm)
 

@@ -10,7 +10,7 @@ from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
 
 from megalign.config import load_config
 from megalign.data import CharTokenizer, PromptExample, load_preferences
-from megalign.trainers.self_pairs import SelfPairsConfig, pairs_of, sample_pairs
+from megalign.tools.self_pairs import SelfPairsConfig, pairs_of, sample_pairs
 
 
 def test_pairs_of_by_hand():
