@@ -1,6 +1,7 @@
 """Pure loss and advantage functions of the alignment algorithms; no models, no process groups unless passed in.
 
 `megalign.algos.registry` (imported by its users, not here) is the table of algorithms: name -> config, trainer, roles.
+`megalign.algos.policy_loss_options` (also imported by its users) is the `algo.policy_loss` choice of the GRPO and PPO configs.
 """
 from megalign.algos.advantages import (
     ADVANTAGE_ESTIMATORS,

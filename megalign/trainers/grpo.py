@@ -8,7 +8,7 @@ One step (every rank, after `megalign.trainers.cli.init_distributed`):
     estimator puts the KL in the reward; otherwise the reference role does not exist) -> advantages
     (`algo.advantage`, one of `megalign.algos.advantages.ADVANTAGE_ESTIMATORS`: grpo, dr_grpo, rloo,
     reinforce_plus_plus, reinforce_plus_plus_baseline) -> ppo_epochs x mini-batches of the policy
-    loss (`algo.policy_loss`: ppo, cispo, gspo; `megalign.trainers.policy_options`) + loss
+    loss (`algo.policy_loss`: ppo, cispo, gspo; `megalign.algos.policy_loss_options`) + loss
     aggregation -> metrics (then checkpoint / eval cadence from the skeleton).
 
 Design choices:
@@ -35,13 +35,13 @@ import torch
 from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
 from megalign.algos.grpo import LOSS_AGGREGATIONS, informative_groups, overlong_mask, overlong_penalty
 from megalign.algos.ppo import KL_IN_REWARD
+from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.parallel.collectives import all_reduce
 from megalign.trainers.base import TrainResult
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import lr_at
-from megalign.trainers.policy_options import PolicyLossOptions
 
 logger = logging.getLogger(__name__)
 

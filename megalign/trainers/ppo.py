@@ -64,6 +64,7 @@ import torch
 from megalign.algos.grpo import LOSS_AGGREGATIONS
 from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
                                 token_rewards, value_loss, whiten)
+from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.algos.registry import algorithm_option
@@ -75,7 +76,6 @@ from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConf
 from megalign.trainers.base import TrainResult, check_model_path, check_stages
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
-from megalign.trainers.policy_options import PolicyLossOptions
 
 logger = logging.getLogger(__name__)
 
