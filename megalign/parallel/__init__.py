@@ -8,6 +8,7 @@ from .collectives import (
     all_gather_last_dim,
     all_finite,
     all_reduce,
+    all_reduce_count,
     broadcast_from_first,
     copy_to_group,
     gather_from_group,
@@ -34,7 +35,7 @@ from .precision import MixedPrecision
 __all__ = [
     "ParallelLayout", "rank_coords", "group_ranks",
     "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
-    "all_reduce", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first", "all_finite",
+    "all_reduce", "all_reduce_count", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first", "all_finite",
     "Embedding", "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size",
     "tp_sharded_parameters",
     "vocab_parallel_token_logprob", "fused_linear_token_logprob",

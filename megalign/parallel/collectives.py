@@ -12,8 +12,8 @@ input unchanged (the same tensor object) when the group has one rank, so tp=1 co
 
 `copy_to_group` / `reduce_from_group` bracket a column-parallel -> row-parallel pair; the scatter /
 gather pair converts between replicated and last-dim-sharded activations. The plain (non-autograd)
-helpers `all_reduce`, `all_gather_last_dim`, `split_last_dim`, `broadcast_from_first` and
-`gather_to_first` never modify their input.
+helpers `all_reduce`, `all_reduce_count`, `all_gather_last_dim`, `split_last_dim`, `broadcast_from_first`
+and `gather_to_first` never modify their input.
 
 `all_finite` is the trainers' agreement on skipping a step: every rank learns whether any rank saw a
 NaN or inf. Unlike the helpers above it also runs without a process group (one process).
@@ -40,6 +40,11 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     out = x.contiguous().clone()
     dist.all_reduce(out, op=op, group=group)
     return out
+
+
+def all_reduce_count(count: int, group: Group, device: torch.device) -> int:
+    """`count` summed over the ranks of `group` (every rank gets the total); `device` is where the collective runs."""
+    return int(all_reduce(torch.tensor(float(count), device=device), group))
 
 
 def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:

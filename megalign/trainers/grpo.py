@@ -38,7 +38,7 @@ from megalign.algos.ppo import KL_IN_REWARD
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
-from megalign.parallel.collectives import all_reduce
+from megalign.parallel.collectives import all_reduce_count
 from megalign.trainers.base import TrainResult
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from megalign.trainers.optim import lr_at
@@ -173,7 +173,7 @@ class GRPOTrainer(OnlineTrainer):
         sums = self.rollout_sums(generated)
         sums.add("dropped_groups", counts["dropped_groups"])
         sums.add("kept_groups", counts["kept_groups"])
-        if algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout) == 0:
+        if algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout.dp_group, self.layout.device) == 0:
             self.skip_update("empty_updates", "dynamic sampling kept no group with unequal rewards on any rank")
             for name in ("loss",) + self.ACTOR_STATS:
                 sums.add(f"actor/{name}", 0.0)
@@ -194,11 +194,6 @@ class GRPOTrainer(OnlineTrainer):
         if self.reference is not None:
             metrics["actor/kl"] = total["actor/kl"] / tokens
         return self.step_metrics(total, generated.terms, metrics, start)
-
-
-def all_reduce_count(count: int, layout) -> int:
-    """`count` summed over the dp ranks (every rank gets the total)."""
-    return int(all_reduce(torch.tensor(float(count), device=layout.device), layout.dp_group))
 
 
 def train_grpo(cfg: GRPOConfig) -> TrainResult:

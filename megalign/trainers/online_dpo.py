@@ -62,8 +62,8 @@ from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import IGNORE_INDEX
 from megalign.parallel import Pipeline
+from megalign.parallel.collectives import all_reduce_count
 from megalign.trainers.base import TrainResult
-from megalign.trainers.grpo import all_reduce_count
 from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, RolloutConfig
 from megalign.trainers.optim import lr_at
 from megalign.trainers.preference import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
@@ -230,7 +230,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         sums = self.rollout_sums(generated)
         sums.add("tied", tied.sum())
         sums.add("score_margin", (batch.rewards[chosen] - batch.rewards[rejected]).double().sum())
-        if all_reduce_count(int((~tied).sum()), self.layout) == 0:
+        if all_reduce_count(int((~tied).sum()), self.layout.dp_group, self.layout.device) == 0:
             self.skip_update("empty_updates", "every prompt's responses have equal rewards on every rank: no pair")
             for name in ("loss",) + self.STATS:
                 sums.add(f"actor/{name}", 0.0)
