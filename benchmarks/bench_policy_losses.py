@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import Row, format_table, machine_line, median_time, median_times_interleaved, peak_memory  # noqa: E402
 
-from megalign.algos.grpo import aggregate_loss, loss_normalizer  # noqa: E402
+from megalign.algos.aggregation import aggregate_loss, loss_normalizer  # noqa: E402
 from megalign.algos.policy_losses import POLICY_LOSSES  # noqa: E402
 from megalign.ops.token_logprob import token_logprob  # noqa: E402
 

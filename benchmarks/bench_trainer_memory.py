@@ -51,7 +51,7 @@ from harness import in_fresh_process, machine_line, median_times_interleaved, pe
 
 import megalign.parallel.layers as layers_module  # noqa: E402
 import megalign.roles.actor as actor_module  # noqa: E402
-from megalign.algos.grpo import aggregate_loss, loss_normalizer  # noqa: E402
+from megalign.algos.aggregation import aggregate_loss, loss_normalizer  # noqa: E402
 from megalign.models import CausalLM, ModelConfig  # noqa: E402
 from megalign.ops.policy_loss import policy_loss  # noqa: E402
 from megalign.parallel import MixedPrecision, ParallelLayout, vocab_parallel_token_logprob  # noqa: E402

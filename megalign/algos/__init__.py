@@ -10,17 +10,9 @@ from megalign.algos.advantages import (
     estimator,
     reinforce_plus_plus,
 )
+from megalign.algos.aggregation import LOSS_AGGREGATIONS, LossAggregation, aggregate_loss, loss_normalizer
 from megalign.algos.common import MetricSum
-from megalign.algos.grpo import (
-    LOSS_AGGREGATIONS,
-    LossAggregation,
-    aggregate_loss,
-    informative_groups,
-    loss_normalizer,
-    overlong_mask,
-    overlong_penalty,
-    response_advantages,
-)
+from megalign.algos.grpo import informative_groups, overlong_mask, overlong_penalty, response_advantages
 from megalign.algos.kto import (
     KTO_WEIGHT_RATIO_RANGE,
     KTOStats,

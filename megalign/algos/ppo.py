@@ -175,7 +175,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
 
     (PPO2's value clip, as verl's `compute_value_loss` and trlx; `cliprange_value=None`: the plain
-    0.5 (V - R)^2). Aggregate with `megalign.algos.grpo.aggregate_loss`. Gradient: w.r.t. `values` only.
+    0.5 (V - R)^2). Aggregate with `megalign.algos.aggregation.aggregate_loss`. Gradient: w.r.t. `values` only.
     """
     for name, t in (("old_values", old_values), ("returns", returns), ("values", values)):
         _check_2d(name, t, mask)

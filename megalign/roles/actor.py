@@ -185,7 +185,7 @@ class TrainableRole(PolicyRole):
     The optimizer is given (the trainers build AdamW with ZeRO-1 over dp, `megalign.trainers.optim`,
     and set its learning rate); its local state (the shard of a ZeRO-1 optimizer) is the
     "optimizer" offload part. `optimizer_step` syncs gradients over dp (summed:
-    losses are normalised by global counts, see `megalign.algos.grpo.loss_normalizer`), clips the
+    losses are normalised by global counts, see `megalign.algos.aggregation.loss_normalizer`), clips the
     global norm, and steps only when the loss and the norm are finite on every rank; otherwise it
     drops the gradients (a skipped update).
 

@@ -14,7 +14,7 @@ One step (every rank, after `megalign.trainers.cli.init_distributed`):
 Design choices:
 
 - Losses are normalised by mini-batch counts all-reduced over dp and gradients are summed
-  (`megalign.algos.grpo`); every mini-batch runs its collectives on every rank, with empty parts
+  (`megalign.algos.aggregation`); every mini-batch runs its collectives on every rank, with empty parts
   skipped, since ranks may hold different numbers of kept groups.
 - A step whose loss or gradient norm is non-finite on any rank skips that update (warned and
   counted as `nan_skips`); a step where dynamic sampling kept no informative group on any rank
@@ -33,7 +33,8 @@ from typing import Literal, Optional
 import torch
 
 from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
-from megalign.algos.grpo import LOSS_AGGREGATIONS, informative_groups, overlong_mask, overlong_penalty
+from megalign.algos.aggregation import LOSS_AGGREGATIONS
+from megalign.algos.grpo import informative_groups, overlong_mask, overlong_penalty
 from megalign.algos.ppo import KL_IN_REWARD
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.registry import algorithm_option

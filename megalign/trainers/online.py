@@ -66,13 +66,13 @@ from typing import Any, Callable, Literal, Optional
 import torch
 import torch.distributed as dist
 
+from megalign.algos.aggregation import aggregate_loss, loss_normalizer
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.config import option
 from megalign.data import PromptDataset, PromptSampler, Tokenizer, load_prompts, make_splits, write_jsonl
 from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
 from megalign.parallel import MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
-from megalign.algos.grpo import aggregate_loss, loss_normalizer
 from megalign.roles import (DTYPES, Actor, ModelRoleConfig, Reference, Reward, RewardConfig, Role, TrainableRole,
                             TrainedRoleConfig)
 from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig, check_safety_field

@@ -38,7 +38,7 @@ Design choices:
   actor's, and with offload each update phase also pays the copies of its role's weights and
   optimizer state (measured in BENCHMARKS.md). The two updates are independent (both read only the
   rollout's old values, advantages and returns), so their order does not change the result.
-- Losses use the GRPO family's aggregation with global counts (`megalign.algos.grpo.loss_normalizer`)
+- Losses use the shared aggregation with global counts (`megalign.algos.aggregation.loss_normalizer`)
   and summed gradients over dp, for both roles; each role clips its own gradient norm.
 - The KL coefficient is checkpointed with the run, so a resumed adaptive controller goes on where it was.
 - Rewards (`shape_rewards`, `megalign.algos.reward_shaping`): `algo.reward_normalize` normalises every
@@ -61,7 +61,7 @@ from typing import Literal, Optional
 
 import torch
 
-from megalign.algos.grpo import LOSS_AGGREGATIONS
+from megalign.algos.aggregation import LOSS_AGGREGATIONS
 from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
                                 token_rewards, value_loss, whiten)
 from megalign.algos.policy_loss_options import PolicyLossOptions

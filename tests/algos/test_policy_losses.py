@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalign.algos import POLICY_LOSSES, cispo_loss, gspo_loss, select_policy_loss
-from megalign.algos.grpo import aggregate_loss, loss_normalizer
+from megalign.algos.aggregation import aggregate_loss, loss_normalizer
 from megalign.ops.policy_loss import policy_loss
 
 LN15, LN05 = math.log(1.5), math.log(0.5)
