@@ -20,7 +20,6 @@ from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.grpo import train_grpo
 from megalign.trainers.sft import train_sft
 
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.fixture(scope="module")
