@@ -4,7 +4,8 @@
 `CombinedReward`; `.score(prompts, responses, answers, metadata)` returns the total and per-term
 rewards, `.metrics()` the per-term error counters.
 """
-from megalign.rewards.base import CombinedReward, RewardBreakdown, RewardFunction, SafeReward, SampleReward
+from megalign.rewards.base import (DEFAULT_TIMEOUT_S, CombinedReward, RewardBreakdown, RewardFunction, RewardTimeout,
+                                   SafeReward, SampleReward)
 from megalign.rewards.math import (
     FORMAT_PATTERN,
     answers_match,
@@ -18,7 +19,8 @@ from megalign.rewards.registry import REWARDS, RewardTerm, build_reward, get_rew
 from megalign.rewards.user import RewardSpecError, load_function
 
 __all__ = [
-    "CombinedReward", "RewardBreakdown", "RewardFunction", "SafeReward", "SampleReward",
+    "DEFAULT_TIMEOUT_S", "CombinedReward", "RewardBreakdown", "RewardFunction", "RewardTimeout", "SafeReward",
+    "SampleReward",
     "FORMAT_PATTERN", "answers_match", "extract_answer", "format_reward", "math_accuracy",
     "normalize_answer", "parse_number",
     "REWARDS", "RewardTerm", "build_reward", "get_reward", "register_reward",

@@ -10,18 +10,32 @@ Design choices:
   raises, or returns something that is not a finite real number, gets reward 0 and is counted
   (`metrics()`, for the trainer's log); the first failure is logged once with its traceback, the
   later ones only counted, so a broken function cannot flood the log.
+- A sample that runs longer than `timeout_s` is a failure too (`RewardTimeout`, counted like a raise),
+  so a verifier that never returns (an endless loop, a network call that hangs) cannot hang the job:
+  the trainer's `reward.max_failure_fraction` then stops the run. The limit is a SIGALRM timer
+  (`signal.setitimer`), which interrupts the function itself between bytecodes or in a blocking call
+  and leaves no thread running behind, as math_verify's and verl's verifier timeouts do; signals reach
+  only the main thread, so a timed `SafeReward` refuses to run elsewhere. C code that holds the GIL
+  (a catastrophic regex) is not interrupted: the trainers' step watchdog is the backstop.
 - `CombinedReward` is a weighted sum of named terms and returns the per-term values beside the
   total (`RewardBreakdown`), so the trainer logs accuracy and format separately without keeping
   state between calls.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import signal
+import threading
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+"""Seconds one sample may take in a reward function by default: verifiers take milliseconds; a term that
+calls a judge over the network needs its config's `reward.timeout_s` raised."""
 
 SampleReward = Callable[[str, str, Any, Mapping[str, Any]], float]
 """A per-sample reward: `fn(prompt, response, answer, metadata) -> float`."""
@@ -50,16 +64,43 @@ def _check_batch(prompts, responses, answers, metadata) -> Sequence[Mapping[str,
     return metadata
 
 
+class RewardTimeout(BaseException):
+    """A sample ran past `SafeReward.timeout_s`. A BaseException, as KeyboardInterrupt is, so that a user function's
+    own `except Exception:` (a retry loop) does not swallow it and go on hanging."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, name: str):
+    """Raise `RewardTimeout` in the body when it runs past `seconds` (SIGALRM; the previous handler and timer are
+    put back, so an enclosing user of SIGALRM keeps working)."""
+    def expire(signum, frame):
+        raise RewardTimeout(f"reward {name!r} ran past its timeout of {seconds:g} s on a sample (reward.timeout_s)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, outer)
+
+
 class SafeReward:
     """Batched `RewardFunction` over a per-sample function `fn`, isolating each sample's failure.
 
-    `name` keys the metrics: `reward/<name>/errors` (failed samples so far) and
-    `reward/<name>/samples` (samples scored so far), both cumulative over the wrapper's life.
+    `name` keys the metrics: `reward/<name>/errors` (failed samples so far, timed-out ones included) and
+    `reward/<name>/samples` (samples scored so far), both cumulative over the wrapper's life. `timeout_s`:
+    seconds one sample may take (module doc); 0: no limit.
     """
 
-    def __init__(self, fn: SampleReward, name: str):
+    def __init__(self, fn: SampleReward, name: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            raise ValueError(f"timeout of reward {name!r} must be a finite number of seconds >= 0, got {timeout_s}")
         self.fn = fn
         self.name = name
+        self.timeout_s = timeout_s
         self.errors = 0
         self.samples = 0
         self.last_error: Optional[BaseException] = None
@@ -67,14 +108,18 @@ class SafeReward:
 
     def _score(self, prompt: str, response: str, answer: Any, meta: Mapping[str, Any]) -> float:
         try:
-            value = self.fn(prompt, response, answer, meta)
+            if self.timeout_s:
+                with _time_limit(self.timeout_s, self.name):
+                    value = self.fn(prompt, response, answer, meta)
+            else:
+                value = self.fn(prompt, response, answer, meta)
             if value is None or isinstance(value, (str, bytes)):
                 raise TypeError(f"returned {value!r}, not a number")
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"returned a non-finite reward {value}")
             return value
-        except Exception as exc:
+        except (Exception, RewardTimeout) as exc:
             self.errors += 1
             self.last_error = exc
             if self.errors == 1:
@@ -89,6 +134,9 @@ class SafeReward:
 
     def __call__(self, prompts, responses, answers, metadata=None) -> list[float]:
         metadata = _check_batch(prompts, responses, answers, metadata)
+        if self.timeout_s and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"reward {self.name!r} has a timeout, which needs the main thread (SIGALRM reaches only "
+                               f"it); call it from the main thread or set its timeout to 0")
         self.samples += len(responses)
         return [self._score(p, r, a, m) for p, r, a, m in zip(prompts, responses, answers, metadata)]
 

@@ -8,7 +8,8 @@ rewards:
 ```
 
 A name with a colon is a user function spec (`megalign.rewards.user.load_function`); any other name
-must be registered. Every term is wrapped in `SafeReward`, so no term can stop training.
+must be registered. Every term is wrapped in `SafeReward`, so no term can stop training or hang it
+(a per-sample timeout).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from megalign.config import option
-from megalign.rewards.base import CombinedReward, SafeReward, SampleReward
+from megalign.rewards.base import DEFAULT_TIMEOUT_S, CombinedReward, SafeReward, SampleReward
 from megalign.rewards.math import format_reward, math_accuracy
 from megalign.rewards.user import load_function
 
@@ -53,15 +54,15 @@ def reward_label(name: str) -> str:
     return name.rpartition(":")[2] if ":" in name else name
 
 
-def get_reward(name: str, label: Optional[str] = None) -> SafeReward:
+def get_reward(name: str, label: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> SafeReward:
     """The registered reward `name`, or the user function spec `name`, wrapped in `SafeReward` named `label`
-    (default `reward_label(name)`)."""
+    (default `reward_label(name)`) with a per-sample limit of `timeout_s` seconds (0: none)."""
     label = label or reward_label(name)
     if ":" in name:
-        return SafeReward(load_function(name), label)
+        return SafeReward(load_function(name), label, timeout_s)
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, or a 'module:function' spec")
-    return SafeReward(REWARDS[name], label)
+    return SafeReward(REWARDS[name], label, timeout_s)
 
 
 @dataclasses.dataclass
@@ -81,6 +82,7 @@ class RewardTerm:
             raise ValueError(f"weight of reward {self.name!r} must be finite, got {self.weight}")
 
 
-def build_reward(terms: Sequence[RewardTerm]) -> CombinedReward:
-    """The weighted sum of `terms`, each resolved with `get_reward` (errors name the bad term)."""
-    return CombinedReward([(get_reward(t.name, t.label), t.weight) for t in terms])
+def build_reward(terms: Sequence[RewardTerm], timeout_s: float = DEFAULT_TIMEOUT_S) -> CombinedReward:
+    """The weighted sum of `terms`, each resolved with `get_reward` (errors name the bad term) and limited to
+    `timeout_s` seconds per sample."""
+    return CombinedReward([(get_reward(t.name, t.label, timeout_s), t.weight) for t in terms])

@@ -1,7 +1,7 @@
 """The reward: rule-based verifiers and user functions (`megalign.rewards`), plus reward-model roles.
 
 Verifiers and user functions run on the host on decoded text, each sample isolated by `SafeReward`
-(a raising function scores 0 and is counted). Reward models are roles of their own (one per entry of
+(a raising function, or one running past `reward.timeout_s`, scores 0 and is counted). Reward models are roles of their own (one per entry of
 `reward.models`, plus the single `reward.model` of older configs, named "reward_model"), each on its
 own layout (tp x pp) and dtype with its own offload switch and weight, and each logged as its own term
 (`reward/<name>/mean`). At pp > 1 a reward model is this rank's pipeline stage and scores by the
@@ -36,7 +36,7 @@ from megalign.config import option
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
-from megalign.rewards import RewardTerm, build_reward
+from megalign.rewards import DEFAULT_TIMEOUT_S, RewardTerm, build_reward
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 
 GATED_TERMS = ("gated", "gated_safety_branch")
@@ -107,7 +107,11 @@ class RewardConfig:
                                                      "weight and kind (outcome or process)")
     gated: Optional[GatedRewardConfig] = option(None, doc="Llama 2's gate over two outcome models of `models`; null: off")
     max_failure_fraction: float = option(
-        0.5, doc="stop the run when a term fails (raises, non-number) on more than this fraction of a step's samples")
+        0.5, doc="stop the run when a term fails (raises, non-number, times out) on more than this fraction of a "
+                 "step's samples")
+    timeout_s: float = option(
+        DEFAULT_TIMEOUT_S, doc="seconds one sample may take in a verifier or user-function term; a sample past it "
+                               "scores 0 and counts as a failure (max_failure_fraction); 0: no limit")
 
     def __post_init__(self):
         if self.model is not None and self.model.path is None:
@@ -128,6 +132,8 @@ class RewardConfig:
                                      f"outcome models: {[n for n, k in kinds.items() if k == 'outcome']}")
         if not 0 <= self.max_failure_fraction <= 1:
             raise ValueError(f"max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {self.timeout_s}")
 
     def reward_models(self) -> list[tuple[str, RewardModelConfig]]:
         """(config key, config) of every reward model: `model` (as 'reward_model') first, then `models`."""
@@ -247,7 +253,7 @@ class Reward:
     for the process models; `models` are the reward-model roles the trainer places."""
 
     def __init__(self, cfg: RewardConfig, models: Sequence[ModelReward]):
-        self.functions = build_reward(cfg.terms) if cfg.terms else None
+        self.functions = build_reward(cfg.terms, cfg.timeout_s) if cfg.terms else None
         self.models = list(models)
         self.outcome = [m for m in self.models if isinstance(m, OutcomeReward)]
         self.process = [m for m in self.models if isinstance(m, ProcessReward)]
