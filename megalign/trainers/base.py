@@ -17,6 +17,8 @@ the rest, so a new objective or role never copies the plumbing:
     (`megalign.trainers.stopping`) -> checkpoint every `save_every` steps, after `save_every_minutes`,
     on a signal (then exit with status 75) and after the last } -> HF export
     -> final evaluation -> before/after table -> the lock released (also when the run fails).
+    All of `train()` runs under the step watchdog (`megalign.trainers.watchdog`): a rank with no phase
+    edge for `watchdog_minutes` ends the job naming the phase.
 
 Design choices:
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import random
 from typing import Any, Callable, Literal, Optional
@@ -65,6 +68,7 @@ from megalign.parallel.collectives import all_reduce
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
 from megalign.trainers.stopping import PREEMPTED_EXIT_STATUS, Preempted, SaveClock, StopSignals, agree_to_stop
+from megalign.trainers.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,10 @@ class RunConfig:
     export_hf: bool = option(True, doc="write the final model in HF format (with tokenizer files) to run_dir/hf")
     log_every: int = option(1, doc="write metrics every N steps (and always the last)")
     tensorboard: bool = option(True, doc="also write TensorBoard scalars")
+    watchdog_minutes: float = option(
+        30.0, doc="stop the job (exit status 124, naming the phase and every thread's stack) when a rank makes no "
+                  "progress (no timed phase starts or ends) for this many minutes; must exceed the longest phase "
+                  "(a whole evaluation, a checkpoint); 0: off")
     max_skipped_fraction: float = option(
         0.5, doc="fail the run (after its last checkpoint, before the export) when more than this fraction of the "
                  "steps meant to update the policy skipped their update (NaN, no informative group); 1: only a "
@@ -105,6 +113,8 @@ class RunConfig:
             raise ValueError(f"save_every and seed must be >= 0, got {self.save_every}, {self.seed}")
         if self.save_every_minutes < 0:
             raise ValueError(f"save_every_minutes must be >= 0, got {self.save_every_minutes}")
+        if not (math.isfinite(self.watchdog_minutes) and self.watchdog_minutes >= 0):
+            raise ValueError(f"watchdog_minutes must be a finite number >= 0, got {self.watchdog_minutes}")
         if not 0 <= self.max_skipped_fraction <= 1:
             raise ValueError(f"max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
 
@@ -127,7 +137,7 @@ SKIP_REASONS = ("nan_skips", "empty_updates")
 
 RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "save_every_minutes", "keep_last", "resume",
                  "overwrite_checkpoints", "resume_changes", "export_hf", "log_every", "tensorboard",
-                 "max_skipped_fraction", "eval")
+                 "max_skipped_fraction", "watchdog_minutes", "eval")
 """Config keys (dotted prefixes) a resumed run may change without changing what it trains: where and
 how often it writes, how long it runs (a cosine schedule is recomputed for the new length) and how it
 evaluates. Anything else differing from the checkpoint's config is a `resume_changes` error."""
@@ -295,7 +305,8 @@ class Trainer:
         self.progress: dict[str, Any] = {"step": 0, **dict.fromkeys(SKIP_REASONS, 0), "accuracy_before": -1.0,
                                          "updates": 0, "skipped_steps": 0}
         self.state: dict[str, Any] = {"rng": RNGState(), "progress": Counters(self.progress)}
-        self.timer = PhaseTimer()
+        self.watchdog = Watchdog(cfg.watchdog_minutes * 60, lambda: self.progress["step"] + 1, self.rank)
+        self.timer = PhaseTimer(self.watchdog)
         self._skipped_in_step = False
 
     def _claim_checkpoints(self) -> None:
@@ -473,9 +484,11 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run (or resume) the whole training; every rank calls it. The run directory's lock is released however
         the run ends."""
+        self.watchdog.start()
         try:
             return self._run()
         finally:
+            self.watchdog.stop()
             if self.rank == 0:
                 self.lock.release()
 

@@ -14,7 +14,8 @@ Design choices:
   (JSON has no NaN), so the file stays valid for every parser.
 - `PhaseTimer` accumulates wall-clock seconds per named phase (`with timer("update"): ...`),
   reported as `time/<phase>`; it synchronises CUDA at phase edges so GPU work is attributed to the
-  phase that queued it.
+  phase that queued it. Its phase edges are also the progress the step watchdog watches
+  (`megalign.trainers.watchdog`).
 """
 from __future__ import annotations
 
@@ -121,13 +122,19 @@ class MetricsLogger:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase name, accumulated over `with timer("phase"):` blocks until `reset`."""
+    """Wall-clock seconds per phase name, accumulated over `with timer("phase"):` blocks until `reset`.
 
-    def __init__(self):
+    `watchdog` (a `megalign.trainers.watchdog.Watchdog`, or None) is told of every phase edge: the phases timed
+    for the metrics are the progress it watches."""
+
+    def __init__(self, watchdog=None):
         self.seconds: dict[str, float] = {}
+        self.watchdog = watchdog
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        if self.watchdog is not None:
+            self.watchdog.enter(phase)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -137,6 +144,13 @@ class PhaseTimer:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            if self.watchdog is not None:
+                self.watchdog.leave(phase)
+
+    def beat(self) -> None:
+        """Progress inside a long phase of many batches, for the watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.beat()
 
     def metrics(self, prefix: str = "time/") -> dict[str, float]:
         """{prefix + phase: seconds} accumulated so far."""

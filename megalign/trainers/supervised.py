@@ -383,6 +383,7 @@ class SupervisedTrainer(Trainer):
                 chunk = mine[start:start + self.cfg.batch_size]
                 batch = self.objective.collate([self.train_set[i] for i in chunk], layout.device)
                 parts.append((chunk, self._reference_scores(batch)))
+                self.timer.beat()  # a pass over the whole training set: one phase, progress per batch
             table = torch.zeros(n, self.objective.num_scores, dtype=torch.float64)
             for chunk, scores in parts:
                 table[chunk] = scores.double().cpu()

@@ -2,6 +2,7 @@
 functions, a config, recorded global batches replayed at any dp."""
 import json
 import os
+import time
 
 import torch
 
@@ -108,3 +109,19 @@ def train_replayed(trainer_cls, cfg, batch_file):
                                 "kept_groups": per_rank // self.cfg.rollout.group_size}
 
     return Replayed(cfg).train()
+
+
+def never_returns(prompt, response, answer, metadata):
+    """A user reward that hangs (a network call with no timeout), catching the exceptions a retry loop would."""
+    while True:
+        try:
+            time.sleep(3600)
+        except Exception:
+            pass
+
+
+def hangs_on_rank0(prompt, response, answer, metadata):
+    """Hangs on global rank 0 only (one stuck node); digit_fraction elsewhere."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        never_returns(prompt, response, answer, metadata)
+    return digit_fraction(prompt, response, answer, metadata)
