@@ -36,6 +36,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from megalign.algos import DPO_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
+from megalign.algos.common import check_non_negative
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import (IGNORE_INDEX, PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
@@ -86,6 +87,18 @@ class PreferenceAlgoConfig:
             raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
         if self.beta is not None and not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        # every coefficient checked here, at start-up, not in the first loss after the reference pass
+        for name in ("nll_coef", "gamma_beta_ratio", "alpha", "lam"):
+            check_non_negative(name, getattr(self, name))
+        if self.loss in DPO_LOSSES:
+            one = torch.zeros(1)  # the DPO loss checks label_smoothing's range and loss type itself, with its messages
+            dpo_loss(one, one, one, one, loss_type=self.loss, beta=self.beta_value, label_smoothing=self.label_smoothing,
+                     nll_coef=self.nll_coef, chosen_lengths=torch.ones(1), rejected_lengths=torch.ones(1))
+        else:
+            for name in ("label_smoothing", "nll_coef"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}={getattr(self, name)} is read only by the DPO losses "
+                                     f"({', '.join(DPO_LOSSES)}), not by loss {self.loss!r}")
 
     @property
     def beta_value(self) -> float:

@@ -11,7 +11,7 @@ from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import tiny_policy
 from trainers.helpers import assert_rows_close, metric_rows
 
-from megalign.config import load_config
+from megalign.config import ConfigError, load_config
 from megalign.trainers.preference import DPOConfig, train_dpo
 
 
@@ -87,3 +87,20 @@ def test_preference_losses_learn_the_pairs(policy, tmp_path, loss):
     else:
         assert _mean(last, "rewards/accuracies") >= 0.75 > _mean(first, "rewards/accuracies"), \
             [r["rewards/accuracies"] for r in rows]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.label_smoothing=0.7", r"label_smoothing must be in \[0, 0.5\), got 0.7"),
+    ("algo.nll_coef=-1", r"nll_coef must be a finite number >= 0, got -1.0"),
+    ("algo.alpha=-1", r"alpha must be a finite number >= 0, got -1.0"),
+    ("algo.lam=nan", r"lam must be a finite number >= 0, got nan"),
+    ("algo.gamma_beta_ratio=-0.5", r"gamma_beta_ratio must be a finite number >= 0, got -0.5"),
+    ("algo.loss=orpo", r"label_smoothing=0.1 is read only by the DPO losses \(sigmoid, robust, hinge, ipo\), not by "
+                       r"loss 'orpo'"),
+])
+def test_every_loss_coefficient_is_checked_when_the_config_loads(override, message):
+    """Checked where declared: before, label_smoothing failed in the first loss (after the whole reference pass
+    and the first evaluation) and the others were never checked at the config."""
+    extra = ["algo.label_smoothing=0.1"] if override == "algo.loss=orpo" else []
+    with pytest.raises(ConfigError, match=rf"invalid config 'algo' \(PreferenceAlgoConfig\): {message}"):
+        load_config(DPOConfig, None, [override, *extra])
