@@ -240,20 +240,29 @@ def accuracy_table(before: Optional[float], after: float, steps: int, label: str
     return "\n".join(lines)
 
 
+class ModelError(ValueError):
+    """A model that does not fit the run (vocabulary, positions, layers per stage), named by its config key and
+    folder: the launcher prints it as one line, as a config error."""
+
+
+class ModelPathError(FileNotFoundError):
+    """A model folder a config key names that is missing or not an HF checkpoint (one line, as `ModelError`)."""
+
+
 def check_model_path(path: str, key: str) -> None:
-    """FileNotFoundError naming the config `key` when `path` is not an HF checkpoint folder (no config.json)."""
+    """ModelPathError naming the config `key` when `path` is not an HF checkpoint folder (no config.json)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "does not exist" if not os.path.exists(path) else "has no config.json"
-        raise FileNotFoundError(
+        raise ModelPathError(
             f"{key}={path!r} {what}: it must be an HF checkpoint folder (e.g. the run_dir/hf export of an SFT run). "
             f"For the embedded example, `launch/run_embedded.sh` creates it (or: python launch/train_sft.py "
             f"--config examples/sft_arith.yaml, which writes runs/sft_arith/hf)")
 
 
 def check_stages(num_layers: int, pp: int, key: str, what: str) -> None:
-    """ValueError naming `key`.pp and `what` (where the layer count comes from) unless pp splits the layers evenly."""
+    """ModelError naming `key`.pp and `what` (where the layer count comes from) unless pp splits the layers evenly."""
     if num_layers % pp:
-        raise ValueError(f"{key}.pp={pp} does not divide the {num_layers} decoder layers of {what}: every pipeline "
+        raise ModelError(f"{key}.pp={pp} does not divide the {num_layers} decoder layers of {what}: every pipeline "
                          f"stage holds num_layers / pp layers")
 
 
@@ -370,19 +379,22 @@ class Trainer:
         """
         config, tok = model.config, self.tokenizer
         where = f"{key} {path!r}" if path else key
-        check_vocab(tok, config.vocab_size, where)
+        try:
+            check_vocab(tok, config.vocab_size, where)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from exc
         tok_path = getattr(tok, "path", None)
         own = (tok_path is not None and path is not None and
                os.path.realpath(tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path))
                == os.path.realpath(path))
         if config.vocab_size > tok.vocab_size and not own and config.vocab_size not in self._accepted_vocab:
-            raise ValueError(f"tokenizer ({tok.name}, {tok.vocab_size} ids) does not match {where} (vocab_size "
+            raise ModelError(f"tokenizer ({tok.name}, {tok.vocab_size} ids) does not match {where} (vocab_size "
                              f"{config.vocab_size}) and is not that model's own tokenizer: the model would sample ids "
                              f"the tokenizer cannot decode. Use the model's tokenizer (data.tokenizer.path) or a model "
                              f"built for this one")
         self._accepted_vocab.add(config.vocab_size)
         if max_length > config.max_position_embeddings:
-            raise ValueError(f"{length_what} is {max_length} tokens but {key} has max_position_embeddings="
+            raise ModelError(f"{length_what} is {max_length} tokens but {key} has max_position_embeddings="
                              f"{config.max_position_embeddings}; lower the length limits")
 
     def register_state(self, key: str, value: Stateful) -> None:

@@ -12,7 +12,13 @@ stdout and exits 0. A bad command line, or a
 `ConfigError` (unknown key, bad type, failed check, a refused resume with a changed config) prints one
 line `error: ...` on stderr, naming the file and line or the override and the dotted key, and exits 2
 (argparse's status for usage errors) instead of a traceback; so does a `LaunchError` (a launcher
-variable missing or contradicting another, named in the line). Any other failure raises as usual.
+variable missing or contradicting another, named in the line), and so do the other errors in what the
+user gave, whose messages already name the file and row or the config key and folder (`INPUT_ERRORS`:
+a bad data row, a model that does not fit the run, a reward function spec). Errors about the run rather
+than its input (`RUN_ERRORS`: the run directory locked by another job, a run whose policy never moved)
+print one line too and exit 1. A traceback repeated by every rank helps nobody there; `--debug` (or
+the environment variable MEGALIGN_DEBUG=1) lets these errors raise with their traceback. Any other
+failure raises as usual.
 
 Design choice: a process group always exists. Under a launcher (torchrun, `srun` one task per GPU,
 `mpirun` with mpi4py; `megalign.parallel.launch` reads and checks their variables) it is an env://
@@ -37,15 +43,27 @@ import torch.distributed as dist
 from megalign.algos.registry import ALGORITHMS, Algorithm
 from megalign.algos.registry import get as get_algorithm
 from megalign.algos.registry import load as load_algorithm
+from megalign.checkpoint import RunDirLocked
 from megalign.config import ConfigError, config_help, load_config
+from megalign.data.prompts import DataError
 from megalign.parallel.launch import LaunchError, cuda_device_index, resolve_launch
+from megalign.rewards import RewardSpecError
+from megalign.trainers.base import ModelError, ModelPathError, SkippedUpdatesError
 
 C = TypeVar("C")
 
-USAGE = "usage: [-h] [--config CONFIG.yaml] [key.sub=value ...]"
+USAGE = "usage: [-h] [--debug] [--config CONFIG.yaml] [key.sub=value ...]"
+
+DEBUG_ENV = "MEGALIGN_DEBUG"
+"""Set to 1 (or pass --debug) to see the traceback of the errors printed as one line (module doc)."""
+INPUT_ERRORS = (DataError, ModelError, ModelPathError, RewardSpecError)
+"""Errors in the data, models or reward functions a config names: one line, exit status 2 (module doc)."""
+RUN_ERRORS = (RunDirLocked, SkippedUpdatesError)
+"""Errors about the run itself: one line, exit status 1 (module doc)."""
 
 
 OPTIONS = ("  -h, --help            print this text and exit\n"
+           "  --debug               show the traceback of data, model and run errors (also MEGALIGN_DEBUG=1)\n"
            "  --config CONFIG.yaml  YAML file of config keys (nested sections)\n"
            "  key.sub=value         set one config key (the value is YAML); applied after the file, in order\n")
 
@@ -72,10 +90,10 @@ def algorithms_help() -> str:
             f"{rows}")
 
 
-def _fail(message: str) -> NoReturn:
-    """Print `error: message` (one line) on stderr and exit with status 2."""
+def _fail(message: str, status: int = 2) -> NoReturn:
+    """Print `error: message` (one line) on stderr and exit with `status`."""
     print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[Optional[str], list[str]]:
@@ -96,6 +114,9 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[O
         if arg in ("-h", "--help"):
             print(help_text(config_cls) if config_cls is not None else algorithms_help(), flush=True)
             raise SystemExit(0)
+        if arg == "--debug":  # read by _train in this process; the environment is the one switch
+            os.environ[DEBUG_ENV] = "1"
+            continue
         if arg == "--config" or arg.startswith("--config="):
             if config is not None:
                 bad("--config given twice")
@@ -186,9 +207,14 @@ def _train(cfg: C, train_fn: Callable[[C], Any]) -> Any:
     except LaunchError as exc:
         _fail(str(exc))
     setup_logging(dist.get_rank())
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return train_fn(cfg)
     except ConfigError as exc:
         _fail(str(exc))
+    except INPUT_ERRORS + RUN_ERRORS as exc:
+        if debug:
+            raise
+        _fail(str(exc), 2 if isinstance(exc, INPUT_ERRORS) else 1)
     finally:
         dist.destroy_process_group()

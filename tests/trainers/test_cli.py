@@ -7,8 +7,10 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from megalign.checkpoint import RunDirLocked
 from megalign.config import ConfigError, option
-from megalign.trainers.cli import main, parse_cli
+from megalign.trainers.base import SkippedUpdatesError
+from megalign.trainers.cli import DEBUG_ENV, main, parse_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +25,7 @@ def launch_sft(*args, cwd):
 def test_help_lists_every_config_key_and_exits_0(tmp_path):
     status, out, err = launch_sft("--help", cwd=tmp_path)
     assert status == 0, err
-    assert out.startswith("usage: [-h] [--config CONFIG.yaml] [key.sub=value ...]\n")
+    assert out.startswith("usage: [-h] [--debug] [--config CONFIG.yaml] [key.sub=value ...]\n")
     # the trainer's own default (3e-3), not OptimConfig's (1e-3)
     assert "  optim.lr (float, default 0.003): peak learning rate, reached at the end of warm-up\n" in out
     assert "  data.arith.max_operand (int, default 20):" in out and "  resume (str, default 'auto'):" in out
@@ -57,7 +59,7 @@ def test_parse_cli_usage_errors_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_cli(argv)
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == f"usage: [-h] [--config CONFIG.yaml] [key.sub=value ...]\nerror: {message}\n"
+    assert capsys.readouterr().err == f"usage: [-h] [--debug] [--config CONFIG.yaml] [key.sub=value ...]\nerror: {message}\n"
 
 
 @dataclasses.dataclass
@@ -103,3 +105,37 @@ def test_main_loads_config_runs_trainer_and_destroys_group(monkeypatch, capsys):
     assert exit_.value.code == 0 and len(seen) == 1
     out = capsys.readouterr().out
     assert "A launch config for the tests." in out and "  steps (int, default 1): steps\n" in out
+
+
+def test_data_and_model_errors_are_one_line_naming_the_file_and_row_unless_debugging(tmp_path):
+    """They were a traceback (repeated by every rank under torchrun) where config errors get one line."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": 3}\n')
+    common = ("device=cpu", "steps=1", f"run_dir={tmp_path / 'run'}")
+    status, out, err = launch_sft(f"data.path={data}", *common, cwd=tmp_path)
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {data}:2: 'prompt' must be a non-empty string, got 3"), err
+    status, _, err = launch_sft("--debug", f"data.path={data}", *common, cwd=tmp_path)
+    assert status == 1 and "Traceback" in err and "DataError" in err, err
+    status, _, err = launch_sft(f"model.path={tmp_path / 'nowhere'}", "device=cpu", f"run_dir={tmp_path / 'run2'}",
+                                cwd=tmp_path)
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: model.path='{tmp_path / 'nowhere'}' does not exist: it must be an HF checkpoint"), err
+
+
+@pytest.mark.parametrize("error", [RunDirLocked("runs/x is held by host h pid 12 (job 7)"),
+                                   SkippedUpdatesError("SFT: the policy was never updated: ...")])
+def test_a_locked_run_dir_or_a_run_that_never_updated_is_one_line_with_status_1(error, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+
+    def fails(cfg):
+        raise error
+
+    with pytest.raises(SystemExit) as exit_:
+        main(_LaunchConfig, fails, [])
+    assert exit_.value.code == 1 and capsys.readouterr().err == f"error: {error}\n"
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(type(error)):
+        main(_LaunchConfig, fails, [])
+    assert not dist.is_initialized()
