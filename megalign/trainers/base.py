@@ -9,7 +9,8 @@ the rest, so a new objective or role never copies the plumbing:
     compared with this one before any model is built (`check_resume_config`: keys outside
     `RUN_FREE_KEYS` and `free_keys()` that differ are an error unless `resume_changes=allow`)
     -> checkpoints in run_dir that the run does not continue (another run's, `not_continued`) refuse
-    the start, unless `overwrite_checkpoints` deletes them -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
+    the start, unless `overwrite_checkpoints` deletes them -> run_dir/checkpoints must take a file and
+    have room for one checkpoint (`checkpoint_bytes`) -> run_dir/config.yaml (`write_run_config`: an earlier, different one is kept as config.<N>.yaml)
     -> every RNG seeded -> [subclass: tokenizer, data, roles, `register_state`]
     `train()`: load the checkpoint -> `on_train_start` -> evaluation before training (`eval_before`, once per run)
     -> loop { `train_step` -> metrics (file, TensorBoard, progress bar) -> evaluation every
@@ -48,10 +49,12 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
 import os
 import random
+import shutil
 from typing import Any, Callable, Literal, Optional
 
 import numpy as np
@@ -65,6 +68,7 @@ from megalign.config import ConfigError, option, to_dict
 from megalign.data import ArithTaskConfig, Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
+from megalign.plan.model import load_model, total_params
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
 from megalign.trainers.stopping import PREEMPTED_EXIT_STATUS, Preempted, SaveClock, StopSignals, agree_to_stop
@@ -131,6 +135,9 @@ class DataConfig:
     template_prompts: bool = option(False, doc="wrap prompt strings as a user message through the chat template")
     shuffle: bool = option(True, doc="reshuffle the training data every epoch (seeded by seed and epoch)")
 
+
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""What a checkpoint holds per trained parameter: its fp32 value and Adam's two fp32 moments."""
 
 SKIP_REASONS = ("nan_skips", "empty_updates")
 """Why an update is skipped (`Trainer.skip_update`), each counted in `progress` and logged every step."""
@@ -308,6 +315,7 @@ class Trainer:
                                 RUN_FREE_KEYS + self.free_keys(), cfg.resume_changes == "allow",
                                 checkpoint=self.resume_from)
         self.on_rank0(self._claim_checkpoints)  # after the resume checks: a refused resume deletes nothing
+        self.on_rank0(self._check_run_dir)  # before any model is built: not at the first save
         if self.rank == 0:
             write_run_config(cfg.run_dir, cfg)  # after the check: a refused resume keeps the run's config.yaml
         seed_everything(cfg.seed)
@@ -334,6 +342,36 @@ class Trainer:
         logger.warning("overwrite_checkpoints=true: deleting the checkpoints of steps %s in %s (the run starts %s)",
                        listed, self.checkpoints.dir, start)
         self.checkpoints.delete(others)
+
+    def _check_run_dir(self) -> None:
+        """ConfigError naming run_dir unless its checkpoints folder takes a file and has room for one checkpoint
+        (`checkpoint_bytes`), so an unwritable or full disk stops the start, not the first save hours later."""
+        folder = self.checkpoints.dir
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = os.path.join(folder, f".write-test.{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"megalign")
+            os.remove(probe)
+        except OSError as exc:
+            raise ConfigError(f"run_dir={self.cfg.run_dir!r}: cannot write checkpoints in {folder}: "
+                              f"{os.strerror(exc.errno) if exc.errno else exc} ({errno.errorcode.get(exc.errno, '?')}"
+                              f"{f', {exc.filename}' if exc.filename else ''})", key="run_dir") from exc
+        need, free = self.checkpoint_bytes(), shutil.disk_usage(folder).free
+        if need > free:
+            raise ConfigError(f"run_dir={self.cfg.run_dir!r}: {folder} has {free / 2**30:.2f} GiB free, but one "
+                              f"checkpoint of this run takes about {need / 2**30:.2f} GiB ({CHECKPOINT_BYTES_PER_PARAM} "
+                              f"bytes per trained parameter); free space or use another run_dir", key="run_dir")
+
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes one checkpoint takes, from the config alone (no model is built yet): every trained
+        model's parameter count (`trained_models`, read from its config.json by the planner) times
+        `CHECKPOINT_BYTES_PER_PARAM`. Models whose folder is missing are left to their own start-up check."""
+        total = 0
+        for _, path in self.trained_models():
+            if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+                total += total_params(load_model(path)) * CHECKPOINT_BYTES_PER_PARAM
+        return total
 
     # ----- set-up helpers for subclasses
 
@@ -411,6 +449,11 @@ class Trainer:
         logger.warning("step %d: %s; skipping the update", self.progress["step"] + 1, detail)
 
     # ----- hooks
+
+    def trained_models(self) -> list[tuple[str, Optional[str]]]:
+        """(config key, HF folder or None) of every model the run trains and checkpoints, read from `self.cfg` before
+        anything is built (for `checkpoint_bytes`)."""
+        return []
 
     def free_keys(self) -> tuple[str, ...]:
         """Config keys besides `RUN_FREE_KEYS` this trainer may resume with changed (e.g. offload switches,

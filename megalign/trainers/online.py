@@ -274,6 +274,9 @@ class OnlineTrainer(Trainer):
         """Whether the algorithm uses the frozen reference (it is built only then)."""
         return False
 
+    def trained_models(self) -> list[tuple[str, Optional[str]]]:
+        return [("actor.path", self.cfg.actor.path)]
+
     def free_keys(self) -> tuple[str, ...]:
         keys = ("actor.offload_weights", "actor.offload_optimizer", "reference.offload_weights")
         return keys + (("reward.model.offload_weights",) if self.cfg.reward.model is not None else ())

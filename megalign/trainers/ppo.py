@@ -196,6 +196,14 @@ class PPOTrainer(OnlineTrainer):
     def free_keys(self) -> tuple[str, ...]:
         return super().free_keys() + ("critic.offload_weights", "critic.offload_optimizer")
 
+    def critic_path(self) -> str:
+        """The critic's initial weights: critic.path, else the first outcome reward model, else the actor."""
+        outcome = [m for _, m in self.cfg.reward.reward_models() if m.kind == "outcome"]
+        return self.cfg.critic.path or (outcome[0].path if outcome else self.cfg.actor.path)
+
+    def trained_models(self) -> list[tuple[str, Optional[str]]]:
+        return super().trained_models() + [("critic.path", self.critic_path())]
+
     def __init__(self, cfg: PPOConfig):
         algo = cfg.algo
         gated = {cfg.reward.gated.safety, cfg.reward.gated.helpful} if cfg.reward.gated is not None else set()
@@ -206,7 +214,7 @@ class PPOTrainer(OnlineTrainer):
                              "reward.models outside reward.gated)")
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         super().__init__(cfg)
-        path = cfg.critic.path or (outcome[0].path if outcome else cfg.actor.path)
+        path = self.critic_path()
         check_model_path(path, "critic.path")
         layout = self.role_layout("critic", cfg.critic)
         if layout.pp > 1:

@@ -357,6 +357,9 @@ class SupervisedTrainer(Trainer):
             check_stages(ModelConfig.from_hf(cfg.model.path).num_hidden_layers, pp, "model",
                          f"model.path {cfg.model.path!r}")
 
+    def trained_models(self) -> list[tuple[str, Optional[str]]]:
+        return [("model.path", self.cfg.model.path)]
+
     def free_keys(self) -> tuple[str, ...]:
         keys = ("model.offload_weights",)
         has_reference = isinstance(getattr(self.cfg, "reference", None), ReferenceConfig)  # called before the roles exist
