@@ -40,9 +40,11 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megalign.checkpoint.state import Reshardable, SavedCheckpoint, nonfinite_keys
+from megalign.checkpoint.write_errors import describe_write_failure
 from megalign.config import ConfigError, atomic_write_text, config_yaml
 
 _STEP_DIR = re.compile(r"step_(\d{8})")
@@ -137,8 +139,11 @@ class CheckpointManager:
             os.makedirs(tmp)
         _barrier()
         with _quiet_single_process():
-            dcp.save(materialised, checkpoint_id=tmp,
-                     storage_writer=dcp.FileSystemWriter(tmp, thread_count=self.writer_threads))
+            try:
+                dcp.save(materialised, checkpoint_id=tmp,
+                         storage_writer=dcp.FileSystemWriter(tmp, thread_count=self.writer_threads))
+            except (OSError, RuntimeError, CheckpointException) as exc:  # name the file and the cause, not the zip pos
+                raise describe_write_failure(exc, tmp, step) from exc
         if config is not None and _rank() == 0:
             atomic_write_text(os.path.join(tmp, CONFIG_FILE), config_yaml(config))
         _barrier()
