@@ -225,6 +225,11 @@ class SkippedUpdatesError(RuntimeError):
     """The policy never moved, or more of its updates were skipped than `max_skipped_fraction` allows (module doc)."""
 
 
+def _size(n: int) -> str:
+    """Bytes in GiB, or MiB below one GiB (a tiny model's checkpoint is not "0.00 GiB")."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def update_summary(progress: dict[str, Any]) -> str:
     """How many steps updated the policy, and the skipped updates by reason: "5 of 6 steps (1 skipped: ...)"."""
     updates, skipped, steps = progress["updates"], progress["skipped_steps"], progress["step"]
@@ -359,8 +364,8 @@ class Trainer:
                               f"{f', {exc.filename}' if exc.filename else ''})", key="run_dir") from exc
         need, free = self.checkpoint_bytes(), shutil.disk_usage(folder).free
         if need > free:
-            raise ConfigError(f"run_dir={self.cfg.run_dir!r}: {folder} has {free / 2**30:.2f} GiB free, but one "
-                              f"checkpoint of this run takes about {need / 2**30:.2f} GiB ({CHECKPOINT_BYTES_PER_PARAM} "
+            raise ConfigError(f"run_dir={self.cfg.run_dir!r}: {folder} has {_size(free)} free, but one "
+                              f"checkpoint of this run takes about {_size(need)} ({CHECKPOINT_BYTES_PER_PARAM} "
                               f"bytes per trained parameter); free space or use another run_dir", key="run_dir")
 
     def checkpoint_bytes(self) -> int:

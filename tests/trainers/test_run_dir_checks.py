@@ -40,8 +40,8 @@ def test_a_run_dir_that_takes_no_checkpoint_file_fails_at_start_up(policy, tmp_p
 
 def test_a_disk_without_room_for_one_checkpoint_fails_at_start_up(policy, tmp_path):
     params = total_params(ModelConfig.from_hf(policy))
-    need = params * base.CHECKPOINT_BYTES_PER_PARAM / 2**30
+    need = params * base.CHECKPOINT_BYTES_PER_PARAM / 2**20
     run_distributed(_refused, tiny_config(policy, str(tmp_path / "run")),
-                    rf"has 0.00 GiB free, but one checkpoint of this run takes about {need:.2f} GiB \(12 bytes per "
+                    rf"has 0.00 MiB free, but one checkpoint of this run takes about {need:.2f} MiB \(12 bytes per "
                     rf"trained parameter\)", 1000, world_size=1)
     assert os.path.isdir(tmp_path / "run" / "checkpoints")
