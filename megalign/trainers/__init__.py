@@ -10,8 +10,9 @@
   (`RolloutBatch`), scoring; `grpo` is GRPO and its DAPO / Dr. GRPO variants on it; `online_dpo` is
   online DPO (pairs of the actor's own samples ranked by the reward, the offline DPO loss).
 - `evaluation` (held-out greedy generation scored by a reward function), `optim` (AdamW with ZeRO-1,
-  LR schedule), `logging` (MetricsLogger, PhaseTimer, memory_report), `cli` (argv, `--help`,
-  config errors, process group).
+  LR schedule), `logging` (MetricsLogger, PhaseTimer, memory_report), `watchdog` (a rank with no
+  phase edge for `watchdog_minutes` ends the job naming the phase), `stopping` (stop signals, timed
+  saves), `cli` (argv, `--help`, one-line config / data / model / run errors, process group).
 
 Checkpoints live in `megalign.checkpoint`. Submodules are imported directly (`from megalign.trainers.sft
 import train_sft`) so that importing one trainer does not import the others.
