@@ -25,7 +25,7 @@ Design choices:
   rows, the metric TRL's PRMTrainer reports.
 - The embedded task (data.path null): the multi-step arithmetic chains (`megalign.data.arith`),
   half of them corrupted at one step with exact hard labels; Monte-Carlo labels from a policy's own
-  samples come from `megalign.trainers.best_of_n.label_steps` (`launch/prm_tools.py label`).
+  samples come from `megalign.tools.best_of_n.label_steps` (`launch/prm_tools.py label`).
 """
 from __future__ import annotations
 
