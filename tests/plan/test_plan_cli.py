@@ -80,7 +80,9 @@ def test_grpo_plans_the_reference_exactly_when_the_trainer_builds_it(overrides, 
 
 def test_reference_free_losses_plan_no_reference(capsys):
     path = os.path.join(ROOT, "examples", "dpo_arith.yaml")
-    main(["--run-config", path, "--gpus", "8", "--model", "llama3-8b", "--json", "algo.loss=orpo"])
+    # dpo_arith's nll_coef is read by the DPO losses only, and a coefficient a loss ignores is refused
+    assert main(["--run-config", path, "--gpus", "8", "--model", "llama3-8b", "--json", "algo.loss=orpo",
+                 "algo.nll_coef=0"]) in (0, 1)
     assert "reference" not in json.loads(capsys.readouterr().out)["layout"]
 
 
