@@ -484,32 +484,12 @@ def device_info(device: str) -> dict:
 
 def save_tokenizer(path: str, vocab_size: int) -> int:
     """An HF fast tokenizer in `path` with `CharTokenizer`'s ids and chat template, its vocabulary filled to
-    `vocab_size` with tokens `<|xN|>` (never produced by encoding: every character is its own word), so the model's
-    rows and the tokenizer's ids agree one to one. Returns the tokenizer's size."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as CoreTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
+    `vocab_size` (`CharTokenizer.save`), so the model's rows and the tokenizer's ids agree one to one. Returns the
+    tokenizer's size."""
     from megalign.data.tokenizer import CharTokenizer
 
-    char = CharTokenizer()
-    base = list(CharTokenizer.SPECIALS) + list(CharTokenizer.CHARS)
-    if vocab_size < len(base):
-        raise ValueError(f"vocab_size {vocab_size} < the character tokenizer's {len(base)} ids")
-    vocab = {tok: i for i, tok in enumerate(base + [f"<|x{i}|>" for i in range(len(base), vocab_size)])}
-    pad, bos, eos = CharTokenizer.SPECIALS
-    core = CoreTokenizer(models.WordLevel(vocab))
-    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CharTokenizer.SPECIALS])
-    core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                        special_tokens=[(bos, char.bos_id)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad, bos_token=bos, eos_token=eos,
-                                   clean_up_tokenization_spaces=False)
-    fast.chat_template = CharTokenizer.CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return len(vocab)
+    CharTokenizer().save(path, vocab_size)
+    return vocab_size
 
 
 def worker_build(args, sizes: Sizes) -> dict:

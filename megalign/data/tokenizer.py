@@ -156,15 +156,24 @@ class CharTokenizer:
             ids += [self.eos_id] if m["role"] == "assistant" else self.encode("\n")
         return ids + (self.encode("assistant: ") if add_generation_prompt else [])
 
-    def save(self, path: str) -> None:
-        """Write tokenizer.json, tokenizer_config.json and the chat template (module doc); needs transformers."""
+    def save(self, path: str, vocab_size: Optional[int] = None) -> None:
+        """Write tokenizer.json, tokenizer_config.json and the chat template (module doc); needs transformers.
+
+        `vocab_size` (default: this tokenizer's own) fills the vocabulary with tokens `<|xN|>` that encoding never
+        produces (every character is its own word), so a model with that many rows (a real-size vocabulary, as the
+        GPU check builds) and the saved tokenizer agree id for id."""
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as CoreTokenizer
         from tokenizers import decoders, models, pre_tokenizers, processors
         from transformers import PreTrainedTokenizerFast
 
+        base = self.SPECIALS + tuple(self.CHARS)
+        vocab_size = len(base) if vocab_size is None else vocab_size
+        if vocab_size < len(base):
+            raise ValueError(f"vocab_size {vocab_size} < the character tokenizer's {len(base)} ids")
+        filler = tuple(f"<|x{i}|>" for i in range(len(base), vocab_size))
         pad, bos, eos = self.SPECIALS
-        core = CoreTokenizer(models.WordLevel({tok: i for i, tok in enumerate(self.SPECIALS + tuple(self.CHARS))}))
+        core = CoreTokenizer(models.WordLevel({tok: i for i, tok in enumerate(base + filler)}))
         core.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is its own word
         core.decoder = decoders.Fuse()  # joined without spaces
         core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.SPECIALS])

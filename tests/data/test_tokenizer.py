@@ -166,3 +166,16 @@ def test_enable_thinking_reaches_the_chat_template(hf_dir, tmp_path):
         build_tokenizer(TokenizerConfig(kind="hf", path=hf_dir, enable_thinking=False))
     with pytest.raises(ValueError, match=r"enable_thinking=True needs an HF tokenizer .* tokenizer is 'char'"):
         build_tokenizer(TokenizerConfig(enable_thinking=True))
+
+
+def test_char_tokenizer_saved_with_a_larger_vocabulary_keeps_its_ids(tmp_path):
+    """save(path, vocab_size) fills the vocabulary to a model's row count with tokens encoding never produces."""
+    char = CharTokenizer()
+    char.save(str(tmp_path), vocab_size=151)
+    hf = HFTokenizer(str(tmp_path))
+    assert hf.vocab_size == 151
+    text = "7*6=\\boxed{42}"
+    assert hf.encode(text, add_bos=True) == char.encode(text, add_bos=True)
+    assert hf.decode(char.encode(text)) == text
+    with pytest.raises(ValueError, match="vocab_size 50 < the character tokenizer's 99 ids"):
+        char.save(str(tmp_path / "small"), vocab_size=50)
