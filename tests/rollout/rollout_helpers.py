@@ -2,6 +2,14 @@
 import torch
 from models.hf_fixtures import random_ids
 
+from megalign.rollout import EngineConfig
+
+CONFIGS = {  # engine configurations that must give the same samples whatever the batching
+    "all_at_once": EngineConfig(),
+    "continuous_3": EngineConfig(max_batch=3, sync_every=1, prefill_batch=1),
+    "static_4": EngineConfig(max_batch=4, sync_every=3, static=True),
+}
+
 PAD = 0
 
 

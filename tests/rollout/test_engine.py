@@ -7,7 +7,7 @@ import pytest
 import torch
 from models.hf_fixtures import VOCAB, make_causal_lm
 from parallel.dist_utils import run_distributed
-from rollout_helpers import PAD, fresh_log_softmax, left_padded
+from rollout_helpers import CONFIGS, PAD, fresh_log_softmax, left_padded
 from transformers import GenerationConfig
 
 from megalign.models import from_pretrained
@@ -15,11 +15,6 @@ from megalign.parallel import ParallelLayout
 from megalign.rollout import EngineConfig, SamplingParams, generate, pick_tokens, rollout, stream_keys, stream_uniforms
 from megalign.rollout.engine import _Rollout, splitmix64_mix
 
-CONFIGS = {  # the same samples whatever the batching
-    "all_at_once": EngineConfig(),
-    "continuous_3": EngineConfig(max_batch=3, sync_every=1, prefill_batch=1),
-    "static_4": EngineConfig(max_batch=4, sync_every=3, static=True),
-}
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,11 @@ GPU, the CUDA-graph replay of the static step gives the static eager step's toke
 import pytest
 import torch
 from models.hf_fixtures import make_causal_lm
-from rollout_helpers import PAD, fresh_log_softmax, left_padded
+from rollout_helpers import CONFIGS, PAD, fresh_log_softmax, left_padded
 
 from megalign.models import from_pretrained
 from megalign.rollout import EngineConfig, SamplingParams, rollout
 
-CONFIGS = {
-    "all_at_once": EngineConfig(),
-    "continuous_3": EngineConfig(max_batch=3, sync_every=1, prefill_batch=1),
-    "static_4": EngineConfig(max_batch=4, sync_every=3, static=True),
-}
 
 
 @pytest.fixture(scope="module")
