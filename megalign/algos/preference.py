@@ -35,12 +35,14 @@ used (token averages for "ipo"), as TRL's DPOTrainer reports them.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megalign.algos.common import MetricSum, as_vectors, check_non_negative, check_positive, metric_sum
+from megalign.config import option
 
 # ORPO's odds p / (1 - p) are infinite at p = 1; the average log-prob is capped here inside the odds
 # (p <= 1 - 1e-6, log odds <= 13.8), so the loss and its gradient stay finite when a response is
@@ -289,3 +291,101 @@ def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_l
     losses = -aw - lam * F.logsigmoid(log_odds)
     return losses, PreferenceStats((lam * aw).detach(), (lam * al).detach(), aw.detach(), al.detach(),
                                    (-aw).detach(), log_odds.detach())
+
+
+class PairLogps(NamedTuple):
+    """What a pairwise loss reads of B pairs: summed log-probs [B] of the policy (and of the reference, None for
+    the reference-free losses) and the response token counts [B]."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_lengths: torch.Tensor
+    rejected_lengths: torch.Tensor
+    ref_chosen: Optional[torch.Tensor] = None
+    ref_rejected: Optional[torch.Tensor] = None
+
+
+class PairLoss(NamedTuple):
+    """One entry of `PAIR_LOSSES`, the pairwise losses the DPO trainer offers as `algo.loss`."""
+
+    loss: Callable[["PreferenceAlgoConfig", PairLogps], tuple[torch.Tensor, PreferenceStats]]
+    """(config, log-probs) -> (losses [B], stats)."""
+    reads: tuple[str, ...]
+    """The `PreferenceAlgoConfig` coefficients it reads."""
+    reference: bool
+    """Whether it compares with the frozen reference (reads `PairLogps.ref_*`)."""
+
+
+def _dpo_entry(loss_type: str) -> PairLoss:
+    def loss(a: "PreferenceAlgoConfig", x: PairLogps) -> tuple[torch.Tensor, PreferenceStats]:
+        return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, loss_type=loss_type, beta=a.beta_value,
+                        label_smoothing=a.label_smoothing, nll_coef=a.nll_coef, chosen_lengths=x.chosen_lengths,
+                        rejected_lengths=x.rejected_lengths)
+    smoothing = ("label_smoothing",) if DPO_LOSSES[loss_type].label_smoothing else ()
+    return PairLoss(loss, ("beta", *smoothing, "nll_coef"), reference=True)
+
+
+PAIR_LOSSES: dict[str, PairLoss] = {
+    **{name: _dpo_entry(name) for name in DPO_LOSSES},
+    "simpo": PairLoss(lambda a, x: simpo_loss(x.chosen, x.rejected, x.chosen_lengths, x.rejected_lengths,
+                                              beta=a.beta_value, gamma_beta_ratio=a.gamma_beta_ratio),
+                      ("beta", "gamma_beta_ratio"), reference=False),
+    "cpo": PairLoss(lambda a, x: cpo_loss(x.chosen, x.rejected, x.chosen_lengths, beta=a.beta_value, alpha=a.alpha),
+                    ("beta", "alpha"), reference=False),
+    "orpo": PairLoss(lambda a, x: orpo_loss(x.chosen, x.rejected, x.chosen_lengths, x.rejected_lengths, lam=a.lam),
+                     ("lam",), reference=False),
+}
+
+REFERENCE_FREE = tuple(name for name, entry in PAIR_LOSSES.items() if not entry.reference)
+"""Pairwise losses without a reference model."""
+
+_SWITCHES = ("label_smoothing", "nll_coef")
+"""Coefficients whose non-default value a loss that does not read them refuses (the others, beta and the
+reference-free losses' own, keep their defaults harmlessly where unread)."""
+
+
+@dataclasses.dataclass
+class PreferenceAlgoConfig:
+    """The pairwise loss and its coefficients (defaults as in the papers and TRL)."""
+
+    loss: str = option("sigmoid", doc=f"pairwise loss: {', '.join(PAIR_LOSSES)}")
+    beta: Optional[float] = option(None, doc="beta; null: 2.0 for simpo, else 0.1")
+    label_smoothing: float = option(0.0, doc="sigmoid / robust: assumed rate of flipped labels eps in [0, 0.5)")
+    nll_coef: float = option(0.0, doc="DPO family: weight of the chosen response's per-token NLL (RPO)")
+    gamma_beta_ratio: float = option(0.5, doc="simpo: target margin gamma / beta")
+    alpha: float = option(1.0, doc="cpo: weight of the chosen response's NLL")
+    lam: float = option(0.1, doc="orpo: weight of the odds-ratio term")
+
+    def __post_init__(self):
+        """Every coefficient checked here, at start-up, not in the first loss after the reference pass."""
+        if self.loss not in PAIR_LOSSES:
+            raise ValueError(f"loss must be one of {list(PAIR_LOSSES)}, got {self.loss!r}")
+        if self.beta is not None:
+            check_positive("beta", self.beta)
+        for name in ("nll_coef", "gamma_beta_ratio", "alpha", "lam"):
+            check_non_negative(name, getattr(self, name))
+        _check_label_smoothing(self.label_smoothing)
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for name in _SWITCHES:
+            value = getattr(self, name)
+            if value == fields[name].default or name in PAIR_LOSSES[self.loss].reads:
+                continue
+            readers = [k for k, v in PAIR_LOSSES.items() if name in v.reads]
+            if self.loss not in DPO_LOSSES and set(readers) <= set(DPO_LOSSES):
+                raise ValueError(f"{name}={value} is read only by the DPO losses ({', '.join(DPO_LOSSES)}), "
+                                 f"not by loss {self.loss!r}")
+            raise ValueError(f"{name}={value} is not defined for loss {self.loss!r}; only for {', '.join(readers)}")
+
+    @property
+    def beta_value(self) -> float:
+        return self.beta if self.beta is not None else (2.0 if self.loss == "simpo" else 0.1)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss compares with the frozen reference (the registry reads this too)."""
+        return PAIR_LOSSES[self.loss].reference
+
+
+def pair_losses(algo: PreferenceAlgoConfig, logps: PairLogps) -> tuple[torch.Tensor, PreferenceStats]:
+    """(per-pair losses [B], statistics) of `algo.loss` (a `PAIR_LOSSES` entry) on the pairs' log-probs."""
+    return PAIR_LOSSES[algo.loss].loss(algo, logps)

@@ -35,8 +35,8 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from megalign.algos import DPO_LOSSES, cpo_loss, dpo_loss, orpo_loss, reward_model_loss, simpo_loss
-from megalign.algos.common import check_non_negative
+from megalign.algos import reward_model_loss
+from megalign.algos.preference import REFERENCE_FREE, PairLogps, PreferenceAlgoConfig, pair_losses
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import (IGNORE_INDEX, PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
@@ -48,12 +48,6 @@ from megalign.trainers.optim import OptimConfig
 from megalign.trainers.evaluation import eval_count
 from megalign.trainers.supervised import (Objective, PolicyModelConfig, ReferenceConfig, SupervisedConfig,
                                           SupervisedTrainer)
-
-REFERENCE_FREE = ("simpo", "cpo", "orpo")
-"""Pairwise losses without a reference model."""
-
-LOSSES = (*DPO_LOSSES, *REFERENCE_FREE)
-
 
 @dataclasses.dataclass
 class PreferenceDataConfig(DataConfig):
@@ -68,46 +62,6 @@ class PreferenceDataConfig(DataConfig):
     def __post_init__(self):
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-
-
-@dataclasses.dataclass
-class PreferenceAlgoConfig:
-    """The pairwise loss and its coefficients (defaults as in the papers and TRL)."""
-
-    loss: str = option("sigmoid", doc=f"pairwise loss: {', '.join(LOSSES)}")
-    beta: Optional[float] = option(None, doc="beta; null: 2.0 for simpo, else 0.1")
-    label_smoothing: float = option(0.0, doc="sigmoid / robust: assumed rate of flipped labels eps in [0, 0.5)")
-    nll_coef: float = option(0.0, doc="DPO family: weight of the chosen response's per-token NLL (RPO)")
-    gamma_beta_ratio: float = option(0.5, doc="simpo: target margin gamma / beta")
-    alpha: float = option(1.0, doc="cpo: weight of the chosen response's NLL")
-    lam: float = option(0.1, doc="orpo: weight of the odds-ratio term")
-
-    def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
-        if self.beta is not None and not self.beta > 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
-        # every coefficient checked here, at start-up, not in the first loss after the reference pass
-        for name in ("nll_coef", "gamma_beta_ratio", "alpha", "lam"):
-            check_non_negative(name, getattr(self, name))
-        if self.loss in DPO_LOSSES:
-            one = torch.zeros(1)  # the DPO loss checks label_smoothing's range and loss type itself, with its messages
-            dpo_loss(one, one, one, one, loss_type=self.loss, beta=self.beta_value, label_smoothing=self.label_smoothing,
-                     nll_coef=self.nll_coef, chosen_lengths=torch.ones(1), rejected_lengths=torch.ones(1))
-        else:
-            for name in ("label_smoothing", "nll_coef"):
-                if getattr(self, name):
-                    raise ValueError(f"{name}={getattr(self, name)} is read only by the DPO losses "
-                                     f"({', '.join(DPO_LOSSES)}), not by loss {self.loss!r}")
-
-    @property
-    def beta_value(self) -> float:
-        return self.beta if self.beta is not None else (2.0 if self.loss == "simpo" else 0.1)
-
-    @property
-    def uses_reference(self) -> bool:
-        """Whether the loss compares with the frozen reference (the registry reads this too)."""
-        return self.loss not in REFERENCE_FREE
 
 
 @dataclasses.dataclass
@@ -250,21 +204,7 @@ class PairwiseObjective(Objective[PreferenceExample]):
                     rejected_len: torch.Tensor, ref_chosen: Optional[torch.Tensor], ref_rejected: Optional[torch.Tensor]):
         """(per-pair losses [B], statistics) of `algo.loss` from the policy's summed log-probs [B] of the chosen and
         rejected responses, their lengths [B] and (reference-based losses) the reference's summed log-probs [B]."""
-        algo = self.cfg.algo
-        beta = algo.beta_value
-        if algo.loss == "simpo":
-            losses, pair_stats = simpo_loss(chosen, rejected, chosen_len, rejected_len, beta=beta,
-                                            gamma_beta_ratio=algo.gamma_beta_ratio)
-        elif algo.loss == "cpo":
-            losses, pair_stats = cpo_loss(chosen, rejected, chosen_len, beta=beta, alpha=algo.alpha)
-        elif algo.loss == "orpo":
-            losses, pair_stats = orpo_loss(chosen, rejected, chosen_len, rejected_len, lam=algo.lam)
-        else:
-            losses, pair_stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected,
-                                          loss_type=algo.loss, beta=beta, label_smoothing=algo.label_smoothing,
-                                          nll_coef=algo.nll_coef, chosen_lengths=chosen_len,
-                                          rejected_lengths=rejected_len)
-        return losses, pair_stats
+        return pair_losses(self.cfg.algo, PairLogps(chosen, rejected, chosen_len, rejected_len, ref_chosen, ref_rejected))
 
 
 @dataclasses.dataclass
