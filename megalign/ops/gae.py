@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.reference.gae import check_gae_args
+from megalign.ops.common import check_gae_args
 from megalign.ops.reference.gae import gae as reference_gae
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megalign.ops import _backend
-from megalign.ops.reference.group_advantages import check_group_args, dense_group_ids
+from megalign.ops.common import check_group_args, dense_group_ids
 from megalign.ops.reference.group_advantages import group_advantages as reference_group_advantages
 
 

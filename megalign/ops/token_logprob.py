@@ -39,7 +39,6 @@ import torch
 
 from megalign.ops import _backend
 from megalign.ops._backend import FLOAT_DTYPES
-from megalign.ops.reference.token_logprob import combine_vocab_partials
 from megalign.ops.reference.token_logprob import token_logprob as _ref_token_logprob
 from megalign.ops.reference.token_logprob import token_logprob_partials as _ref_partials
 from megalign.ops.reference.token_logprob import token_logprob_shard_backward as _ref_shard_backward
@@ -122,6 +121,29 @@ def token_logprob_partials(logits_shard: torch.Tensor, targets: torch.Tensor, vo
     return torch.ops.megalign.token_logprob_partials(
         logits_shard, targets, int(vocab_start), -1 if vocab_size is None else int(vocab_size),
         float(temperature), int(ignore_index), bool(with_entropy))
+
+
+def combine_vocab_partials(partials: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
+    """Merge per-shard statistics [S, N, 4] into (logp [N], lse [N], entropy [N]) in partials.dtype.
+
+    M = max_i m_i;  s = sum_i e^{m_i - M} s_i;  t = sum_i e^{m_i - M} (t_i + s_i (m_i - M));
+    lse = M + log s;  logp = z_target - lse;  H = log s - t / s. Ignored rows give 0 for all three.
+    The entropy is meaningful only when the partials were computed with_entropy. O(S * N), in
+    float64 so the merge adds no rounding beyond the final one.
+    """
+    m_i, s_i, z_i, t_i = partials.to(torch.float64).unbind(-1)
+    m = m_i.amax(0)
+    d = m_i - m.masked_fill(m == float("-inf"), 0.0)  # an all -inf row: every shard empty, no inf - inf
+    a = d.exp()
+    nonempty = s_i > 0  # an all -inf shard has m_i = -inf and contributes nothing (not 0 * -inf)
+    s = torch.where(nonempty, a * s_i, 0.0).sum(0)
+    t = torch.where(nonempty, a * (t_i + s_i * d), 0.0).sum(0)
+    log_s = s.log()
+    lse = m + log_s
+    logp = (z_i.sum(0) - m) - log_s  # exact for large logits, where lse is rounded
+    entropy = log_s - t / s
+    ignored = targets == ignore_index
+    return tuple(x.masked_fill(ignored, 0.0).to(partials.dtype) for x in (logp, lse, entropy))
 
 
 def token_logprob_shard_backward(logits_shard, targets, lse, entropy, grad_logp, grad_entropy,

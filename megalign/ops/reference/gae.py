@@ -9,37 +9,9 @@ compute_dtype=torch.float32 to measure what plain fp32 torch gets.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from megalign.ops._backend import FLOAT_DTYPES
-
-
-def check_gae_args(rewards, values, mask, gamma, lam) -> torch.Tensor:
-    """Validate the arguments of gae (errors name the argument); returns the mask as bool."""
-    for name, t in (("rewards", rewards), ("values", values), ("mask", mask)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gae: {name} must be a tensor, got {type(t).__name__}")
-    if rewards.dim() != 2:
-        raise ValueError(f"gae: rewards must be [B, T], got shape {tuple(rewards.shape)}")
-    if rewards.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"gae: rewards must be float32, float64, bfloat16 or float16, got {rewards.dtype}")
-    if values.shape != rewards.shape:
-        raise ValueError(f"gae: values must have the shape of rewards {tuple(rewards.shape)}, got {tuple(values.shape)}")
-    if values.dtype != rewards.dtype:
-        raise TypeError(f"gae: values must have the dtype of rewards ({rewards.dtype}), got {values.dtype}")
-    if mask.shape != rewards.shape:
-        raise ValueError(f"gae: mask must have the shape of rewards {tuple(rewards.shape)}, got {tuple(mask.shape)}")
-    if mask.dtype.is_complex:
-        raise TypeError(f"gae: mask must be bool or real (nonzero = valid), got {mask.dtype}")
-    for name, t in (("values", values), ("mask", mask)):
-        if t.device != rewards.device:
-            raise ValueError(f"gae: {name} is on {t.device} but rewards is on {rewards.device}")
-    for name, x in (("gamma", gamma), ("lam", lam)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            raise ValueError(f"gae: {name} must be a finite number, got {x!r}")
-    return mask if mask.dtype == torch.bool else mask != 0
+from megalign.ops.common import check_gae_args
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

@@ -8,52 +8,9 @@ scores with a large common offset (e.g. 1000 + N(0, 1)) or groups of 16k, as muc
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from megalign.ops._backend import FLOAT_DTYPES
-
-MODES = ("grpo", "dr_grpo", "rloo")
-
-
-def check_group_args(scores, group_size, group_index, mode, eps) -> None:
-    """Validate the arguments of group_advantages (errors name the argument)."""
-    if not isinstance(scores, torch.Tensor):
-        raise TypeError(f"group_advantages: scores must be a tensor, got {type(scores).__name__}")
-    if scores.dim() != 1:
-        raise ValueError(f"group_advantages: scores must be [N], got shape {tuple(scores.shape)}")
-    if scores.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"group_advantages: scores must be float32, float64, bfloat16 or float16, got {scores.dtype}")
-    if mode not in MODES:
-        raise ValueError(f"group_advantages: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"group_advantages: eps must be a finite number >= 0, got {eps!r}")
-    if (group_size is None) == (group_index is None):
-        raise ValueError("group_advantages: pass exactly one of group_size (contiguous groups) and "
-                         "group_index (an id per score)")
-    n = scores.shape[0]
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_advantages: group_size must be an int >= 1, got {group_size!r}")
-        if n % group_size:
-            raise ValueError(f"group_advantages: group_size {group_size} does not divide the number of scores {n}")
-        return
-    if not isinstance(group_index, torch.Tensor):
-        raise TypeError(f"group_advantages: group_index must be a tensor, got {type(group_index).__name__}")
-    if group_index.dtype.is_floating_point or group_index.dtype.is_complex or group_index.dtype == torch.bool:
-        raise TypeError(f"group_advantages: group_index must be an integer tensor, got {group_index.dtype}")
-    if group_index.shape != scores.shape:
-        raise ValueError(f"group_advantages: group_index must have the shape of scores {tuple(scores.shape)}, "
-                         f"got {tuple(group_index.shape)}")
-    if group_index.device != scores.device:
-        raise ValueError(f"group_advantages: group_index is on {group_index.device} but scores is on {scores.device}")
-
-
-def dense_group_ids(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[N] integer ids -> ([N] int64 ids in [0, groups), groups), numbered in sorted id order."""
-    uniq, dense = torch.unique(group_index, return_inverse=True)
-    return dense.to(torch.int64), uniq.numel()
+from megalign.ops.common import check_group_args, dense_group_ids
 
 
 def group_advantages(scores: torch.Tensor, group_size: int | None = None, group_index: torch.Tensor | None = None,

@@ -209,29 +209,6 @@ def token_logprob_partials(logits_shard: torch.Tensor, targets: torch.Tensor, vo
     return torch.where(ignored, out.new_tensor([0.0, 1.0, 0.0, 0.0]), out).to(acc)
 
 
-def combine_vocab_partials(partials: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
-    """Merge per-shard statistics [S, N, 4] into (logp [N], lse [N], entropy [N]) in partials.dtype.
-
-    M = max_i m_i;  s = sum_i e^{m_i - M} s_i;  t = sum_i e^{m_i - M} (t_i + s_i (m_i - M));
-    lse = M + log s;  logp = z_target - lse;  H = log s - t / s. Ignored rows give 0 for all three.
-    The entropy is meaningful only when the partials were computed with_entropy. O(S * N), in
-    float64 so the merge adds no rounding beyond the final one.
-    """
-    m_i, s_i, z_i, t_i = partials.to(torch.float64).unbind(-1)
-    m = m_i.amax(0)
-    d = m_i - _shift(m)
-    a = d.exp()
-    nonempty = s_i > 0  # an all -inf shard has m_i = -inf and contributes nothing (not 0 * -inf)
-    s = torch.where(nonempty, a * s_i, 0.0).sum(0)
-    t = torch.where(nonempty, a * (t_i + s_i * d), 0.0).sum(0)
-    log_s = s.log()
-    lse = m + log_s
-    logp = (z_i.sum(0) - m) - log_s  # exact for large logits, where lse is rounded
-    entropy = log_s - t / s
-    ignored = targets == ignore_index
-    return tuple(x.masked_fill(ignored, 0.0).to(partials.dtype) for x in (logp, lse, entropy))
-
-
 def token_logprob_shard_backward(logits_shard, targets, lse, entropy, grad_logp, grad_entropy,
                                  vocab_start: int, temperature: float = 1.0, ignore_index: int = -100,
                                  inplace: bool = False) -> torch.Tensor:
