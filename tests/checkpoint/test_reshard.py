@@ -29,8 +29,11 @@ def build(layout):
     return model, build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1), layout)
 
 
-def train_step(model, optimizer, layout, seed):
-    ids = torch.randint(0, TOKENIZER.vocab_size, (2, 6), generator=torch.Generator().manual_seed(seed + layout.dp_rank))
+def train_step(model, optimizer, layout, seed, shared_batch=False):
+    """One AdamW step on a [2, 6] batch of random ids, each dp rank's own (or the same on every rank: then the
+    averaged gradient, hence the update, does not depend on dp); returns the loss."""
+    rank_seed = seed if shared_batch else seed + layout.dp_rank
+    ids = torch.randint(0, TOKENIZER.vocab_size, (2, 6), generator=torch.Generator().manual_seed(rank_seed))
     loss = model(ids).float().logsumexp(-1).mean()
     loss.backward()
     allreduce_gradients(list(model.parameters()), layout.dp_group)
@@ -66,8 +69,10 @@ def _save(run_dir, legacy):
         optim = OptimizerState(model, optimizer, layout)
     CheckpointManager(run_dir).save(2, {"model": ModelState(model, layout), "optim": optim, "rng": RNGState()})
     draws = gathered(torch.rand(3))  # what each rank's restored streams must give next
+    train_step(model, optimizer, layout, seed=3, shared_batch=True)  # what a resumed run's next update must give
+    after = {name: p.detach().clone() for name, p in model.named_parameters()}
     if layout.rank == 0:
-        torch.save({"optim": full, "draws": draws}, os.path.join(run_dir, "reference.pt"))
+        torch.save({"optim": full, "draws": draws, "after": after}, os.path.join(run_dir, "reference.pt"))
 
 
 def _load(run_dir):
@@ -91,7 +96,9 @@ def _load(run_dir):
         assert all(not torch.equal(draw, d) for d in saved_draws)
     CheckpointManager(run_dir).load(2, {"rng": RNGState()})  # ... and the same at every load
     torch.testing.assert_close(torch.rand(3), draw, rtol=0, atol=0)
-    assert math.isfinite(train_step(model, optimizer, layout, seed=3))
+    train_step(model, optimizer, layout, seed=3, shared_batch=True)  # the saving run's next update, on another dp
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref["after"][name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("save_world, load_world, legacy", [(1, 2, False), (2, 1, False), (2, 1, True)],
