@@ -1,9 +1,10 @@
 """KTO (Ethayarajh et al. 2024) on the supervised trainer: unpaired desirable / undesirable examples (`train_kto`).
 
-A step: B labelled (prompt, completion) examples and their B mismatched pairs in one
-concatenated [2B, T] forward -> summed completion log-probs (vocab-parallel) -> the reference's
-for the same 2B rows -> `megalign.algos.kto_loss`: z0 is the mean log-ratio of the mismatched pairs
-over all dp ranks (detached, clamped at 0), per-example losses summed over the global batch.
+A step: B labelled (prompt, completion) examples and their B mismatched pairs -> the reference's
+summed completion log-probs of the 2B rows (cached or scored) -> the policy's of the B mismatched
+rows, without gradient -> z0, the mean log-ratio of the mismatched pairs over all dp ranks (clamped
+at 0; `kto_reference_point`) -> the B labelled rows' summed log-probs (vocab-parallel) ->
+`megalign.algos.kto_loss_at` at z0, per-example losses summed over the global batch.
 
 Design choices:
 
@@ -14,11 +15,12 @@ Design choices:
   let the reference scores be cached per example like DPO's (`reference.mode`).
 - The paper's balance rule is checked once on the training data: a warning when
   w_D n_D / (w_U n_U) lies outside [1, 4/3].
-- Pipeline stages (`model.pp > 1`): z0 is a mean over the whole batch, which no 1F1B micro-batch sees,
-  and the mismatched rows get no gradient (z0 is detached), so they are scored first by the
-  forward-only schedule (`stage_prepare`, `SupervisedTrainer.forward_scores`), z0 is reduced over dp,
-  and only the B labelled rows run the 1F1B update (`kto_loss_at` with that z0): the pp = 1 loss and
-  gradients, with the mismatched rows' activations never held for a backward.
+- z0 is a mean over the whole batch, which no pipeline micro-batch sees, and the mismatched rows get
+  no gradient (z0 is detached), so they are scored first without gradient (`prepare`:
+  `SupervisedTrainer.forward_scores`, the forward-only schedule at pp > 1), z0 is reduced over dp,
+  and only the B labelled rows run the forward + backward (`kto_loss_at` with that z0): the loss and
+  gradients of the concatenated forward, with the mismatched rows' activations never held for a
+  backward, at every pp.
 - Metrics are TRL's KTOTrainer's: `rewards/chosen` / `rewards/rejected` (implicit rewards of the
   desirable / undesirable examples), `logps/chosen` / `logps/rejected`, and `kl` (z0).
 """
@@ -30,16 +32,17 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from megalign.algos import check_kto_weight_ratio, kto_loss, kto_loss_at, kto_reference_point
+from megalign.algos import check_kto_weight_ratio, kto_loss_at, kto_reference_point
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import (PromptExample, UnpairedExample, collate_replies, load_unpaired, make_splits,
                            write_unpaired_jsonl)
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
-from megalign.trainers.base import MetricSums, TrainResult
+from megalign.roles.sequence_logps import hidden_sequence_logps, sequence_logps
+from megalign.trainers.base import TrainResult
 from megalign.trainers.optim import OptimConfig
-from megalign.trainers.preference import PreferenceDataConfig, held_out_prompts, hidden_sequence_logps, sequence_logps
+from megalign.trainers.preference import PreferenceDataConfig, held_out_prompts
 from megalign.trainers.supervised import (Objective, PolicyModelConfig, ReferenceConfig, SupervisedConfig,
                                           SupervisedTrainer)
 
@@ -85,8 +88,8 @@ class KTOExample:
 @dataclasses.dataclass
 class UnpairedBatch:
     """B labelled rows then their B mismatched pairs, [2B, T] (`collate_unpaired` halves concatenated);
-    `labels` [B] bool (desirable); `ref_scores` [B, 2] reference log-probs (labelled, mismatched); `z0` (0-d,
-    model.pp > 1 only) the reference point, from `KTOObjective.stage_prepare`."""
+    `labels` [B] bool (desirable); `ref_scores` [B, 2] reference log-probs (labelled, mismatched); `z0` (0-d) the
+    reference point, from `KTOObjective.prepare`."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -137,18 +140,7 @@ class KTOObjective(Objective[KTOExample]):
     def scores(self, model: CausalLM, batch: UnpairedBatch, layout: ParallelLayout) -> torch.Tensor:
         return sequence_logps(model, batch, layout).view(2, -1).t()  # [B, 2]: labelled, mismatched
 
-    def loss(self, model: CausalLM, batch: UnpairedBatch, layout: ParallelLayout, global_count: torch.Tensor,
-             stats: MetricSums) -> torch.Tensor:
-        algo, n = self.cfg.algo, batch.labels.numel()
-        logps = sequence_logps(model, batch, layout)
-        kl_logratios = logps[n:] - batch.ref_scores[:, 1]
-        losses, kto_stats = kto_loss(logps[:n], batch.ref_scores[:, 0], batch.labels, kl_logratios, beta=algo.beta,
-                                     desirable_weight=algo.desirable_weight,
-                                     undesirable_weight=algo.undesirable_weight, group=layout.dp_group)
-        stats.add_means(kto_stats.metrics())
-        return losses.sum() / global_count.clamp(min=1)
-
-    def stage_prepare(self, model: CausalLM, batch: UnpairedBatch, layout: ParallelLayout, forward_scores) -> None:
+    def prepare(self, model: CausalLM, batch: UnpairedBatch, layout: ParallelLayout, forward_scores) -> None:
         """z0 of the batch's mismatched rows (module doc), on every rank."""
         n = batch.labels.numel()
         kl_logps = forward_scores(batch.input_ids[n:], batch.attention_mask[n:],
@@ -156,15 +148,15 @@ class KTOObjective(Objective[KTOExample]):
                                   {"targets": batch.targets[n:]})
         batch.z0 = kto_reference_point(kl_logps - batch.ref_scores[:, 1], layout.dp_group)
 
-    def stage_inputs(self, batch: UnpairedBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def inputs(self, batch: UnpairedBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The B labelled rows only (the mismatched ones are in `batch.z0`)."""
         n = batch.labels.numel()
         return batch.input_ids[:n], batch.attention_mask[:n], {
             "targets": batch.targets[:n], "ref": batch.ref_scores[:, 0], "desirable": batch.labels,
             "z0": batch.z0.expand(n)}
 
-    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+    def loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+             layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
         algo = self.cfg.algo
         losses, kto_stats = kto_loss_at(hidden_sequence_logps(model, hidden, rows["targets"], layout), rows["ref"],
                                         rows["desirable"], rows["z0"][0], beta=algo.beta,

@@ -4,24 +4,24 @@ and Bradley-Terry reward models (`train_rm`).
 One objective covers every pairwise loss of `megalign.algos.preference`, chosen by `algo.loss`; the
 trainer (`megalign.trainers.supervised`) provides the rest of the run. A step:
 
-    B pairs from the sampler -> one concatenated forward of the B chosen and B rejected sequences
-    ([2B, T], as TRL's `concatenated_forward`) -> summed response log-probs through the fused
-    vocab-parallel LM head on the response positions only (`sequence_logps`: no `[tokens, V]` logits,
-    no vocabulary gather at tp > 1, no head matmul on prompt or padding positions)
-    -> the reference's summed log-probs (DPO family only: cached before training or scored on the
-    fly, `reference.mode`) -> per-pair losses summed and divided by the global pair count.
+    B pairs from the sampler -> the reference's summed log-probs (DPO family only: cached before
+    training or scored on the fly, `reference.mode`) -> one forward of the B chosen and B rejected
+    sequences ([2B, T], as TRL's `concatenated_forward`), rows interleaved chosen 0, rejected 0,
+    chosen 1, ... (`inputs`) so a pipeline micro-batch holds whole pairs -> summed response log-probs
+    through the fused vocab-parallel LM head on the response positions only
+    (`megalign.roles.sequence_logps`: no `[tokens, V]` logits, no vocabulary gather at tp > 1)
+    -> per-pair losses (`pair_losses`; a reward model's Bradley-Terry loss on its scalar head)
+    summed and divided by the global pair count.
 
 Design choices:
 
-- The loss of the global batch is the mean over its pairs whatever the dp split (the trainer
-  all-reduces the pair count before the forward and sums gradients), so dp = 2 equals dp = 1.
+- The loss of the global batch is the mean over its pairs whatever the dp split or pp micro-batches
+  (the trainer all-reduces the pair count before the forward and sums gradients), so dp = 2 and
+  pp = 2 equal dp = 1.
 - Metrics are TRL's (`rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, `rewards/margins`,
   `logps/*`, and `nll_loss` / `log_odds_*` where the loss has them), as means over the global batch.
-- Pipeline stages (`model.pp > 1`): the pairs' rows are interleaved (chosen 0, rejected 0, chosen 1,
-  ...) so each 1F1B micro-batch holds whole pairs, and the same per-pair losses (`pair_losses`) run on
-  the last stage's hidden states (`hidden_sequence_logps`; the reward model's scalar head there); the
-  reference stays at pp = 1 and scores the batch on every rank of the policy's pp group. The reward
-  model's held-out pairs are scored through `SupervisedTrainer.forward_scores` at every pp.
+- The reference stays at pp = 1 and scores the batch on every rank of the policy's pp group; the
+  reward model's held-out pairs are scored through `SupervisedTrainer.forward_scores` at every pp.
 - The embedded task (data.path null): pairs of the arithmetic training problems, the correct
   `\\boxed{}` answer against a wrong one near it (`megalign.data.arith`), and held-out greedy
   accuracy on the arithmetic held-out split, so a DPO run continues the SFT warm start.
@@ -29,7 +29,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Literal, Optional, Sequence
 
@@ -39,15 +38,18 @@ from megalign.algos import reward_model_loss
 from megalign.algos.preference import REFERENCE_FREE, PairLogps, PreferenceAlgoConfig, pair_losses
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
-from megalign.data import (IGNORE_INDEX, PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
+from megalign.data import (PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
                            load_prompts, make_splits, write_preference_jsonl)
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
+from megalign.roles.reward_exports import write_reward_stats
+from megalign.roles.sequence_logps import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.evaluation import eval_count
 from megalign.trainers.supervised import (Objective, PolicyModelConfig, ReferenceConfig, SupervisedConfig,
                                           SupervisedTrainer)
+
 
 @dataclasses.dataclass
 class PreferenceDataConfig(DataConfig):
@@ -78,49 +80,6 @@ class DPOConfig(SupervisedConfig):
     optim: OptimConfig = option(OptimConfig(lr=5e-5, warmup_steps=10, schedule="constant"), doc="optimizer and LR schedule")
     data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="the pairs")
     algo: PreferenceAlgoConfig = option(PreferenceAlgoConfig(), doc="the loss")
-
-
-@dataclasses.dataclass
-class PairBatch:
-    """B pairs as one [2B, T] batch (`collate_preferences`): rows 0..B-1 prompt + chosen, rows B..2B-1
-    prompt + rejected; `response_lengths` [2B] target tokens with loss; `margin` [B];
-    `ref_scores` [B, 2] (chosen, rejected) summed reference log-probs, filled by the trainer."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    targets: torch.Tensor
-    response_lengths: torch.Tensor
-    margin: torch.Tensor
-    ref_scores: Optional[torch.Tensor] = None
-
-
-def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) -> torch.Tensor:
-    """[R] summed log-probs of the response tokens of each row of `batch` (R = 2B: chosen rows, then rejected rows).
-
-    Only the positions with a target (the response tokens; no prompt, no padding) go through the LM
-    head: their final hidden states are gathered into [N, H] (N = the batch's response tokens) and
-    `LMHead.token_logprob` (`fused_linear_token_logprob`) projects them chunk by chunk onto this rank's vocabulary shard, so
-    no [R, T, V] (nor [N, V]) logits exist and the head's matmuls cost N rows instead of R x T.
-    log p(y) = sum over the row's response tokens of log softmax(h_t W^T)[y_t] (DPO's summed
-    log-probs, Rafailov et al. eq. 7), the same sum as the full-logits path in another order.
-    Under autocast the head runs in the autocast dtype, as `F.linear` would.
-    """
-    return hidden_sequence_logps(model, model.model(batch.input_ids, batch.attention_mask), batch.targets, layout)
-
-
-def interleaved_pairs(n: int, device: torch.device) -> torch.Tensor:
-    """[2n] row order chosen 0, rejected 0, chosen 1, ... of a [2n]-row pair batch (chosen rows, then rejected)."""
-    return torch.stack([torch.arange(n), torch.arange(n) + n], 1).flatten().to(device)
-
-
-def hidden_sequence_logps(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
-                          layout: ParallelLayout) -> torch.Tensor:
-    """`sequence_logps` from the trunk's output `hidden` [R, T, H] (on a pipeline, the last stage's) and the
-    `targets` [R, T] (IGNORE_INDEX: no loss): [R] summed log-probs."""
-    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
-    logp = model.lm_head.token_logprob(hidden[rows, cols], targets[rows, cols],
-                                       layout.tp_group if layout.tp > 1 else None)  # [N] fp32
-    return logp.new_zeros(targets.shape[0]).index_add(0, rows, logp)
 
 
 def arith_pairs(cfg: PreferenceDataConfig, run_dir: str) -> tuple[str, str]:
@@ -173,28 +132,17 @@ class PairwiseObjective(Objective[PreferenceExample]):
     def scores(self, model: CausalLM, batch: PairBatch, layout: ParallelLayout) -> torch.Tensor:
         return sequence_logps(model, batch, layout).view(2, -1).t()  # [B, 2]
 
-    def loss(self, model: CausalLM, batch: PairBatch, layout: ParallelLayout, global_count: torch.Tensor,
-             stats: MetricSums) -> torch.Tensor:
-        n = batch.margin.numel()
-        logps = sequence_logps(model, batch, layout)
-        lengths = batch.response_lengths.float()
-        ref = (None, None) if batch.ref_scores is None else (batch.ref_scores[:, 0], batch.ref_scores[:, 1])
-        losses, pair_stats = self.pair_losses(logps[:n], logps[n:], lengths[:n], lengths[n:], *ref)
-        stats.add_means(pair_stats.metrics())
-        return losses.sum() / global_count.clamp(min=1)
-
-    def stage_inputs(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Rows reordered chosen 0, rejected 0, chosen 1, ...: a pipeline micro-batch (consecutive rows, an even
-        number since the per-rank pairs split into the micro-batches) then holds whole pairs."""
-        n = batch.margin.numel()
-        order = interleaved_pairs(n, batch.input_ids.device)
+    def inputs(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Rows reordered chosen 0, rejected 0, chosen 1, ... (`interleaved_pairs`): a micro-batch (consecutive rows,
+        an even number since the per-rank pairs split into the micro-batches) then holds whole pairs."""
+        order = interleaved_pairs(batch.margin.numel(), batch.input_ids.device)
         rows = {"targets": batch.targets[order], "lengths": batch.response_lengths.float()[order]}
         if batch.ref_scores is not None:
             rows["ref"] = batch.ref_scores.flatten()  # [B, 2] (chosen, rejected) -> the same interleaved order
         return batch.input_ids[order], batch.attention_mask[order], rows
 
-    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+    def loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+             layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
         logps, lengths = hidden_sequence_logps(model, hidden, rows["targets"], layout), rows["lengths"]
         ref = (rows["ref"][0::2], rows["ref"][1::2]) if "ref" in rows else (None, None)
         losses, pair_stats = self.pair_losses(logps[0::2], logps[1::2], lengths[0::2], lengths[1::2], *ref)
@@ -248,8 +196,8 @@ class RewardModelObjective(Objective[PreferenceExample]):
     """Bradley-Terry reward model on pairs (`megalign.algos.reward_model_loss`); held-out pairwise accuracy.
 
     At export the reward mean and std over the held-out responses (chosen and rejected) are written
-    beside the weights (`reward_stats.json`), so a later stage (PPO) can normalise the rewards, as
-    OpenRLHF stores them with its reward models.
+    beside the weights (`megalign.roles.reward_exports.write_reward_stats`), so a later stage (PPO) can
+    normalise the rewards, as OpenRLHF stores them with its reward models.
     """
 
     model_kind = "reward"
@@ -281,34 +229,20 @@ class RewardModelObjective(Objective[PreferenceExample]):
     def count(self, batch: RewardBatch) -> torch.Tensor:
         return torch.tensor(batch.margin.numel(), device=batch.margin.device)
 
-    def rewards(self, model, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) rewards [B] each, fp32."""
-        rewards = model(batch.input_ids, batch.attention_mask).float()
-        return rewards[:batch.margin.numel()], rewards[batch.margin.numel():]
-
-    def loss(self, model, batch: RewardBatch, layout: ParallelLayout, global_count: torch.Tensor,
-             stats: MetricSums) -> torch.Tensor:
-        chosen, rejected = self.rewards(model, batch)
-        losses, pair_stats = self.pair_losses(chosen, rejected, batch.margin)
-        stats.add_means(pair_stats.metrics())
-        return losses.sum() / global_count.clamp(min=1)
-
-    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor):
-        """(per-pair Bradley-Terry losses [B], statistics) from the chosen / rejected rewards [B] and margins [B]."""
-        return reward_model_loss(chosen, rejected, margin=margin if self.cfg.algo.margin else None,
-                                 center_coef=self.cfg.algo.center_coef)
-
-    def stage_inputs(self, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Rows interleaved chosen 0, rejected 0, chosen 1, ... as `PairwiseObjective.stage_inputs`: a pipeline
-        micro-batch holds whole pairs."""
+    def inputs(self, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Rows interleaved chosen 0, rejected 0, chosen 1, ... as `PairwiseObjective.inputs`: a micro-batch holds
+        whole pairs."""
         order = interleaved_pairs(batch.margin.numel(), batch.input_ids.device)
         mask = batch.attention_mask[order]
         return batch.input_ids[order], mask, {"mask": mask, "margin": batch.margin.repeat_interleave(2)}
 
-    def stage_loss(self, model, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
-        rewards = model.head(hidden, rows["mask"]).float()  # [b]: the last stage's scalar head at each last token
-        losses, pair_stats = self.pair_losses(rewards[0::2], rewards[1::2], rows["margin"][0::2])
+    def loss(self, model, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+             layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        """Bradley-Terry losses of the micro-batch's pairs from the scalar head at each row's last real token."""
+        rewards = model.head(hidden, rows["mask"]).float()  # [b]
+        losses, pair_stats = reward_model_loss(rewards[0::2], rewards[1::2],
+                                               margin=rows["margin"][0::2] if self.cfg.algo.margin else None,
+                                               center_coef=self.cfg.algo.center_coef)
         return losses.sum(), pair_stats.metrics()
 
     _scored: Optional[tuple[int, Optional[dict[str, float]]]] = None
@@ -360,15 +294,7 @@ class RewardModelObjective(Objective[PreferenceExample]):
         totals = self._held_out_sums(trainer)
         if totals is None or trainer.rank != 0:
             return
-        n = max(2 * totals["pairs"], 1.0)
-        mean = totals["reward"] / n
-        stats = {"reward_mean": mean, "reward_std": max(totals["reward_sq"] / n - mean ** 2, 0.0) ** 0.5,
-                 "held_out_responses": int(2 * totals["pairs"])}
-        tmp = os.path.join(path, "reward_stats.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(stats, f, indent=1)
-        os.replace(tmp, os.path.join(path, "reward_stats.json"))
-
+        write_reward_stats(path, totals["reward"], totals["reward_sq"], int(2 * totals["pairs"]))
 
 def train_rm(cfg: RMConfig) -> TrainResult:
     """Train the reward model as configured; every rank calls it after `init_distributed`."""

@@ -14,9 +14,9 @@ labels (the fraction of Monte-Carlo completions from the step that reach the rig
 Design choices:
 
 - Reward tokens rather than a fresh classifier head: the PRM starts from the policy's own head, its
-  export is an ordinary causal LM any loader reads, and `prm.json` beside the weights names the two
-  tokens and the separator, so a later stage (best-of-N reranking here, PPO step rewards later)
-  scores solutions with `step_probs` without guessing.
+  export is an ordinary causal LM any loader reads, and `prm.json` beside the weights
+  (`megalign.roles.reward_exports`) names the two tokens and the separator, so a later stage (best-of-N
+  reranking, PPO's step rewards) scores solutions with `megalign.roles.reward.step_probs` without guessing.
 - `algo.supervise: outcome` trains an outcome reward model on the same rows: only each solution's
   last step (its final answer, whose Monte-Carlo label is the outcome itself) is labelled, which is
   Lightman et al.'s ORM (arXiv 2305.20050) read at the same token, so PRM and ORM differ in nothing
@@ -30,7 +30,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Literal, Optional, Sequence
 
@@ -44,14 +43,12 @@ from megalign.data.arith import write_stepwise_jsonl
 from megalign.data.tokenizer import Tokenizer
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
-from megalign.roles.reward import hidden_step_logits, step_logits, step_probs  # noqa: F401  (step_probs re-exported: the PRM reader)
+from megalign.roles.reward import hidden_step_logits
+from megalign.roles.reward_exports import write_prm_info
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.evaluation import eval_count
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.supervised import Objective, PolicyModelConfig, SupervisedConfig, SupervisedTrainer
-
-PRM_FILE = "prm.json"
-"""Written beside an exported PRM: the reward tokens, the separator and the supervision."""
 
 
 @dataclasses.dataclass
@@ -171,22 +168,11 @@ class PRMObjective(Objective[StepwiseExample]):
     def count(self, batch: StepBatch) -> torch.Tensor:
         return (batch.step_labels != IGNORE_INDEX).sum()
 
-    def _loss_sum(self, model: CausalLM, batch: StepBatch):
-        where = batch.step_labels != IGNORE_INDEX
-        logits = step_logits(model, batch.input_ids, batch.attention_mask, where, self.token_ids)
-        return prm_loss(logits[None], batch.step_labels[where][None])
-
-    def loss(self, model: CausalLM, batch: StepBatch, layout: ParallelLayout, global_count: torch.Tensor,
-             stats: MetricSums) -> torch.Tensor:
-        loss_sum, step_stats = self._loss_sum(model, batch)
-        stats.add_means(step_stats.metrics())
-        return loss_sum / global_count.clamp(min=1)
-
-    def stage_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         return batch.input_ids, batch.attention_mask, {"labels": batch.step_labels}
 
-    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+    def loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+             layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
         where = rows["labels"] != IGNORE_INDEX
         loss_sum, step_stats = prm_loss(hidden_step_logits(model, hidden, where, self.token_ids)[None],
                                         rows["labels"][where][None])
@@ -234,24 +220,10 @@ class PRMObjective(Objective[StepwiseExample]):
         return f"held-out step accuracy ({count} solutions, {what}, p(correct) > 1/2 against label > 1/2)"
 
     def after_export(self, trainer: SupervisedTrainer, path: str) -> None:
-        if trainer.rank != 0:
-            return
-        info = {"negative_token_id": self.token_ids[0], "positive_token_id": self.token_ids[1],
-                "negative_token": self.cfg.algo.negative_token, "positive_token": self.cfg.algo.positive_token,
-                "separator": self.cfg.data.separator, "supervise": self.cfg.algo.supervise}
-        tmp = os.path.join(path, PRM_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(info, f, indent=1)
-        os.replace(tmp, os.path.join(path, PRM_FILE))
-
-
-def load_prm_info(path: str) -> dict:
-    """The `prm.json` of an exported PRM / ORM folder (module doc); a clear error when it is missing."""
-    file = os.path.join(path, PRM_FILE)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: {path} is not a PRM export of launch/train_prm.py")
-    with open(file) as f:
-        return json.load(f)
+        if trainer.rank == 0:
+            algo = self.cfg.algo
+            write_prm_info(path, self.token_ids, (algo.negative_token, algo.positive_token), self.cfg.data.separator,
+                           algo.supervise)
 
 
 def train_prm(cfg: PRMConfig) -> TrainResult:

@@ -33,7 +33,8 @@ from megalign.data import PromptExample, Tokenizer, load_prompts, make_splits
 from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_sft, load_sft
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
-from megalign.trainers.base import DataConfig, MetricSums, TrainResult
+from megalign.roles.sequence_logps import target_logps
+from megalign.trainers.base import DataConfig, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.supervised import Objective, SupervisedConfig, SupervisedTrainer
 
@@ -91,23 +92,11 @@ def build_data(cfg: SFTDataConfig, tokenizer: Tokenizer, max_prompt_length: int)
     return train, held_out
 
 
-def nll_sum(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+def sft_loss(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """Summed -log p of the `targets` [B, T] (IGNORE_INDEX: left out) from the trunk's output `hidden` [B, T, H]
-    (on a pipeline, the last stage's), 0-dim fp32: the fused head (`LMHead.token_logprob`) on the target
-    positions only, so the [B, T, V_local] logits never exist."""
-    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
-    logp = model.lm_head.token_logprob(hidden[rows, cols], targets[rows, cols],
-                                       layout.tp_group if layout.tp > 1 else None)  # [N] response tokens
-    return -logp.sum()
-
-
-def sft_loss(model: CausalLM, batch: SFTBatch, layout: ParallelLayout, global_tokens: torch.Tensor) -> torch.Tensor:
-    """This rank's share of the global-batch mean NLL per response token (0-dim fp32; module doc).
-
-    `global_tokens`: the number of response tokens over all dp ranks (0-dim). Summed over dp ranks
-    the returned values give the mean.
-    """
-    return nll_sum(model, model.model(batch.input_ids, batch.attention_mask), batch.targets, layout) / global_tokens.clamp(min=1)
+    (on a pipeline, the last stage's), 0-dim fp32: the fused head on the target positions only (`target_logps`),
+    so the [B, T, V_local] logits never exist. The trainer divides it by the global response-token count."""
+    return -target_logps(model, hidden, targets, layout)[1].sum()
 
 
 class SFTObjective(Objective[SFTExample]):
@@ -123,18 +112,14 @@ class SFTObjective(Objective[SFTExample]):
         return SFTBatch(**{k: v.to(device) for k, v in collate_sft(examples, self.tokenizer.pad_id).items()})
 
     def count(self, batch: SFTBatch) -> torch.Tensor:
-        return (batch.targets != -100).sum()
+        return (batch.targets != IGNORE_INDEX).sum()
 
-    def loss(self, model: CausalLM, batch: SFTBatch, layout: ParallelLayout, global_count: torch.Tensor,
-             stats: MetricSums) -> torch.Tensor:
-        return sft_loss(model, batch, layout, global_count)
-
-    def stage_inputs(self, batch: SFTBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def inputs(self, batch: SFTBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         return batch.input_ids, batch.attention_mask, {"targets": batch.targets}
 
-    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
-        return nll_sum(model, hidden, rows["targets"], layout), {}
+    def loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+             layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
+        return sft_loss(model, hidden, rows["targets"], layout), {}
 
 
 def train_sft(cfg: SFTConfig) -> TrainResult:

@@ -1,42 +1,43 @@
-"""The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT, the pairwise
+"""The supervised family on the trainer skeleton: one trainer, an objective plugged in (SFT in `sft`, the pairwise
 preference losses and the reward model in `preference`, KTO in `kto`, the process reward model in `prm`).
 
 `SupervisedTrainer(cfg, objective_cls, name)` builds the tokenizer, the trained model (a policy, or a
 reward model: `Objective.model_kind`) as a `TrainableRole` (ZeRO-1 AdamW, bf16 autocast when
-`model.dtype` is bf16) over the `model.tp` x dp layout, the frozen reference when the objective
-needs one, asks the objective for its data, and runs the `Trainer` lifecycle with this step:
+`model.dtype` is bf16) over the `model.tp` x `model.pp` x dp layout, the frozen reference when the
+objective needs one, asks the objective for its data, and runs the `Trainer` lifecycle with this step:
 
     lr -> batch_size / dp examples from the sampler -> objective.collate -> the objective's
     normaliser count all-reduced over dp -> [reference scores: from the cache, or the reference
-    role] -> objective.loss (this rank's share) -> backward
+    role] -> objective.prepare -> objective.inputs -> the trunk, then objective.loss on its
+    output (per micro-batch), over the global count -> backward
     -> role.optimizer_step (gradients summed over dp, global-norm clip, skipped when non-finite)
     -> loss and the objective's statistics reduced over dp (`MetricSums`).
 
 Design choices:
 
-- An objective is a small class (`Objective`): its data (training examples, held-out prompts),
-  `collate` into a typed batch, the local `count` its loss is normalised by (response tokens for
-  SFT, pairs for preference losses) and `loss`. The trainer all-reduces the count before the
-  forward and sums gradients over dp, so every example weighs the same whatever the padding or the
-  split over ranks, and results do not depend on dp (Megatron's global-batch normalisation).
+- One loss path (`Objective`): an objective states its inputs once (`inputs`: token ids, attention
+  mask and per-row tensors) and its loss once, on the final hidden states of a micro-batch (`loss`:
+  the *summed* loss and its statistics). pp = 1 is the one-stage case: the trunk runs on the whole
+  batch as one micro-batch. At pp > 1 (dp = world / (tp x pp)) every rank of a pp group collates the
+  same whole batch and `Pipeline.train_step` runs 1F1B over `model.microbatches` micro-batches of
+  consecutive rows, the loss on the last stage. A quantity of the whole batch (KTO's z0) comes first,
+  in `prepare`, from `forward_scores` (no gradient; the forward-only schedule at pp > 1), which
+  held-out scoring (RM, PRM) also uses. Statistics are summed once per micro-batch (`MicroBatchSums`)
+  and, at pp > 1, broadcast from the last stage.
+- Global-batch normalisation (Megatron's): the trainer all-reduces the objective's `count` (response
+  tokens for SFT, pairs for preference losses) before the forward, divides the summed loss by it and
+  sums gradients over dp, so every example weighs the same whatever the padding, the split over
+  ranks or the micro-batches, and results do not depend on dp or pp.
 - From-scratch models (`model.path: null`) are initialised dense, from `seed`, on every rank, and
-  each tp rank keeps its slice, so a tiny model starts from the same weights at tp = 1 and tp = 2.
-- Pipeline stages (`model.pp > 1`, dp = world / (tp x pp)): each rank builds its stage (from scratch:
-  its layers of the one dense initialisation; from a checkpoint: `stage_from_pretrained`), every rank
-  of a pp group collates the same whole batch, and the update is `Pipeline.train_step` (1F1B over
-  `model.microbatches` micro-batches) with the objective's `stage_loss` (a micro-batch's summed loss on
-  the last stage) over the global count, so loss and gradients equal the pp = 1 step; the gradient
-  sync over dp and the clip over tp x pp are `TrainableRole.optimizer_step`'s, as at pp = 1. Every
-  objective here implements `stage_inputs` / `stage_loss` (SFT, the pairwise losses and the reward
-  model of `preference`, KTO, the PRM); one without them stops at start-up. A reward model's stage is
-  `scalar_head_from_pretrained`'s (the head on the last stage). A loss that needs a whole-batch
-  quantity of the model's own scores first (KTO's z0) computes it in `stage_prepare` with
-  `forward_scores` (the forward-only schedule), which held-out scoring (RM, PRM) also uses at every
-  pp. Statistics come from the last stage, broadcast over pp. A frozen reference stays at pp = 1 and
-  scores on every rank the batch its pp group holds.
-- Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position and the
-  progress counters are checkpoint state; the learning rate is a function of the step
-  (`megalign.trainers.optim.lr_at`).
+  each tp / pp rank keeps its slice, so a tiny model starts from the same weights at any layout. A
+  checkpoint loads as this rank's stage (`stage_from_pretrained`); a reward model's head comes from
+  `scalar_head_from_pretrained`.
+- The frozen reference stays at pp = 1 and scores (`Objective.scores`) on every rank the batch its
+  pp group holds: once per training example before training (`reference.mode: cache`, checkpointed)
+  or per batch.
+- Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position, the
+  reference cache and the progress counters are checkpoint state; the learning rate is a function of
+  the step (`megalign.trainers.optim.lr_at`).
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ class Objective(Generic[E]):
 
     Built as `objective_cls(cfg, tokenizer)` once the tokenizer exists; `cfg` is the whole run config.
     An objective that compares with a frozen reference (DPO, KTO) says so in `needs_reference` and
-    implements `scores`: the trainer then fills `batch.ref_scores` before `loss`, from a cache
+    implements `scores`: the trainer then fills `batch.ref_scores` before `prepare`, from a cache
     computed once before training or from the reference role on the fly (`reference.mode`).
     """
 
@@ -170,36 +171,27 @@ class Objective(Generic[E]):
         """This rank's share (0-dim) of the count the loss is normalised by; the trainer sums it over dp."""
         raise NotImplementedError
 
-    def loss(self, model: CausalLM, batch, layout: ParallelLayout, global_count: torch.Tensor,
-             stats: MetricSums) -> torch.Tensor:
-        """This rank's share (0-dim fp32) of the global loss; summed over dp ranks it is the batch loss.
+    def prepare(self, model: CausalLM, batch, layout: ParallelLayout, forward_scores: "ForwardScores") -> None:
+        """Compute what `loss` needs of the whole batch before its micro-batches (KTO's z0 over every mismatched pair)
+        with `forward_scores` (`SupervisedTrainer.forward_scores`: no gradient, on every rank, at any pp) and keep it
+        on `batch` for `inputs`; called before `inputs` at every step. Default: nothing."""
 
-        Adds this rank's statistic sums (named) to `stats`; the trainer reduces them over dp.
+    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(input_ids [B, T], attention_mask [B, T], {name: [B, ...]} per-row tensors `loss` reads) of `batch`: the
+        rows the trunk runs on. A micro-batch is `B / microbatches` consecutive rows (the whole batch at pp = 1), so
+        rows `loss` reads together (a pair) must be neighbours."""
+        raise NotImplementedError
+
+    def loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
+             layout: ParallelLayout) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """(the *summed* loss (0-dim fp32) of one micro-batch, its statistics as {name: (total, count)} like
+        `MetricSums.add_means` takes) from `hidden` (the trunk's output [b, T, H], on the last stage at pp > 1; the
+        head is `model.lm_head`, a reward model's `model.head`) and that micro-batch's rows of `inputs`' tensors.
+
+        The trainer divides it by the global `count`, so the sum over micro-batches and dp ranks is the mean loss
+        of the global batch.
         """
         raise NotImplementedError
-
-    def stage_inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Pipelined objectives (model.pp > 1): (input_ids [B, T], attention_mask [B, T], {name: [B, ...]} per-row
-        tensors `stage_loss` reads) of `batch`; every rank of the pp group passes the whole batch."""
-        raise NotImplementedError
-
-    def stage_loss(self, model: CausalLM, hidden: torch.Tensor, rows: dict[str, torch.Tensor],
-                   layout: ParallelLayout) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """Pipelined objectives: (the *summed* loss (0-dim) of one micro-batch on the last stage, its statistics as
-        {name: (total, count)} like `MetricSums.add_means` takes), from `hidden` (the last stage's trunk output
-        [b, T, H]; the head is `model.lm_head`, a reward model's `model.head`) and the micro-batch's rows of `stage_inputs`' tensors. The
-        pipeline divides each loss by the global `count`, so the sum over micro-batches and dp ranks is `loss`'s
-        global value; a micro-batch holds `B / microbatches` consecutive rows of `stage_inputs`."""
-        raise NotImplementedError
-
-    def stage_prepare(self, model: CausalLM, batch, layout: ParallelLayout, forward_scores: "ForwardScores") -> None:
-        """Pipelined objectives whose micro-batch loss needs a quantity of the whole batch first (KTO's z0 over
-        every mismatched pair): compute it with `forward_scores` (`SupervisedTrainer.forward_scores`: no gradient,
-        on every rank) and keep it on `batch` for `stage_inputs`; called before `stage_inputs`. Default: nothing."""
-
-    def pipelined(self) -> bool:
-        """Whether the objective implements `stage_inputs` / `stage_loss` (required at model.pp > 1)."""
-        return type(self).stage_loss is not Objective.stage_loss
 
     def metrics(self, totals: dict[str, float]) -> dict[str, float]:
         """Logged metrics from the dp-reduced `stats` totals of a step; default: the means `stats.add_means` added."""
@@ -288,63 +280,66 @@ class SupervisedTrainer(Trainer):
             check_model_path(cfg.model.path, "model.path")
         self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.model.path)
         self.objective = objective_cls(cfg, self.tokenizer)
-        kind = self.objective.model_kind
-        self.pipeline: Optional[Pipeline] = None
         if layout.pp > 1:
-            self._check_pipeline(cfg, name, kind)
+            self._check_pipeline(cfg)
         self.train_set, self.held_out = self.objective.examples()
         if not self.train_set:
             raise ValueError(f"{name}: no training examples left after loading (see the data/ counts in the log)")
-        if cfg.model.path is None:
-            if kind != "causal_lm":
-                raise ValueError(f"model.path is required: a {kind} model starts from a checkpoint (e.g. an SFT export)")
-            model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
-        elif kind == "causal_lm":
-            recompute = cfg.model.activation_checkpointing
-            model = (stage_from_pretrained(cfg.model.path, layout, activation_checkpointing=recompute)
-                     if layout.pp > 1 else from_pretrained(cfg.model.path, layout=layout, activation_checkpointing=recompute))
-        else:
-            model, _ = scalar_head_from_pretrained(cfg.model.path, kind, layout, cfg.seed,
-                                                   activation_checkpointing=cfg.model.activation_checkpointing)
-        self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
-                         self.objective.max_length(), "the objective's longest example")
-        model.train()
+        model = self._build_model(cfg)
         precision = MixedPrecision(DTYPES[cfg.model.dtype] if cfg.model.dtype != "fp32" else None)
         self.policy = TrainableRole("policy", model, layout, precision, cfg.model.offload_weights, False,
                                     build_optimizer(model, cfg.optim, layout), cfg.optim.grad_clip)
-        if layout.pp > 1:
-            self.pipeline = Pipeline(model.model, layout, cfg.model.n_microbatches)  # the head runs in `stage_loss`
-        self.reference: Optional[Reference] = None
-        if self.objective.needs_reference():
-            ref_path = cfg.reference.path or cfg.model.path
-            if ref_path is None:
-                raise ValueError("reference.path (or model.path) is required: the objective compares with a frozen reference")
-            check_model_path(ref_path, "reference.path" if cfg.reference.path else "model.path")
-            if cfg.reference.pp > 1:
-                raise ValueError(f"reference.pp={cfg.reference.pp}: the supervised trainers score with a reference "
-                                 f"at pp=1 only (beside a model at any pp); set reference.pp=1")
-            ref_layout = self.layout_for(cfg.reference.tp, cfg.reference.pp, "reference")
-            check_same_batch(ref_layout, "reference", layout, "model")
-            ref_model = from_pretrained(ref_path, layout=ref_layout, dtype=DTYPES[cfg.reference.dtype])
-            self.check_model(ref_model, "reference.path", ref_path, self.objective.max_length(),
-                             "the objective's longest example")
-            self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights)
-            # one row per training example; filled before the first step (`mode: cache`) and checkpointed
-            self.ref_cache = {"scores": torch.zeros(len(self.train_set), self.objective.num_scores), "ready": False}
-            if cfg.reference.mode == "cache":
-                self.register_state("reference_cache", self.ref_cache)
+        # the trunk only: the head runs in the objective's `loss`
+        self.pipeline = Pipeline(model.model, layout, cfg.model.n_microbatches) if layout.pp > 1 else None
+        self.reference = self._build_reference(cfg) if self.objective.needs_reference() else None
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
                                      rank=layout.dp_rank, world_size=layout.dp)
         self.register_state("model", ModelState(model, layout))
         self.register_state("optim", OptimizerState(model, self.policy.optimizer, layout))
         self.register_state("sampler", self.sampler)
 
-    def _check_pipeline(self, cfg: SupervisedConfig, name: str, kind: str) -> None:
-        """Start-up checks of model.pp > 1, naming the settings: the objective and model kind pipeline, the layers
-        split evenly over the stages, and each dp rank's batch splits into the pipeline's micro-batches."""
+    def _build_model(self, cfg: SupervisedConfig) -> torch.nn.Module:
+        """This rank's trained model (its pipeline stage at pp > 1), checked against the objective, in train mode."""
+        kind, layout = self.objective.model_kind, self.layout
+        recompute = cfg.model.activation_checkpointing
+        if cfg.model.path is None:
+            if kind != "causal_lm":
+                raise ValueError(f"model.path is required: a {kind} model starts from a checkpoint (e.g. an SFT export)")
+            model = scratch_model(cfg.model, self.tokenizer, layout, cfg.seed)
+        elif kind != "causal_lm":
+            model, _ = scalar_head_from_pretrained(cfg.model.path, kind, layout, cfg.seed, activation_checkpointing=recompute)
+        elif layout.pp > 1:
+            model = stage_from_pretrained(cfg.model.path, layout, activation_checkpointing=recompute)
+        else:
+            model = from_pretrained(cfg.model.path, layout=layout, activation_checkpointing=recompute)
+        self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
+                         self.objective.max_length(), "the objective's longest example")
+        return model.train()
+
+    def _build_reference(self, cfg: SupervisedConfig) -> Reference:
+        """The frozen reference (at pp = 1, module doc) and its score cache: one row per training example, filled
+        before the first step (`reference.mode: cache`, then checkpointed)."""
+        ref_path = cfg.reference.path or cfg.model.path
+        if ref_path is None:
+            raise ValueError("reference.path (or model.path) is required: the objective compares with a frozen reference")
+        check_model_path(ref_path, "reference.path" if cfg.reference.path else "model.path")
+        if cfg.reference.pp > 1:
+            raise ValueError(f"reference.pp={cfg.reference.pp}: the supervised trainers score with a reference "
+                             f"at pp=1 only (beside a model at any pp); set reference.pp=1")
+        ref_layout = self.layout_for(cfg.reference.tp, cfg.reference.pp, "reference")
+        check_same_batch(ref_layout, "reference", self.layout, "model")
+        ref_model = from_pretrained(ref_path, layout=ref_layout, dtype=DTYPES[cfg.reference.dtype])
+        self.check_model(ref_model, "reference.path", ref_path, self.objective.max_length(),
+                         "the objective's longest example")
+        self.ref_cache = {"scores": torch.zeros(len(self.train_set), self.objective.num_scores), "ready": False}
+        if cfg.reference.mode == "cache":
+            self.register_state("reference_cache", self.ref_cache)
+        return Reference(ref_model, ref_layout, cfg.reference.offload_weights)
+
+    def _check_pipeline(self, cfg: SupervisedConfig) -> None:
+        """Start-up checks of model.pp > 1, naming the settings: the layers split evenly over the stages, and each dp
+        rank's batch splits into the pipeline's micro-batches."""
         pp, micro = cfg.model.pp, cfg.model.n_microbatches
-        if not self.objective.pipelined():
-            raise ValueError(f"model.pp={pp}: the {name} objective has no pipelined loss ({kind} model); use model.pp=1")
         if micro < pp:
             raise ValueError(f"model.microbatches={micro} must be >= model.pp={pp} (1F1B fills every stage first)")
         local = cfg.batch_size // self.layout.dp
@@ -418,13 +413,8 @@ class SupervisedTrainer(Trainer):
                 batch.ref_scores = (self.ref_cache["scores"][indices].to(layout.device)
                                     if cfg.reference.mode == "cache" else self._reference_scores(batch))
         stats = MetricSums()
-        with timer("forward_backward"):
-            with self.policy.precision.autocast(layout.device):
-                if self.pipeline is not None:
-                    loss = self._pipeline_loss(batch, count, stats)
-                else:
-                    loss = self.objective.loss(self.policy.model, batch, layout, count, stats)
-                    loss.backward()
+        with timer("forward_backward"), self.policy.precision.autocast(layout.device):
+            loss = self._forward_backward(batch, count, stats)
         with timer("update"):
             stepped, grad_norm = self.policy.optimizer_step(loss)
             global_loss = all_reduce(loss.detach(), layout.dp_group)
@@ -438,29 +428,39 @@ class SupervisedTrainer(Trainer):
                 f"{name}_per_s": float(count) / elapsed, **self.objective.metrics(totals),
                 "epoch": float(self.sampler.epoch), **timer.metrics(), **memory_report()}
 
-    def _pipeline_loss(self, batch, count: torch.Tensor, stats: MetricSums) -> torch.Tensor:
-        """This rank's share of the loss (detached, on every pp rank) after one 1F1B forward + backward of `batch`:
-        the objective's summed micro-batch losses (`stage_loss`, last stage) over the global `count`.
+    def _forward_backward(self, batch, count: torch.Tensor, stats: MetricSums) -> torch.Tensor:
+        """This rank's share of the loss (detached, on every pp rank) after one forward + backward of `batch`: the
+        objective's summed micro-batch losses (`Objective.loss`) over the global `count` (module doc). pp = 1: the
+        whole batch is the one micro-batch; pp > 1: `Pipeline.train_step` (1F1B, the loss on the last stage).
 
-        The statistics go to `stats` on every pp rank (summed per micro-batch once, `MicroBatchSums`, then
+        The statistics go to `stats` on every pp rank (summed per micro-batch once, `MicroBatchSums`; at pp > 1
         broadcast from the last stage: one host sync per step)."""
         model, layout = self.policy.model, self.layout
-        self.objective.stage_prepare(model, batch, layout, self.forward_scores)
-        input_ids, attention_mask, rows = self.objective.stage_inputs(batch)
-        sums = MicroBatchSums(self.cfg.model.n_microbatches, len(input_ids), layout.device)
+        self.objective.prepare(model, batch, layout, self.forward_scores)
+        input_ids, attention_mask, rows = self.objective.inputs(batch)
+        sums = MicroBatchSums(1 if self.pipeline is None else self.cfg.model.n_microbatches, len(input_ids),
+                              layout.device)
 
         def loss_fn(hidden: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            loss, metrics = self.objective.stage_loss(model, hidden, mb, layout)
-            for name, (total, n) in metrics.items():
-                sums.put(name, mb["slot"], torch.stack([torch.as_tensor(total), torch.as_tensor(n)]).double())
+            loss, metrics = self.objective.loss(model, hidden, mb, layout)
+            for name, values in metrics.items():
+                sums.put(name, mb["slot"], torch.stack([torch.as_tensor(v, dtype=torch.float64, device=layout.device)
+                                                        for v in values]))
             return loss
 
-        loss = self.pipeline.train_step(input_ids, loss_fn, count.clamp(min=1), attention_mask=attention_mask,
-                                        batch={**rows, "slot": sums.slots})
-        box = [{name: values.tolist() for name, values in sums.sums().items()}]
-        dist.broadcast_object_list(box, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
-        stats.add_means(box[0])
-        return loss
+        rows = {**rows, "slot": sums.slots}
+        if self.pipeline is None:
+            loss = loss_fn(model.model(input_ids, attention_mask), rows) / count.clamp(min=1)
+            loss.backward()
+            totals = sums.sums()
+        else:
+            loss = self.pipeline.train_step(input_ids, loss_fn, count.clamp(min=1), attention_mask=attention_mask,
+                                            batch=rows)
+            box = [{name: values.tolist() for name, values in sums.sums().items()}]
+            dist.broadcast_object_list(box, src=layout.stage_rank(layout.pp - 1), group=layout.pp_group)
+            totals = box[0]
+        stats.add_means(totals)
+        return loss.detach()
 
     @torch.no_grad()
     def forward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, head: ScoreHead,

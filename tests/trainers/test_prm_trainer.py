@@ -22,8 +22,9 @@ from megalign.data import CharTokenizer, collate_stepwise, encode_steps, load_st
 from megalign.models import from_pretrained
 from megalign.tools.best_of_n import (BestOfNConfig, LabelStepsConfig, _vote, best_of_n, best_of_n_table,
                                       label_steps, split_steps, verifier_scores)
-from megalign.trainers.prm import (PRMConfig, load_prm_info, outcome_only, reward_token_ids, step_logits, step_probs,
-                                   train_prm)
+from megalign.roles.reward import step_logits, step_probs
+from megalign.roles.reward_exports import load_prm_info
+from megalign.trainers.prm import PRMConfig, outcome_only, reward_token_ids, train_prm
 
 TOK = CharTokenizer()
 CPU = SimpleNamespace(device=torch.device("cpu"))  # verifier_scores reads only the layout's device
@@ -118,11 +119,6 @@ def test_learns_exact_chain_labels_and_exports_a_causal_lm(policy, tmp_path):
     orm_rows = [r for r in metric_rows(f"{tmp_path}/orm") if "loss" in r]
     assert orm_rows[0]["step_labels"] == 8
     assert rows[0]["step_labels"] > 8
-
-
-def test_load_prm_info_names_the_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="prm.json not found"):
-        load_prm_info(str(tmp_path))
 
 
 def test_prompt_window_of_the_tools():

@@ -1,0 +1,61 @@
+"""What a reward-model export carries beside its HF weights, written and read in one place.
+
+- `prm.json` (`PRM_FILE`): a process (or outcome) reward model of `megalign.trainers.prm` names its two
+  reward tokens (text and id), the step separator and its supervision, so every reader (the `process`
+  reward role, best-of-N reranking) scores steps as it was trained, without guessing.
+- `reward_stats.json` (`REWARD_STATS_FILE`): a Bradley-Terry reward model of `megalign.trainers.preference`
+  records the mean and std of its rewards over the held-out responses, so a later stage (PPO's
+  `algo.reward_normalize`) can normalise its scores, as OpenRLHF stores them with its reward models.
+
+Both files are written by rank 0 through a temporary name and a rename (`atomic_write_text`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from megalign.config import atomic_write_text
+
+PRM_FILE = "prm.json"
+REWARD_STATS_FILE = "reward_stats.json"
+
+
+def write_prm_info(path: str, token_ids: tuple[int, int], tokens: tuple[str, str], separator: str,
+                   supervise: str) -> None:
+    """`prm.json` in the export folder `path`: (negative, positive) reward token ids and texts, separator, supervision."""
+    info = {"negative_token_id": token_ids[0], "positive_token_id": token_ids[1], "negative_token": tokens[0],
+            "positive_token": tokens[1], "separator": separator, "supervise": supervise}
+    atomic_write_text(os.path.join(path, PRM_FILE), json.dumps(info, indent=1))
+
+
+def load_prm_info(path: str) -> dict:
+    """The `prm.json` of an exported PRM / ORM folder (`write_prm_info`); a clear error when it is missing."""
+    file = os.path.join(path, PRM_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: {path} is not a PRM export of launch/train_prm.py")
+    with open(file) as f:
+        return json.load(f)
+
+
+def write_reward_stats(path: str, reward_sum: float, reward_sq_sum: float, responses: int) -> None:
+    """`reward_stats.json` in the export folder `path` from the sum and sum of squares of the rewards of
+    `responses` held-out responses: mean = sum / n, std = sqrt(max(sum_sq / n - mean^2, 0)) (population std)."""
+    n = max(responses, 1)
+    mean = reward_sum / n
+    stats = {"reward_mean": mean, "reward_std": max(reward_sq_sum / n - mean ** 2, 0.0) ** 0.5,
+             "held_out_responses": int(responses)}
+    atomic_write_text(os.path.join(path, REWARD_STATS_FILE), json.dumps(stats, indent=1))
+
+
+def reward_stats(path: str) -> tuple[float, float]:
+    """(mean, std) from a reward-model export's `reward_stats.json` (`write_reward_stats`); a clear error when it is
+    missing or its std is not positive (normalising by it would divide by zero)."""
+    file = os.path.join(path, REWARD_STATS_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"algo.reward_normalize=true needs {file} (written by the RM trainer's export); "
+                                f"train the RM with megalign or set algo.reward_normalize=false")
+    with open(file) as f:
+        stats = json.load(f)
+    if not stats.get("reward_std", 0) > 0:
+        raise ValueError(f"{file}: reward_std must be > 0, got {stats.get('reward_std')!r}")
+    return float(stats["reward_mean"]), float(stats["reward_std"])
