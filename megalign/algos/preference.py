@@ -30,15 +30,39 @@ With h = (log pi(y_w) - log pi(y_l)) - (log pi_ref(y_w) - log pi_ref(y_l)) the D
                h_avg is h on token-averaged log-probs (log-prob sum / token count, policy and
                reference alike), as TRL's "ipo" computes it; beta is the paper's tau.
 
+With the log-ratios r_w = log pi(y_w) - log pi_ref(y_w), r_l likewise (so h = r_w - r_l), the DPO
+variants of TRL's DPOTrainer (`DPO_VARIANTS`, `dpo_variant_loss`; summed log-probs) are:
+
+    "apo_zero"   sigma(-beta r_w) + sigma(beta r_l)             APO-zero, D'Oosterlinck et al. 2024 (arXiv 2408.06266) eq. 7
+    "apo_down"   sigma(beta r_w) + sigma(-beta h)               APO-down, eq. 8
+    "nca_pair"   -log sigma(beta r_w) - (log sigma(-beta r_w) + log sigma(-beta r_l)) / 2
+                                                               NCA, Chen et al. 2024 (arXiv 2402.05369)
+    "sppo_hard"  (r_w - 1 / (2 beta))^2 + (r_l + 1 / (2 beta))^2
+                                                               SPPO with hard labels (P = 1 for y_w, 0 for y_l),
+                                                               Wu et al. 2024 (arXiv 2405.00675) eq. 4.7
+    "exo_pair"   sigma(beta h) (log sigma(beta h) - log(1 - eps)) + sigma(-beta h) (log sigma(-beta h) - log eps)
+                                                               EXO, Ji et al. 2024 (arXiv 2402.00856) eq. 16: the
+                                                               reverse KL to the label distribution (1 - eps, eps)
+    "bco_pair"   -log sigma(beta r_w - delta) - log sigma(-(beta r_l - delta))
+                                                               BCO, Jung et al. 2024 (arXiv 2404.04656), with the
+                                                               reward shift delta (see `dpo_variant_loss`)
+
+WPO (Zhou et al. 2024, arXiv 2406.11827) weights any of these per pair (`weights` of `dpo_loss` and
+`dpo_variant_loss`, from `wpo_weights`): w = min(1, exp(a_w + a_l)), a = the response's token mean of
+log p(y_t) - log sum_v p_v^2 (eq. 3, the probability-adjusted log-prob; `log_sum_sq_probs` gives the
+second term from the LM head, vocab-parallel), treated as a constant as in TRL (`use_weighting`).
+
 The implicit rewards of the stats are beta (log pi(y) - log pi_ref(y)) on the log-probs the loss
 used (token averages for "ipo"), as TRL's DPOTrainer reports them.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalign.algos.common import MetricSum, as_vectors, check_non_negative, check_positive, metric_sum
@@ -166,7 +190,8 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
              ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, *,
              loss_type: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
              nll_coef: float = 0.0, chosen_lengths: Optional[torch.Tensor] = None,
-             rejected_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, PreferenceStats]:
+             rejected_lengths: Optional[torch.Tensor] = None,
+             weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, PreferenceStats]:
     """A DPO-family loss per pair [B] (see the module docstring for the formulas).
 
     Args:
@@ -179,6 +204,8 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
             2024, arXiv 2404.19733; Llama 3, arXiv 2407.21783 section 4.1.4). Needs chosen_lengths.
         chosen_lengths, rejected_lengths: [B] response token counts; required by "ipo" (both) and
             by nll_coef > 0 (chosen).
+        weights: optional [B] per-pair weights multiplying the loss, NLL term included (WPO: `wpo_weights`;
+            TRL's `use_weighting`); taken as constants (no gradient).
 
     Returns: (losses [B], stats: implicit rewards, the policy log-probs the loss used, NLL_w if nll_coef > 0).
     """
@@ -203,10 +230,152 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     losses = kind.loss((pw - pl) - (rw - rl), beta, label_smoothing)
     if nll is not None:
         losses = losses + nll_coef * nll
-    stats = PreferenceStats(chosen_rewards=(beta * (pw - rw)).detach(), rejected_rewards=(beta * (pl - rl)).detach(),
-                            chosen_logps=pw.detach(), rejected_logps=pl.detach(),
-                            nll=None if nll is None else nll.detach())
-    return losses, stats
+    return _weighted(losses, weights), _implicit_reward_stats(beta, pw, pl, rw, rl, nll)
+
+
+def _weighted(losses: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """losses [B] times the constant per-pair `weights` [B] (WPO), or unchanged when None."""
+    if weights is None:
+        return losses
+    return losses * as_vectors(losses=losses, weights=weights)[1].detach()
+
+
+def _implicit_reward_stats(beta: float, pw: torch.Tensor, pl: torch.Tensor, rw: torch.Tensor, rl: torch.Tensor,
+                           nll: Optional[torch.Tensor] = None) -> PreferenceStats:
+    """TRL's DPO statistics: rewards beta (log pi - log pi_ref), the policy log-probs, NLL_w (all [B], detached)."""
+    return PreferenceStats(chosen_rewards=(beta * (pw - rw)).detach(), rejected_rewards=(beta * (pl - rl)).detach(),
+                           chosen_logps=pw.detach(), rejected_logps=pl.detach(), nll=None if nll is None else nll.detach())
+
+
+def _apo_zero(rw: torch.Tensor, rl: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return torch.sigmoid(-beta * rw) + torch.sigmoid(beta * rl)
+
+
+def _apo_down(rw: torch.Tensor, rl: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return torch.sigmoid(beta * rw) + torch.sigmoid(-beta * (rw - rl))
+
+
+def _nca_pair(rw: torch.Tensor, rl: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return -F.logsigmoid(beta * rw) - 0.5 * (F.logsigmoid(-beta * rw) + F.logsigmoid(-beta * rl))
+
+
+def _sppo_hard(rw: torch.Tensor, rl: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return (rw - 0.5 / beta) ** 2 + (rl + 0.5 / beta) ** 2
+
+
+def _exo_pair(rw: torch.Tensor, rl: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    x = beta * (rw - rl)
+    return (torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-eps))
+            + torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(eps)))
+
+
+def _bco_pair(rw: torch.Tensor, rl: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    delta = (beta * torch.cat([rw, rl])).mean().detach()
+    return -F.logsigmoid(beta * rw - delta) - F.logsigmoid(delta - beta * rl)
+
+
+DPO_VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]] = {
+    "apo_zero": _apo_zero,
+    "apo_down": _apo_down,
+    "nca_pair": _nca_pair,
+    "sppo_hard": _sppo_hard,
+    "exo_pair": _exo_pair,
+    "bco_pair": _bco_pair,
+}
+"""TRL's DPO variants (module doc): (r_w [B], r_l [B], beta, EXO's eps) -> losses [B]."""
+
+EXO_EPSILON = 1e-3
+"""EXO's default eps: TRL takes eps from `label_smoothing` and uses 1e-3 when that is 0 (its default)."""
+
+
+def dpo_variant_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+                     ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, *, loss_type: str,
+                     beta: float = 0.1, exo_epsilon: float = EXO_EPSILON,
+                     weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, PreferenceStats]:
+    """One of TRL's DPO variants per pair [B] (`DPO_VARIANTS`; the module docstring gives the formulas).
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps: [B] summed log-probs,
+            as `dpo_loss`.
+        loss_type: a key of DPO_VARIANTS.
+        beta: > 0 (TRL's default 0.1; SPPO's 1 / (2 beta) target is the paper's eta / 2 with eta = 1 / beta).
+        exo_epsilon: EXO's eps in (0, 0.5), the label distribution's weight on y_l ("exo_pair" only).
+        weights: optional [B] constant per-pair weights (WPO), as in `dpo_loss`.
+
+    BCO's reward shift delta is the mean of the detached implicit rewards beta r_w and beta r_l of the pairs
+    of this call (the trainer calls once per micro-batch), not TRL's running mean: TRL keeps a running mean
+    over every step of the per-step batch means, gathered over processes, so its delta carries history and
+    is the same on every rank; here each micro-batch's delta is its own (the first TRL step's delta, taken
+    over a micro-batch), which keeps the loss a pure function of its inputs, without state to checkpoint.
+
+    Returns: (losses [B], stats: implicit rewards beta r, the policy log-probs), as `dpo_loss`.
+    """
+    if loss_type not in DPO_VARIANTS:
+        raise ValueError(f"unknown DPO variant loss_type {loss_type!r}; one of {', '.join(DPO_VARIANTS)}")
+    check_positive("beta", beta)
+    check_exo_epsilon(exo_epsilon)
+    pw, pl, rw, rl = as_vectors(policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
+                                ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    losses = DPO_VARIANTS[loss_type](pw - rw, pl - rl, beta, exo_epsilon)
+    return _weighted(losses, weights), _implicit_reward_stats(beta, pw, pl, rw, rl)
+
+
+def check_exo_epsilon(exo_epsilon: float) -> None:
+    """Raise ValueError naming exo_epsilon unless it is in (0, 0.5): log eps and log(1 - eps) finite, y_w preferred."""
+    if not (isinstance(exo_epsilon, (int, float)) and 0 < exo_epsilon < 0.5):
+        raise ValueError(f"exo_epsilon must be in (0, 0.5), got {exo_epsilon!r}")
+
+
+def wpo_weights(chosen_adjusted: torch.Tensor, rejected_adjusted: torch.Tensor, chosen_lengths: torch.Tensor,
+                rejected_lengths: torch.Tensor) -> torch.Tensor:
+    """WPO's per-pair weights [B] (Zhou et al. 2024, arXiv 2406.11827, eq. 2-3, as TRL's `use_weighting`), detached:
+
+        w = min(1, exp(A_w / n_w + A_l / n_l)),   A = sum over the response's tokens of log p(y_t) - log sum_v p_v^2
+
+    Args:
+        chosen_adjusted, rejected_adjusted: [B] the sums A of the policy's probability-adjusted token log-probs
+            (log sum_v p_v^2 from `log_sum_sq_probs`); chosen_lengths, rejected_lengths: [B] token counts n.
+    """
+    aw, al, nw, nl = as_vectors(chosen_adjusted=chosen_adjusted, rejected_adjusted=rejected_adjusted,
+                                chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+    return torch.exp(aw.detach() / nw + al.detach() / nl).clamp(max=1.0)
+
+
+@torch.no_grad()
+def log_sum_sq_probs(hidden: torch.Tensor, weight_shard: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                     vocab_start: int = 0, vocab_size: Optional[int] = None, chunk_size: int = 1024) -> torch.Tensor:
+    """log sum_v p_v^2 [N] of p = softmax(hidden @ W^T) per token, WPO's adjustment, without the [N, V] logits.
+
+    log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z). Each rank reduces its vocabulary shard, chunk by chunk
+    ([chunk_size, Vs] logits at a time, in fp32), to (logsumexp z, logsumexp 2z) [N, 2]; at tp > 1 one
+    all-gather of those partials and a logsumexp over the ranks give the full-vocabulary values on every rank.
+    The fused head (`fused_linear_token_logprob`) reduces to (max, sum e^(z - max), z_target, entropy term),
+    which has no sum of e^(2z): this is one more forward-only pass over the head (no gradient, as TRL's).
+
+    Args:
+        hidden: [N, H] final hidden states (replicated over `group`); weight_shard: [Vs, H] this rank's LM-head rows,
+            global ids [vocab_start, vocab_start + Vs); group: the tensor-parallel group (None: tp = 1).
+        vocab_size: the real vocabulary (rows at ids >= vocab_size are padding, excluded); None: Vs * tp.
+    """
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
+        raise ValueError(f"log_sum_sq_probs: need hidden [N, H] and weight_shard [Vs, H], got hidden "
+                         f"{tuple(hidden.shape)} and weight_shard {tuple(weight_shard.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"log_sum_sq_probs: chunk_size must be >= 1, got {chunk_size}")
+    tp = 1 if group is None else dist.get_world_size(group)
+    if vocab_size is None:
+        vocab_size = weight_shard.shape[0] * tp
+    rows = weight_shard[:max(0, min(weight_shard.shape[0], vocab_size - vocab_start))]
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    partials = hidden.new_full((hidden.shape[0], 2), float("-inf"), dtype=acc)
+    for start in range(0, hidden.shape[0] if rows.shape[0] else 0, chunk_size):
+        z = (hidden[start:start + chunk_size] @ rows.t()).to(acc)
+        partials[start:start + chunk_size] = torch.stack([z.logsumexp(-1), (2 * z).logsumexp(-1)], -1)
+    if tp > 1:
+        gathered = partials.new_empty((tp, *partials.shape))
+        dist.all_gather(list(gathered.unbind(0)), partials, group=group)
+        partials = gathered.logsumexp(0)
+    return partials[:, 1] - 2 * partials[:, 0]
 
 
 def _averages(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
@@ -325,8 +494,16 @@ def _dpo_entry(loss_type: str) -> PairLoss:
     return PairLoss(loss, ("beta", *smoothing, "nll_coef"), reference=True)
 
 
+def _variant_entry(loss_type: str) -> PairLoss:
+    def loss(a: "PreferenceAlgoConfig", x: PairLogps) -> tuple[torch.Tensor, PreferenceStats]:
+        return dpo_variant_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, loss_type=loss_type,
+                                beta=a.beta_value, exo_epsilon=a.exo_epsilon)
+    return PairLoss(loss, ("beta", "exo_epsilon") if loss_type == "exo_pair" else ("beta",), reference=True)
+
+
 PAIR_LOSSES: dict[str, PairLoss] = {
     **{name: _dpo_entry(name) for name in DPO_LOSSES},
+    **{name: _variant_entry(name) for name in DPO_VARIANTS},
     "simpo": PairLoss(lambda a, x: simpo_loss(x.chosen, x.rejected, x.chosen_lengths, x.rejected_lengths,
                                               beta=a.beta_value, gamma_beta_ratio=a.gamma_beta_ratio),
                       ("beta", "gamma_beta_ratio"), reference=False),
@@ -339,7 +516,7 @@ PAIR_LOSSES: dict[str, PairLoss] = {
 REFERENCE_FREE = tuple(name for name, entry in PAIR_LOSSES.items() if not entry.reference)
 """Pairwise losses without a reference model."""
 
-_SWITCHES = ("label_smoothing", "nll_coef")
+_SWITCHES = ("label_smoothing", "nll_coef", "exo_epsilon")
 """Coefficients whose non-default value a loss that does not read them refuses (the others, beta and the
 reference-free losses' own, keep their defaults harmlessly where unread)."""
 
@@ -348,13 +525,17 @@ reference-free losses' own, keep their defaults harmlessly where unread)."""
 class PreferenceAlgoConfig:
     """The pairwise loss and its coefficients (defaults as in the papers and TRL)."""
 
-    loss: str = option("sigmoid", doc=f"pairwise loss: {', '.join(PAIR_LOSSES)}")
-    beta: Optional[float] = option(None, doc="beta; null: 2.0 for simpo, else 0.1")
+    loss: str = option("sigmoid", doc=f"pairwise loss: {', '.join(PAIR_LOSSES)} (formulas and papers: "
+                                      "megalign.algos.preference)")
+    beta: Optional[float] = option(None, doc="beta (ipo, sppo_hard: the target 1 / (2 beta)); null: 2.0 for simpo, "
+                                             "else 0.1")
     label_smoothing: float = option(0.0, doc="sigmoid / robust: assumed rate of flipped labels eps in [0, 0.5)")
     nll_coef: float = option(0.0, doc="DPO family: weight of the chosen response's per-token NLL (RPO)")
     gamma_beta_ratio: float = option(0.5, doc="simpo: target margin gamma / beta")
     alpha: float = option(1.0, doc="cpo: weight of the chosen response's NLL")
     lam: float = option(0.1, doc="orpo: weight of the odds-ratio term")
+    exo_epsilon: float = option(EXO_EPSILON, doc="exo_pair: eps in (0, 0.5) of the label distribution (1 - eps, eps) "
+                                                 "(TRL: label_smoothing, 1e-3 when 0)")
 
     def __post_init__(self):
         """Every coefficient checked here, at start-up, not in the first loss after the reference pass."""
@@ -365,13 +546,14 @@ class PreferenceAlgoConfig:
         for name in ("nll_coef", "gamma_beta_ratio", "alpha", "lam"):
             check_non_negative(name, getattr(self, name))
         _check_label_smoothing(self.label_smoothing)
+        check_exo_epsilon(self.exo_epsilon)
         fields = {f.name: f for f in dataclasses.fields(self)}
         for name in _SWITCHES:
             value = getattr(self, name)
             if value == fields[name].default or name in PAIR_LOSSES[self.loss].reads:
                 continue
             readers = [k for k, v in PAIR_LOSSES.items() if name in v.reads]
-            if self.loss not in DPO_LOSSES and set(readers) <= set(DPO_LOSSES):
+            if not PAIR_LOSSES[self.loss].reference and set(readers) <= set(DPO_LOSSES):
                 raise ValueError(f"{name}={value} is read only by the DPO losses ({', '.join(DPO_LOSSES)}), "
                                  f"not by loss {self.loss!r}")
             raise ValueError(f"{name}={value} is not defined for loss {self.loss!r}; only for {', '.join(readers)}")
