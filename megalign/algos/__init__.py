@@ -35,11 +35,11 @@ from megalign.algos.preference import (
     cpo_loss,
     dpo_loss,
     dpo_variant_loss,
-    log_sum_sq_probs,
     orpo_loss,
     pair_losses,
     reward_model_loss,
     simpo_loss,
+    wpo_token_logps,
     wpo_weights,
 )
 from megalign.algos.policy_losses import POLICY_LOSSES, cispo_loss, gspo_loss, ppo_loss, select_policy_loss
@@ -52,8 +52,8 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "discounted_returns", "estimator", "reinforce_plus_plus",
     "POLICY_LOSSES", "cispo_loss", "gspo_loss", "ppo_loss", "select_policy_loss",
     "DPO_LOSSES", "DPO_VARIANTS", "DPOLoss", "ORPO_MAX_AVG_LOGP", "PAIR_LOSSES", "PairLogps", "PairLoss",
-    "PreferenceAlgoConfig", "PreferenceStats", "cpo_loss", "dpo_loss", "dpo_variant_loss", "log_sum_sq_probs",
-    "orpo_loss", "pair_losses", "reward_model_loss", "simpo_loss", "wpo_weights",
+    "PreferenceAlgoConfig", "PreferenceStats", "cpo_loss", "dpo_loss", "dpo_variant_loss",
+    "orpo_loss", "pair_losses", "reward_model_loss", "simpo_loss", "wpo_token_logps", "wpo_weights",
     "KTO_WEIGHT_RATIO_RANGE", "KTOStats", "check_kto_weight_ratio", "kto_loss", "kto_loss_at", "kto_reference_point",
     "kto_weight_ratio",
     "IGNORE_INDEX", "PRMStats", "math_shepherd_labels", "prm_loss", "prm_token_loss",

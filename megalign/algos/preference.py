@@ -49,8 +49,8 @@ variants of TRL's DPOTrainer (`DPO_VARIANTS`, `dpo_variant_loss`; summed log-pro
 
 WPO (Zhou et al. 2024, arXiv 2406.11827) weights any of these per pair (`weights` of `dpo_loss` and
 `dpo_variant_loss`, from `wpo_weights`): w = min(1, exp(a_w + a_l)), a = the response's token mean of
-log p(y_t) - log sum_v p_v^2 (eq. 3, the probability-adjusted log-prob; `log_sum_sq_probs` gives the
-second term from the LM head, vocab-parallel), treated as a constant as in TRL (`use_weighting`).
+log p(y_t) - log sum_v p_v^2 (eq. 3, the probability-adjusted log-prob, from the LM head by
+`wpo_token_logps`, vocab-parallel), treated as a constant as in TRL (`use_weighting`).
 
 The implicit rewards of the stats are beta (log pi(y) - log pi_ref(y)) on the log-probs the loss
 used (token averages for "ipo"), as TRL's DPOTrainer reports them.
@@ -334,7 +334,7 @@ def wpo_weights(chosen_adjusted: torch.Tensor, rejected_adjusted: torch.Tensor, 
 
     Args:
         chosen_adjusted, rejected_adjusted: [B] the sums A of the policy's probability-adjusted token log-probs
-            (log sum_v p_v^2 from `log_sum_sq_probs`); chosen_lengths, rejected_lengths: [B] token counts n.
+            (`wpo_token_logps`) over each response; chosen_lengths, rejected_lengths: [B] token counts n.
     """
     aw, al, nw, nl = as_vectors(chosen_adjusted=chosen_adjusted, rejected_adjusted=rejected_adjusted,
                                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
@@ -342,40 +342,53 @@ def wpo_weights(chosen_adjusted: torch.Tensor, rejected_adjusted: torch.Tensor, 
 
 
 @torch.no_grad()
-def log_sum_sq_probs(hidden: torch.Tensor, weight_shard: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                     vocab_start: int = 0, vocab_size: Optional[int] = None, chunk_size: int = 1024) -> torch.Tensor:
-    """log sum_v p_v^2 [N] of p = softmax(hidden @ W^T) per token, WPO's adjustment, without the [N, V] logits.
+def wpo_token_logps(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor,
+                    group: Optional[dist.ProcessGroup] = None, vocab_start: int = 0, vocab_size: Optional[int] = None,
+                    chunk_size: int = 1024) -> torch.Tensor:
+    """WPO's probability-adjusted token log-probs [N], log p(y_t) - log sum_v p_v^2 of p = softmax(hidden @ W^T)
+    (Zhou et al. 2024, eq. 3), without the [N, V] logits and without gradient (TRL's weights are constants).
 
-    log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z). Each rank reduces its vocabulary shard, chunk by chunk
-    ([chunk_size, Vs] logits at a time, in fp32), to (logsumexp z, logsumexp 2z) [N, 2]; at tp > 1 one
-    all-gather of those partials and a logsumexp over the ranks give the full-vocabulary values on every rank.
-    The fused head (`fused_linear_token_logprob`) reduces to (max, sum e^(z - max), z_target, entropy term),
-    which has no sum of e^(2z): this is one more forward-only pass over the head (no gradient, as TRL's).
+    With Z1 = logsumexp(z) and Z2 = logsumexp(2 z): log p(y) = z_y - Z1 and log sum_v p_v^2 = Z2 - 2 Z1, so the
+    term is z_y + Z1 - Z2. Each rank reduces its vocabulary shard, chunk by chunk ([chunk_size, Vs] logits at a
+    time, matmul in the weight's dtype, reductions in fp32), to (Z1, Z2, z_y) partials [N, 3] (z_y = -inf where
+    y is not in the shard); at tp > 1 one all-gather of those and a logsumexp over the ranks merge all three.
+    The fused head (`fused_linear_token_logprob`) keeps (max, sum e^(z - max), z_y, entropy term) and no sum of
+    e^(2z), so this is one more forward-only pass over the head, taken only by WPO.
 
     Args:
-        hidden: [N, H] final hidden states (replicated over `group`); weight_shard: [Vs, H] this rank's LM-head rows,
-            global ids [vocab_start, vocab_start + Vs); group: the tensor-parallel group (None: tp = 1).
+        hidden: [N, H] final hidden states (replicated over `group`); targets: [N] global token ids.
+        weight_shard: [Vs, H] this rank's LM-head rows, global ids [vocab_start, vocab_start + Vs).
+        group: the tensor-parallel group (None: tp = 1).
         vocab_size: the real vocabulary (rows at ids >= vocab_size are padding, excluded); None: Vs * tp.
+
+    Returns: [N] fp32 (fp64 for fp64 hidden states), the same on every rank of `group`.
     """
     if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
-        raise ValueError(f"log_sum_sq_probs: need hidden [N, H] and weight_shard [Vs, H], got hidden "
+        raise ValueError(f"wpo_token_logps: need hidden [N, H] and weight_shard [Vs, H], got hidden "
                          f"{tuple(hidden.shape)} and weight_shard {tuple(weight_shard.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"wpo_token_logps: targets must be [N] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
     if chunk_size < 1:
-        raise ValueError(f"log_sum_sq_probs: chunk_size must be >= 1, got {chunk_size}")
+        raise ValueError(f"wpo_token_logps: chunk_size must be >= 1, got {chunk_size}")
     tp = 1 if group is None else dist.get_world_size(group)
     if vocab_size is None:
         vocab_size = weight_shard.shape[0] * tp
     rows = weight_shard[:max(0, min(weight_shard.shape[0], vocab_size - vocab_start))]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    partials = hidden.new_full((hidden.shape[0], 2), float("-inf"), dtype=acc)
+    partials = hidden.new_full((hidden.shape[0], 3), float("-inf"), dtype=acc)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < rows.shape[0])
     for start in range(0, hidden.shape[0] if rows.shape[0] else 0, chunk_size):
-        z = (hidden[start:start + chunk_size] @ rows.t()).to(acc)
-        partials[start:start + chunk_size] = torch.stack([z.logsumexp(-1), (2 * z).logsumexp(-1)], -1)
+        end = start + chunk_size
+        z = (hidden[start:end].to(rows.dtype) @ rows.t()).to(acc)
+        z_y = z.gather(1, local[start:end].clamp(0, rows.shape[0] - 1)[:, None]).squeeze(1)
+        partials[start:end] = torch.stack([z.logsumexp(-1), (2 * z).logsumexp(-1),
+                                           z_y.masked_fill(~mine[start:end], float("-inf"))], -1)
     if tp > 1:
         gathered = partials.new_empty((tp, *partials.shape))
         dist.all_gather(list(gathered.unbind(0)), partials, group=group)
         partials = gathered.logsumexp(0)
-    return partials[:, 1] - 2 * partials[:, 0]
+    return partials[:, 2] + partials[:, 0] - partials[:, 1]
 
 
 def _averages(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from parallel.dist_utils import run_distributed
 
 from megalign.algos import (DPO_VARIANTS, PAIR_LOSSES, PairLogps, PreferenceAlgoConfig, dpo_loss, dpo_variant_loss,
-                            log_sum_sq_probs, pair_losses, wpo_weights)
+                            pair_losses, wpo_token_logps, wpo_weights)
 
 LN3 = math.log(3.0)
 
@@ -227,8 +227,8 @@ def trl_wpo_weights(logits, labels, loss_mask, num_examples):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_wpo_weights_from_the_head_match_trl(dtype):
-    # 3 pairs, T = 5, V = 11, H = 6: the head's log sum p^2 on the response tokens, summed per row, through
-    # wpo_weights, equals TRL's formula on the full logits. Scaled hidden states keep some weights below 1.
+    # 3 pairs, T = 5, V = 11, H = 6: the head's adjusted log-probs of the response tokens, summed per row, through
+    # wpo_weights, equal TRL's formula on the full logits. Scaled hidden states keep some weights below 1.
     g = torch.Generator().manual_seed(8)
     hidden = torch.randn(6, 5, 6, generator=g, dtype=dtype) * 2
     weight = torch.randn(11, 6, generator=g, dtype=dtype)
@@ -238,39 +238,58 @@ def test_wpo_weights_from_the_head_match_trl(dtype):
     mask[1, 4] = mask[4, 3:] = 0  # padding
     expected = trl_wpo_weights(hidden @ weight.t(), labels, mask, 3)
     rows, cols = mask.nonzero(as_tuple=True)
-    h = hidden[rows, cols]
-    token_logp = (h @ weight.t()).log_softmax(-1).gather(1, labels[rows, cols, None]).squeeze(1)
-    adjusted = torch.zeros(6, dtype=dtype).index_add(0, rows, token_logp - log_sum_sq_probs(h, weight, chunk_size=4))
+    terms = wpo_token_logps(hidden[rows, cols], weight, labels[rows, cols], chunk_size=4)
+    adjusted = torch.zeros(6, dtype=dtype).index_add(0, rows, terms)
     lengths = mask.sum(1)
     got = wpo_weights(adjusted[:3], adjusted[3:], lengths[:3], lengths[3:])
-    torch.testing.assert_close(got, expected.to(got.dtype))
-    assert (got < 1).any()
+    assert terms.dtype == dtype
+    torch.testing.assert_close(got, expected)
+    assert (got < 1).any() and (got > 0).all()
 
 
-def test_log_sum_sq_probs_excludes_vocab_padding():
+def adjusted_by_hand(h, w, targets):
+    """log p(y) - log sum_v p_v^2 from the full softmax over the rows of w."""
+    probs = (h @ w.t()).softmax(-1)
+    return probs.gather(1, targets[:, None]).squeeze(1).log() - probs.pow(2).sum(-1).log()
+
+
+def test_wpo_token_logps_excludes_vocab_padding():
     g = torch.Generator().manual_seed(9)
     h, w = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randn(10, 4, generator=g, dtype=torch.float64)
     w[8:] = 50.0  # padding rows with huge logits: they must not count
-    probs = (h @ w[:8].t()).softmax(-1)
-    torch.testing.assert_close(log_sum_sq_probs(h, w, vocab_size=8, chunk_size=3), probs.pow(2).sum(-1).log())
+    targets = torch.tensor([0, 7, 3, 3, 5, 1, 6])
+    torch.testing.assert_close(wpo_token_logps(h, w, targets, vocab_size=8, chunk_size=3),
+                               adjusted_by_hand(h, w[:8], targets))
 
 
-def _tp2_log_sum_sq(h, w, expected):
+def test_wpo_token_logps_bf16_head_reduces_in_fp32():
+    g = torch.Generator().manual_seed(11)
+    h, w = torch.randn(5, 8, generator=g), torch.randn(12, 8, generator=g)
+    targets = torch.randint(0, 12, (5,), generator=g)
+    got = wpo_token_logps(h.bfloat16(), w.bfloat16(), targets)
+    assert got.dtype == torch.float32
+    expected = adjusted_by_hand(h.bfloat16().float(), w.bfloat16().float(), targets)
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)  # the logits are rounded to bf16
+
+
+def _tp2_wpo_token_logps(h, w, targets, expected):
     rank = dist.get_rank()
     shard = w[rank * 5:(rank + 1) * 5]  # V_pad = 10 over 2 ranks, real vocabulary 9: rank 1's last row is padding
-    got = log_sum_sq_probs(h, shard, dist.group.WORLD, vocab_start=rank * 5, vocab_size=9, chunk_size=2)
+    got = wpo_token_logps(h, shard, targets, dist.group.WORLD, vocab_start=rank * 5, vocab_size=9, chunk_size=2)
     torch.testing.assert_close(got, expected)
 
 
-def test_log_sum_sq_probs_tp2_equals_the_whole_vocabulary():
+def test_wpo_token_logps_tp2_equals_the_whole_vocabulary():
     g = torch.Generator().manual_seed(10)
     h, w = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(10, 4, generator=g, dtype=torch.float64)
-    expected = (h @ w[:9].t()).softmax(-1).pow(2).sum(-1).log()
-    run_distributed(_tp2_log_sum_sq, h, w, expected, world_size=2)
+    targets = torch.tensor([0, 4, 5, 8, 2])  # on both shards
+    run_distributed(_tp2_wpo_token_logps, h, w, targets, adjusted_by_hand(h, w[:9], targets), world_size=2)
 
 
-def test_log_sum_sq_probs_shape_errors():
+def test_wpo_token_logps_shape_errors():
     with pytest.raises(ValueError, match="need hidden"):
-        log_sum_sq_probs(torch.zeros(2, 3), torch.zeros(4, 5))
+        wpo_token_logps(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets must be"):
+        wpo_token_logps(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_size"):
-        log_sum_sq_probs(torch.zeros(2, 3), torch.zeros(4, 3), chunk_size=0)
+        wpo_token_logps(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), chunk_size=0)
