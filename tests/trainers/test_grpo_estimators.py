@@ -1,17 +1,19 @@
-"""The GRPO trainer with each new option (REINFORCE++ estimators, CISPO, GSPO) and PPO with CISPO / GSPO: a few steps
-on the tiny policy that run with finite metrics, and config errors that name the bad value."""
+"""The GRPO trainer with each new option (REINFORCE++ estimators, CISPO, GSPO): its first update against the
+estimator's and the loss's formulas written out here on transformers' `LlamaForCausalLM`; PPO with CISPO / GSPO: a
+few steps with finite metrics; config errors that name the bad value."""
 import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import tiny_config, tiny_policy
+from trainers.grpo_helpers import record_batches, tiny_config, tiny_policy, train_replayed
 from trainers.helpers import metric_rows
 from trainers.test_ppo_trainer import tiny_ppo_config
 
 from megalign.algos.registry import get as get_algorithm
 from megalign.config import ConfigError
-from megalign.trainers.grpo import GRPOTrainer, train_grpo
+from megalign.trainers.grpo import GRPOTrainer
 from megalign.trainers.ppo import train_ppo
 
 
@@ -32,25 +34,101 @@ def _check_finite(rows, steps=2):
         assert row["actor/grad_norm"] > 0  # an update happened
 
 
-def _grpo(policy, run_dir, *overrides):
-    train_grpo(tiny_config(policy, run_dir, "export_hf=false", *overrides))
+# One update of the whole batch, old log-probs recomputed by the actor: every importance ratio is 1 (to rounding), so the
+# update is the gradient of the surrogate at ratio 1 and the actor is still the reference (KL 0 in the reward).
+ONE_UPDATE = ("steps=1", "algo.mini_batches=1", "algo.ppo_epochs=1", "rollout.old_logprobs=recompute", "export_hf=false")
+
+
+def _record_and_train(policy, run_dir, batch_file, *overrides):
+    """Sample and score one global batch, save it, then train one step on it (so the test sees the batch trained on)."""
+    record_batches(GRPOTrainer(tiny_config(policy, f"{run_dir}_record", *overrides)), 1, batch_file)
+    train_replayed(GRPOTrainer, tiny_config(policy, run_dir, *overrides), batch_file)
+
+
+def _group_normalised(rewards, group_size, eps=1e-6):
+    """GRPO's (r - mean) / (std + eps) per group of `group_size`, unbiased std; [N] float64."""
+    r = rewards.double().view(-1, group_size)
+    d = r - r.mean(-1, keepdim=True)
+    std = r.std(-1, keepdim=True)
+    return torch.where(d == 0, 0.0, d / (std + eps)).view(-1)
+
+
+def _reinforce_plus_plus(rewards, mask, group_size, gamma, baseline):
+    """REINFORCE++ (Hu et al. 2025, eq. 3-5) with no KL (the actor is the reference): the score (minus its group's mean
+    for the baseline variant) at each response's last valid token, returns G_t = r_t + gamma G_t+1 over the valid
+    tokens, whitened over every valid token of the batch (unbiased variance, 1e-8 inside the root); [N, R] float64."""
+    scores = rewards.double()
+    if baseline:
+        scores = scores - scores.view(-1, group_size).mean(-1).repeat_interleave(group_size)
+    returns = torch.zeros(mask.shape, dtype=torch.float64)
+    for i in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[i, t] != 0]
+        g = 0.0
+        for k, t in enumerate(reversed(valid)):
+            g = (scores[i].item() if k == 0 else 0.0) + gamma * g
+            returns[i, t] = g
+    m = mask != 0
+    mean, var = returns[m].mean(), returns[m].var()
+    return torch.where(m, (returns - mean) / torch.sqrt(var + 1e-8), 0.0)
+
+
+def _surrogate_at_ratio_one(policy, batch, advantages, policy_loss):
+    """(loss, gradient norm) of the first update by the papers' formulas on transformers' model of the same checkpoint.
+
+    With old = logp.detach() the ratios are exactly 1, inside every clip range, so
+      ppo (token-mean):            -sum_t A_t r_t / tokens
+      cispo (token-mean):          -sum_t sg(min(r_t, 1 + eps_high)) A_t logp_t / tokens   (Chen et al. 2025, eq. 4-5)
+      gspo (seq-mean-token-mean):  -mean_i s_i A_i, s_i = exp(mean_t (logp_t - old_t))   (Zheng et al. 2025, eq. 5-7)
+    """
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(policy, torch_dtype=torch.float32)
+    model.model.embed_tokens.padding_idx = None  # megalign trains the pad row (a random policy samples the pad id)
+    ids, attention, mask = batch.sequences, batch.attention_mask, batch.response_mask
+    R = mask.shape[1]
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -R - 1:-1]
+    logp = logits.log_softmax(-1).gather(-1, ids[:, -R:, None])[..., 0]
+    adv = advantages.float()
+    ratio = torch.exp(logp - logp.detach())
+    if policy_loss == "ppo":
+        loss = -(adv * ratio * mask).sum() / mask.sum()
+    elif policy_loss == "cispo":
+        loss = -(ratio.detach().clamp(max=1.28) * adv * logp * mask).sum() / mask.sum()
+    else:
+        seq_ratio = torch.exp(((logp - logp.detach()) * mask).sum(-1) / mask.sum(-1).clamp(min=1))
+        loss = -(seq_ratio * adv[:, 0]).mean()
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
+    return float(loss), norm
 
 
 @pytest.mark.parametrize("overrides", [
     ("algo.advantage=reinforce_plus_plus", "algo.gamma=0.9"),
     ("algo.advantage=reinforce_plus_plus_baseline",),
-    ("algo.policy_loss=cispo", "algo.ppo_epochs=2"),
-    ("algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean", "algo.ppo_epochs=2"),
+    ("algo.policy_loss=cispo",),
+    ("algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean"),
 ], ids=["reinforce_plus_plus", "reinforce_plus_plus_baseline", "cispo", "gspo"])
-def test_grpo_option_runs(policy, tmp_path, overrides):
-    run_distributed(_grpo, policy, str(tmp_path), *overrides, world_size=1)
-    rows = _rows(str(tmp_path))
-    _check_finite(rows)
+def test_grpo_option_first_update_equals_the_formulas(policy, tmp_path, overrides):
+    batch_file = str(tmp_path / "batch.pt")
+    run_distributed(_record_and_train, policy, str(tmp_path / "run"), batch_file, *ONE_UPDATE, *overrides,
+                    world_size=1)
+    (row,) = _rows(str(tmp_path / "run"))
+    batch = torch.load(batch_file, weights_only=False)[0]
+    G, mask = batch.group_size, batch.response_mask
     if "reinforce" in overrides[0]:
-        assert rows[-1]["actor/kl"] > 0  # the reference was built for the KL in the reward
-    if "policy_loss=gspo" in overrides[0]:
-        # the second epoch moved the policy: a sequence ratio left the paper's tiny range and was clipped
-        assert rows[-1]["actor/clip_frac"] > 0
+        gamma = 0.9 if "algo.gamma=0.9" in overrides else 1.0
+        advantages = _reinforce_plus_plus(batch.rewards, mask, G, gamma, baseline="baseline" in overrides[0])
+        # the reference was built for the reward's KL, and at the first update it is the actor: k3 = 0
+        assert row["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    else:
+        advantages = _group_normalised(batch.rewards, G)[:, None] * mask
+    assert float(advantages.abs().sum()) > 0, batch.rewards  # the update has something to learn from
+    policy_loss = overrides[0].split("=")[1] if overrides[0].startswith("algo.policy_loss") else "ppo"
+    loss, norm = _surrogate_at_ratio_one(policy, batch, advantages, policy_loss)
+    assert row["actor/loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
+    assert row["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert row["actor/clip_frac"] == 0 and row["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_reference_only_when_the_reward_kl_is_on(policy, tmp_path):
@@ -61,7 +139,8 @@ def test_reference_only_when_the_reward_kl_is_on(policy, tmp_path):
         return built
     assert roles("algo.advantage=reinforce_plus_plus")
     assert not roles("algo.advantage=reinforce_plus_plus", "algo.kl_coef=0")
-    assert not roles("algo.advantage=grpo")  # kl_coef is the reward's; the group estimators have none
+    assert not roles("algo.advantage=grpo")  # the group estimators' KL is in the loss, 0 unless set
+    assert roles("algo.advantage=grpo", "algo.kl_coef=0.04")
 
 
 def _ppo(policy, run_dir, *overrides):
