@@ -91,7 +91,7 @@ class MegalignSide:
         from megalign.trainers.cli import init_distributed
         from megalign.trainers.evaluation import EvalConfig
         from megalign.trainers.grpo import AlgoConfig, GRPOConfig, GRPOTrainer
-        from megalign.trainers.online import ActorConfig, PromptDataConfig, RolloutConfig
+        from megalign.trainers.online_config import ActorConfig, PromptDataConfig, RolloutConfig
         from megalign.trainers.optim import OptimConfig
 
         init_distributed("cpu")
@@ -102,7 +102,7 @@ class MegalignSide:
             data=PromptDataConfig(tokenizer=TokenizerConfig(kind="hf", path=model_dir), shuffle=False),
             rollout=RolloutConfig(group_size=s.group, prompts_per_step=s.prompts, temperature=1.0, top_p=1.0,
                                   max_response_length=s.max_new, old_logprobs="rollout"),
-            algo=AlgoConfig(eps_low=0.2, eps_high=None, beta=beta, loss_agg="token-mean", advantage="grpo",
+            algo=AlgoConfig(eps_low=0.2, eps_high=None, kl_coef=beta, loss_agg="token-mean", advantage="grpo",
                             dynamic_sampling=False, overlong="none", mini_batches=1, ppo_epochs=1, micro_batch_size=n),
             optim=OptimConfig(lr=s.lr, warmup_steps=0, schedule="constant", weight_decay=0.0, betas=(0.9, 0.95),
                               grad_clip=1.0),

@@ -9,7 +9,9 @@ Design choices:
   loader re-raises them as `ConfigError` prefixed with the dotted key of the section.
 - Loading is strict, never dict-like: an unknown key (in the YAML or an override) is an error that
   names the full dotted key and lists the valid keys at that level; a value of the wrong type names
-  the key and the expected type. Nothing is silently ignored or given a hidden default.
+  the key and the expected type. Nothing is silently ignored or given a hidden default. A section's
+  `RENAMED = {old key: what to write instead}` (a class attribute) turns an old key into an error
+  that says so, so configs written before a rename fail with the new key's name.
 - Every `ConfigError` of `load_config` is one line that starts with where the value came from:
   `config file 'x.yaml' line 3: ...` for a key set in the file, `override 'optim.lr=2': ...` for one
   set on the command line (`ConfigError.key` holds the dotted key). A check of a whole section names
@@ -84,8 +86,11 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
 
 
-def _unknown_key(key: str, prefix: str, valid: Sequence[str]) -> ConfigError:
+def _unknown_key(key: str, prefix: str, valid: Sequence[str], cls: Any = None) -> ConfigError:
     full = _join(prefix, key)
+    renamed = getattr(cls, "RENAMED", {}).get(key)
+    if renamed is not None:
+        return ConfigError(f"config key '{full}' was renamed: {renamed}", key=full)
     where = f"under '{prefix}'" if prefix else "at the top level"
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean '{_join(prefix, close[0])}'?)" if close else ""
@@ -177,7 +182,7 @@ def _from_dict(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
     fields = _fields(cls)
     for key in data:
         if key not in fields:
-            raise _unknown_key(str(key), prefix, list(fields))
+            raise _unknown_key(str(key), prefix, list(fields), cls)
     kwargs = {}
     for name, (f, tp) in fields.items():
         full = _join(prefix, name)
@@ -234,7 +239,7 @@ def _apply_override(cls: type, data: dict, override: str) -> str:
     for depth, part in enumerate(parts):
         fields = _fields(node_cls)
         if part not in fields:
-            raise _unknown_key(part, prefix, list(fields))
+            raise _unknown_key(part, prefix, list(fields), node_cls)
         tp = fields[part][1]
         prefix = _join(prefix, part)
         if depth == len(parts) - 1:

@@ -12,7 +12,7 @@ Design choices:
   imports them at import time (`import megalign.algos` stays as light as its losses).
 - Roles: every algorithm trains one model (`actor` / `model`); whether it has a critic and a reward
   role (rollouts scored by verifiers and reward models) is fixed per algorithm; whether the frozen
-  reference exists depends on the config (GRPO's beta or REINFORCE++'s reward KL, PPO's KL, DPO's
+  reference exists depends on the config (GRPO's and REINFORCE++'s kl_coef, PPO's KL, DPO's
   reference-free losses), so an entry names the config attribute that says so, the same one its
   trainer reads: planner and trainer cannot disagree.
 - A YAML names its algorithm with the top-level key `algorithm`, which every config class declares

@@ -9,8 +9,8 @@ on 2 of the G samples of a prompt, so the update's activations are over-estimate
 (the reward tokens are read on the LM head of a trained causal LM).
 
 What maps: role tp / pp / dtype / offload switches, the reference when the registry says the run
-builds it (`Algorithm.needs_reference`: the config attribute the trainer reads, e.g. GRPO's beta or
-REINFORCE++'s reward KL), the critic of PPO, the reward model when `reward.model` or
+builds it (`Algorithm.needs_reference`: the config attribute the trainer reads, e.g. the KL coefficient
+of GRPO, REINFORCE++ and PPO), the critic of PPO, the reward model when `reward.model` or
 `reward.models` is set (the first one only), prompts and responses (online:
 data.max_prompt_length and rollout.max_response_length; supervised: data.max_length, all of it
 scored), G, prompts per step, mini-batches, the micro-batch (online: algo.micro_batch_size;

@@ -45,10 +45,11 @@ from megalign.data.tokenizer import Tokenizer, TokenizerConfig
 from megalign.models import from_pretrained
 from megalign.parallel import ParallelLayout
 from megalign.rewards.math import extract_answer, math_accuracy, normalize_answer
+from megalign.roles.reward import step_probs
+from megalign.roles.reward_exports import load_prm_info
 from megalign.rollout.generate import SamplingParams, generate
 from megalign.trainers.base import check_model_path
 from megalign.trainers.evaluation import left_pad
-from megalign.trainers.prm import load_prm_info, step_probs
 
 logger = logging.getLogger(__name__)
 

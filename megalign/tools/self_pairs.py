@@ -39,9 +39,10 @@ from megalign.models import from_pretrained
 from megalign.parallel import ParallelLayout
 from megalign.rewards import get_reward
 from megalign.rollout.generate import SamplingParams
-from megalign.trainers.base import check_model_path, resolve_device
 from megalign.trainers.evaluation import generate_responses
-from megalign.trainers.online import PromptDataConfig, prompt_datasets
+from megalign.trainers.model_checks import check_model_path
+from megalign.trainers.online_config import PromptDataConfig, prompt_datasets
+from megalign.trainers.run_config import resolve_device
 
 logger = logging.getLogger(__name__)
 

@@ -27,76 +27,52 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
 from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
-from megalign.algos.aggregation import LOSS_AGGREGATIONS
 from megalign.algos.grpo import informative_groups, overlong_mask, overlong_penalty
-from megalign.algos.ppo import KL_IN_REWARD
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.parallel.collectives import all_reduce_count
-from megalign.trainers.base import TrainResult
-from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
-from megalign.trainers.optim import lr_at
+from megalign.rollout import RolloutBatch
+from megalign.trainers.base import MetricSums, TrainResult
+from megalign.trainers.online import OnlineTrainer
+from megalign.trainers.online_config import OnlineConfig, UpdateSchedule
+from megalign.trainers.policy_gradient import PolicyGradient
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class AlgoConfig(PolicyLossOptions):
-    """The objective: policy loss, clipping, KL, loss aggregation, advantages, dynamic sampling, overlong handling, epochs."""
+class AlgoConfig(PolicyLossOptions, UpdateSchedule):
+    """The objective: the update schedule, policy loss and KL (shared with PPO), advantages, dynamic sampling,
+    overlong handling."""
 
-    eps_low: float = option(0.2, doc="lower clip: ratio >= 1 - eps_low")
-    eps_high: Optional[float] = option(None, doc="upper clip, ratio <= 1 + eps_high (DAPO's clip-higher, e.g. 0.28); null: eps_low")
-    dual_clip: Optional[float] = option(None, doc="dual-clip bound c > 1 for negative advantages (Ye et al. 2020); null: off")
-    beta: float = option(0.0, doc="k3 KL coefficient against the reference (a loss term); 0 with no reward KL skips the reference role")
-    loss_agg: str = option("token-mean", doc=f"loss aggregation: {', '.join(LOSS_AGGREGATIONS)}")
     advantage: str = option("grpo", doc=f"advantage estimator: {', '.join(ADVANTAGE_ESTIMATORS)}")
     advantage_eps: float = option(1e-6, doc="added to the group std (grpo mode)")
-    kl_coef: float = option(0.01, doc="reinforce_plus_plus*: -kl_coef * KL_t in the per-token reward (OpenRLHF's "
-                                      "default); 0: no reference for it; the group estimators ignore it")
-    kl_estimator: str = option("k1", doc=f"reinforce_plus_plus*: the KL_t of the reward, one of {', '.join(KL_IN_REWARD)}")
     gamma: float = option(1.0, doc="reinforce_plus_plus*: discount of the returns G_t = r_t + gamma G_t+1")
     dynamic_sampling: bool = option(False, doc="drop groups whose rewards are all equal and generate more (DAPO)")
     max_sampling_rounds: int = option(3, doc="dynamic sampling: generation rounds per step at most")
     overlong: Literal["none", "mask", "penalty"] = option(
         "none", doc="responses cut at max_response_length: keep, mask out of the loss, or DAPO's soft length penalty")
     overlong_buffer: int = option(4, doc="penalty: tokens before the limit over which the penalty ramps to -1")
-    mini_batches: int = option(1, doc="optimizer updates per epoch over the step's responses")
-    ppo_epochs: int = option(1, doc="passes over the step's responses")
-    micro_batch_size: int = option(64, doc="responses per forward on each rank (gradient accumulation)")
 
     def __post_init__(self):
-        if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise ValueError(f"loss_agg must be one of {list(LOSS_AGGREGATIONS)}, got {self.loss_agg!r}")
-        if self.beta < 0 or self.eps_low < 0 or (self.eps_high is not None and self.eps_high < 0):
-            raise ValueError("beta, eps_low and eps_high must be >= 0")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        estimator(self.advantage)
-        if self.kl_estimator not in KL_IN_REWARD:
-            raise ValueError(f"kl_estimator must be one of {list(KL_IN_REWARD)}, got {self.kl_estimator!r}")
-        if not self.kl_coef >= 0 or not 0 <= self.gamma <= 1:
-            raise ValueError(f"kl_coef must be >= 0 and gamma in [0, 1], got kl_coef={self.kl_coef}, gamma={self.gamma}")
-        self.check_policy_loss()
-        for name in ("max_sampling_rounds", "overlong_buffer", "mini_batches", "ppo_epochs", "micro_batch_size"):
+        UpdateSchedule.__post_init__(self)
+        self.check_policy_loss(token_rewards=estimator(self.advantage).token_kl)
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+        for name in ("max_sampling_rounds", "overlong_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
-    def reward_kl(self) -> bool:
-        """Whether the advantage estimator puts -kl_coef * KL_t in the per-token reward."""
-        return estimator(self.advantage).token_kl and self.kl_coef > 0
-
-    @property
     def uses_reference(self) -> bool:
-        """Whether a run builds the reference: the k3 loss term (beta) or the reward's KL (the registry reads this too)."""
-        return self.beta > 0 or self.reward_kl
+        """Whether a run builds the reference: any KL, in the loss or the reward (the registry reads this too)."""
+        return self.kl_beta > 0
 
 
 @dataclasses.dataclass
@@ -110,7 +86,7 @@ class GRPOConfig(OnlineConfig):
     algo: AlgoConfig = option(AlgoConfig(), doc="objective")
 
 
-class GRPOTrainer(OnlineTrainer):
+class GRPOTrainer(PolicyGradient, OnlineTrainer):
     """GRPO on the online trainer (module doc)."""
 
     name = "GRPO"
@@ -119,82 +95,44 @@ class GRPOTrainer(OnlineTrainer):
         return self.cfg.algo.uses_reference
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
-        if self.cfg.algo.overlong == "penalty":
+        algo = self.cfg.algo
+        if algo.overlong == "penalty":
             batch.rewards = batch.rewards + overlong_penalty(batch.lengths, self.cfg.rollout.max_response_length,
-                                                             self.cfg.algo.overlong_buffer)
+                                                             algo.overlong_buffer)
+        elif algo.overlong == "mask":
+            batch.response_mask = overlong_mask(batch.response_mask, batch.finished)
 
     def keep_groups(self, batch: RolloutBatch) -> torch.Tensor:
         if self.cfg.algo.dynamic_sampling:
-            return informative_groups(batch.rewards, self.cfg.rollout.group_size)
+            return informative_groups(batch.rewards, batch.group_size)
         return super().keep_groups(batch)
 
     def sampling_rounds(self) -> int:
         return self.cfg.algo.max_sampling_rounds if self.cfg.algo.dynamic_sampling else 1
 
-    ACTOR_STATS = ("clipped", "approx_kl", "kl", "entropy", "tokens")
-
-    def actor_loss(self, batch: RolloutBatch):
-        """The micro-batch loss `train_role` runs: GRPO's clipped policy loss [+ beta * KL] and its sums."""
-        cfg, algo = self.cfg, self.cfg.algo
-
-        def loss(rows, hidden=None):  # hidden: the last pipeline stage's output for `rows` at actor.pp > 1
-            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature,
-                                                          hidden=hidden)
-            mask = batch.response_mask[rows]
-            per_token, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask,
-                                                      algo.beta, batch.ref_logp[rows] if batch.ref_logp is not None else None)
-            count = stats.count
-            return per_token, [stats.clip_frac * count, stats.approx_kl * count, stats.kl_mean * count,
-                               (entropy.detach() * mask).sum(), count]
-        return loss
-
-    def train_step(self) -> dict[str, float]:
-        """One GRPO step (module doc); returns its metrics, reduced over ranks."""
-        cfg, algo, dp = self.cfg, self.cfg.algo, self.layout.dp_group
-        self.timer.reset()
-        self.memory.clear()
-        start = time.perf_counter()
-        batch, generated, counts = self.collect()
-        if algo.overlong == "mask":
-            batch.response_mask = overlong_mask(batch.response_mask, batch.finished)
-        if cfg.rollout.old_logprobs == "recompute":
-            with self.phase("old_logprobs", actor=("weights",)):
-                batch.old_logp = self.score_logprobs(self.actor, batch, algo.micro_batch_size)
-        else:
-            batch.old_logp = batch.rollout_logp
-        if self.reference is not None:
-            with self.phase("reference", reference=("weights",)):
-                batch.ref_logp = self.score_logprobs(self.reference, batch, algo.micro_batch_size)
-        in_reward = self.cfg.algo.reward_kl
+    def advantages(self, batch: RolloutBatch) -> None:
+        algo = self.cfg.algo
+        in_reward = algo.kl_where == "reward" and self.reference is not None
         batch.advantages = estimator(algo.advantage).fn(
-            batch.rewards, batch.response_mask, cfg.rollout.group_size, eps=algo.advantage_eps,
+            batch.rewards, batch.response_mask, batch.group_size, eps=algo.advantage_eps,
             logp=batch.old_logp if in_reward else None, ref_logp=batch.ref_logp if in_reward else None,
-            kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, gamma=algo.gamma, group=dp)
-        lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
-        sums = self.rollout_sums(generated)
+            kl_coef=algo.kl_beta, kl_estimator=algo.kl_kind, gamma=algo.gamma, group=self.layout.dp_group)
+
+    def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
         sums.add("dropped_groups", counts["dropped_groups"])
         sums.add("kept_groups", counts["kept_groups"])
-        if algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout.dp_group, self.layout.device) == 0:
-            self.skip_update("empty_updates", "dynamic sampling kept no group with unequal rewards on any rank")
-            for name in ("loss",) + self.ACTOR_STATS:
-                sums.add(f"actor/{name}", 0.0)
-            norms = [torch.zeros(())]
-        else:
-            with self.phase("update", actor=("weights", "optimizer")):
-                norms = self.train_role(self.actor, lr, batch, self.ACTOR_STATS, self.actor_loss(batch), sums, "actor")
-        total = sums.reduce(dp, self.layout.device)
-        tokens = max(total["actor/tokens"], 1.0)
-        updates = algo.ppo_epochs * algo.mini_batches
-        metrics = {
-            "sampling/rounds": counts["rounds"], "sampling/dropped_groups": total["dropped_groups"],
-            "sampling/kept_groups": total["kept_groups"],
-            "actor/loss": total["actor/loss"] / updates, "actor/clip_frac": total["actor/clipped"] / tokens,
-            "actor/approx_kl": total["actor/approx_kl"] / tokens, "actor/entropy": total["actor/entropy"] / tokens,
-            "actor/grad_norm": torch.stack(norms).mean(), "actor/lr": lr,
-        }
-        if self.reference is not None:
-            metrics["actor/kl"] = total["actor/kl"] / tokens
-        return self.step_metrics(total, generated.terms, metrics, start)
+        loss = self.policy_loss(batch, self.cfg.algo.kl_beta)
+        if self.cfg.algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout.dp_group,
+                                                               self.layout.device) == 0:
+            return {"actor": self.skip_role(sums, "actor", loss, "empty_updates",
+                                            "dynamic sampling kept no group with unequal rewards on any rank")}
+        with self.phase("update", actor=("weights", "optimizer")):
+            return {"actor": self.train_role(self.actor, self.lr(), batch, loss, sums, "actor")}
+
+    def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
+                counts: dict[str, float]) -> dict[str, float]:
+        return {"sampling/rounds": counts["rounds"], "sampling/dropped_groups": total["dropped_groups"],
+                "sampling/kept_groups": total["kept_groups"], **self.policy_metrics(total, norms["actor"], self.lr())}
 
 
 def train_grpo(cfg: GRPOConfig) -> TrainResult:

@@ -52,49 +52,41 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Literal, Optional
 
 import torch
 
-from megalign.algos import DPO_LOSSES, dpo_loss
+from megalign.algos.preference import PairLogps, PreferenceAlgoConfig, pair_losses
 from megalign.algos.registry import algorithm_option
 from megalign.config import option
 from megalign.data import IGNORE_INDEX
 from megalign.parallel import Pipeline
 from megalign.parallel.collectives import all_reduce_count
-from megalign.trainers.base import TrainResult
-from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch, RolloutConfig
-from megalign.trainers.optim import lr_at
-from megalign.trainers.preference import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
+from megalign.rollout import RolloutBatch
+from megalign.trainers.base import MetricSums, TrainResult
+from megalign.trainers.online import OnlineTrainer
+from megalign.trainers.updates import RoleLoss
+from megalign.trainers.online_config import OnlineConfig, RolloutConfig, UpdateSchedule, check_pipeline_batch
+from megalign.roles.sequence_logps import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
 
 
 @dataclasses.dataclass
-class OnlineDPOAlgoConfig:
-    """The DPO loss on fresh pairs (defaults as TRL's OnlineDPOConfig) and how the update is split."""
+class OnlineDPOAlgoConfig(PreferenceAlgoConfig, UpdateSchedule):
+    """The pairwise loss on fresh pairs (the offline trainer's losses and defaults, as TRL's OnlineDPOConfig) and the
+    update schedule over the pairs."""
 
-    loss: str = option("sigmoid", doc=f"DPO loss: {', '.join(DPO_LOSSES)} (megalign.algos.preference)")
-    beta: float = option(0.1, doc="beta of the DPO loss (IPO's tau)")
-    label_smoothing: float = option(0.0, doc="sigmoid / robust: assumed rate of flipped labels eps in [0, 0.5)")
-    nll_coef: float = option(0.0, doc="weight of the chosen response's per-token NLL (RPO)")
     missing_eos_penalty: Optional[float] = option(
         None, doc="subtracted from the reward of responses cut at max_response_length before pairing (TRL's); null: off")
-    mini_batches: int = option(1, doc="optimizer updates per epoch over the step's pairs")
-    ppo_epochs: int = option(1, doc="passes over the step's pairs")
     micro_batch_size: int = option(32, doc="pairs per forward on each rank (gradient accumulation)")
 
-    loss_agg = "token-mean"
-    """Not a setting: `train_role` aggregates one unit per pair, so the token mean is the mean over pairs."""
-
     def __post_init__(self):
+        UpdateSchedule.__post_init__(self)
+        PreferenceAlgoConfig.__post_init__(self)
+        if self.loss_agg != "token-mean":
+            raise ValueError(f"loss_agg={self.loss_agg!r}: online DPO has one loss per pair and takes their mean "
+                             f"(token-mean over one unit a pair); leave loss_agg at token-mean")
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             raise ValueError(f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
-        for name in ("mini_batches", "ppo_epochs", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        one = torch.zeros(1)  # the loss checks loss / beta / label_smoothing / nll_coef itself, with its messages
-        dpo_loss(one, one, one, one, loss_type=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
-                 nll_coef=self.nll_coef, chosen_lengths=torch.ones(1), rejected_lengths=torch.ones(1))
 
 
 @dataclasses.dataclass
@@ -150,11 +142,11 @@ class OnlineDPOTrainer(OnlineTrainer):
     name = "Online DPO"
 
     def needs_reference(self) -> bool:
-        return True  # every DPO_LOSSES entry is against the reference
+        return self.cfg.algo.uses_reference
 
     def __init__(self, cfg: OnlineDPOConfig):
         super().__init__(cfg)
-        self.check_pipeline_batch("actor", self.layout, trained=True, per_prompt=1, unit="pairs")
+        check_pipeline_batch(self.cfg, self.layout.dp, "actor", self.layout, trained=True, per_prompt=1, unit="pairs")
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         if self.cfg.algo.missing_eos_penalty is not None:
@@ -190,69 +182,70 @@ class OnlineDPOTrainer(OnlineTrainer):
     STATS = tuple(name.replace("/", "_") for name in TRL_NAMES) + ("pairs",)
     """The sums `train_role` keeps: each TRL metric's total over the pairs, and the pair count."""
 
-    def actor_loss(self, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor, ref: torch.Tensor,
-                   weights: torch.Tensor):
-        """The micro-batch loss `train_role` runs over pair indices: per-pair DPO losses [b, 1] and the sums of `STATS`
-        over the pairs of weight 1 (`weights` [K]: 0 for the tied pairs kept at actor.pp > 1). At pp > 1 it gets the
-        last stage's hidden states [2b, P + R - 1, H] of the interleaved pairs (`pipeline_pairs`)."""
-        algo, layout = self.cfg.algo, self.actor.layout
+    def score(self, batch: RolloutBatch) -> None:
+        """The step's pairs and, for a loss against the reference, the reference's summed log-probs [K, 2] of each
+        (`self.pairs`); the old log-probs are not read (the loss has no importance ratio)."""
+        algo, pipelined = self.cfg.algo, self.layout.pp > 1
+        chosen, rejected, tied = preference_pairs(batch.rewards, batch.group_size, keep_tied=pipelined)
+        weights = (~tied).float() if pipelined else torch.ones(chosen.numel(), device=self.layout.device)
+        ref = None
+        if self.reference is not None:
+            with self.phase("reference", reference=("weights",)), torch.no_grad():
+                mb = algo.micro_batch_size if self.reference.layout.pp == 1 else max(chosen.numel(), 1)
+                ref = torch.cat([self.pair_logps(self.reference, batch, chosen[s:s + mb], rejected[s:s + mb])
+                                 for s in range(0, chosen.numel(), mb)] or [torch.zeros(0, 2, device=self.layout.device)])
+        self.pairs = (chosen, rejected, tied, weights, ref)
 
-        def loss(pairs, hidden=None):
+    def advantages(self, batch: RolloutBatch) -> None:
+        """Nothing: the DPO loss compares the pairs' log-ratios directly."""
+
+    def actor_loss(self, batch: RolloutBatch) -> RoleLoss:
+        """The loss `train_role` runs over pair indices: per-pair DPO losses [b, 1] and the sums of `STATS` over the
+        pairs of weight 1 (0 for the tied pairs kept at actor.pp > 1). At pp > 1 it gets the last stage's hidden
+        states [2b, P + R - 1, H] of the interleaved pairs (`pipeline_pairs`)."""
+        algo, layout = self.cfg.algo, self.actor.layout
+        chosen, rejected, _, weights, ref = self.pairs
+
+        def fn(pairs, hidden=None):
             if hidden is None:
                 logps = self.pair_logps(self.actor, batch, chosen[pairs], rejected[pairs])
             else:
                 rows = pair_batch(batch, chosen[pairs], rejected[pairs], self.cfg.rollout.max_response_length)
                 targets = rows.targets[interleaved_pairs(pairs.numel(), pairs.device)]
                 logps = hidden_sequence_logps(self.actor.model, hidden, targets, layout).view(-1, 2)
-            losses, stats = dpo_loss(logps[:, 0], logps[:, 1], ref[pairs, 0], ref[pairs, 1], loss_type=algo.loss,
-                                     beta=algo.beta, label_smoothing=algo.label_smoothing, nll_coef=algo.nll_coef,
-                                     chosen_lengths=batch.lengths[chosen[pairs]],
-                                     rejected_lengths=batch.lengths[rejected[pairs]])
+            losses, stats = pair_losses(algo, PairLogps(logps[:, 0], logps[:, 1], batch.lengths[chosen[pairs]],
+                                                        batch.lengths[rejected[pairs]],
+                                                        *(ref[pairs].unbind(1) if ref is not None else ())))
             values = stats.metrics(weights[pairs] > 0)
-            return losses[:, None], [values[k].total for k in self.TRL_NAMES] + [values["rewards/chosen"].count]
-        return loss
+            return losses[:, None], {**{stat: values[name].total for name, stat in zip(self.TRL_NAMES, self.STATS)},
+                                     "pairs": values["rewards/chosen"].count}
+        return RoleLoss(fn, self.STATS, units=weights[:, None],
+                        unit_inputs=self.pipeline_pairs(batch, chosen, rejected) if layout.pp > 1 else None)
 
-    def train_step(self) -> dict[str, float]:
-        """One online DPO step (module doc); returns its metrics, reduced over ranks."""
-        cfg, algo, dp = self.cfg, self.cfg.algo, self.layout.dp_group
-        self.timer.reset()
-        self.memory.clear()
-        start = time.perf_counter()
-        batch, generated, _ = self.collect()
-        pipelined = self.layout.pp > 1
-        chosen, rejected, tied = preference_pairs(batch.rewards, cfg.rollout.group_size, keep_tied=pipelined)
-        weights = (~tied).float() if pipelined else torch.ones(chosen.numel(), device=self.layout.device)
-        with self.phase("reference", reference=("weights",)), torch.no_grad():
-            mb = algo.micro_batch_size if self.reference.layout.pp == 1 else max(chosen.numel(), 1)
-            ref = torch.cat([self.pair_logps(self.reference, batch, chosen[s:s + mb], rejected[s:s + mb])
-                             for s in range(0, chosen.numel(), mb)] or [torch.zeros(0, 2, device=self.layout.device)])
-        lr = lr_at(cfg.optim, self.progress["step"], cfg.steps)
-        sums = self.rollout_sums(generated)
+    def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
+        chosen, rejected, tied, _, _ = self.pairs
         sums.add("tied", tied.sum())
         sums.add("score_margin", (batch.rewards[chosen] - batch.rewards[rejected]).double().sum())
+        loss = self.actor_loss(batch)
         if all_reduce_count(int((~tied).sum()), self.layout.dp_group, self.layout.device) == 0:
-            self.skip_update("empty_updates", "every prompt's responses have equal rewards on every rank: no pair")
-            for name in ("loss",) + self.STATS:
-                sums.add(f"actor/{name}", 0.0)
-            norms = [torch.zeros(())]
-        else:
-            with self.phase("update", actor=("weights", "optimizer")):
-                norms = self.train_role(self.actor, lr, batch, self.STATS,
-                                        self.actor_loss(batch, chosen, rejected, ref, weights), sums, "actor",
-                                        units=weights[:, None],
-                                        unit_inputs=self.pipeline_pairs(batch, chosen, rejected) if pipelined else None)
-        total = sums.reduce(dp, self.layout.device)
+            return {"actor": self.skip_role(sums, "actor", loss, "empty_updates",
+                                            "every prompt's responses have equal rewards on every rank: no pair")}
+        with self.phase("update", actor=("weights", "optimizer")):
+            return {"actor": self.train_role(self.actor, self.lr(), batch, loss, sums, "actor")}
+
+    def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
+                counts: dict[str, float]) -> dict[str, float]:
+        algo = self.cfg.algo
         pairs = max(total["actor/pairs"], 1.0)  # over every update's pass
         trained = total["actor/pairs"] / algo.ppo_epochs
-        metrics = {
+        return {
             "val/contain_eos_token": 1.0 - total["unfinished"] / max(total["responses"], 1.0),
             "pairs/trained": trained, "pairs/tied": total["tied"],
             "objective/scores_margin": total["score_margin"] / max(trained, 1.0),
-            "actor/loss": total["actor/loss"] / (algo.ppo_epochs * algo.mini_batches),
+            "actor/loss": total["actor/loss"] / algo.updates,
             **{name: total[f"actor/{stat}"] / pairs for name, stat in zip(self.TRL_NAMES, self.STATS)},
-            "actor/grad_norm": torch.stack(norms).mean(), "actor/lr": lr, "beta": algo.beta,
+            "actor/grad_norm": torch.stack(norms["actor"]).mean(), "actor/lr": self.lr(), "beta": algo.beta_value,
         }
-        return self.step_metrics(total, generated.terms, metrics, start)
 
 
 def train_online_dpo(cfg: OnlineDPOConfig) -> TrainResult:

@@ -53,16 +53,13 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import time
 from typing import Literal, Optional
 
 import torch
 
-from megalign.algos.aggregation import LOSS_AGGREGATIONS
-from megalign.algos.ppo import (KL_IN_REWARD, AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
+from megalign.algos.ppo import (AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
                                 token_rewards, value_loss, whiten)
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.reward_shaping import whiten_scores
@@ -73,13 +70,16 @@ from megalign.models import ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConfig
-from megalign.trainers.base import TrainResult, check_model_path, check_stages
-from megalign.trainers.online import OnlineConfig, OnlineTrainer, RolloutBatch
-from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at
+from megalign.roles.reward_exports import reward_stats
+from megalign.rollout import RolloutBatch
+from megalign.trainers.base import MetricSums, TrainResult, check_model_path, check_stages
+from megalign.trainers.online import OnlineTrainer
+from megalign.trainers.updates import RoleLoss
+from megalign.trainers.online_config import OnlineConfig, UpdateSchedule, check_pipeline_batch
+from megalign.trainers.policy_gradient import PolicyGradient
+from megalign.trainers.optim import OptimConfig, build_optimizer
 
 logger = logging.getLogger(__name__)
-
-KL_IN_LOSS = ("k3", "low_var_kl")
 
 
 @dataclasses.dataclass
@@ -95,60 +95,38 @@ class CriticConfig(TrainedRoleConfig):
 
 
 @dataclasses.dataclass
-class PPOAlgoConfig(PolicyLossOptions):
-    """The objective: policy loss, rewards, KL, GAE, clipping, entropy bonus, warm-up, epochs."""
+class PPOAlgoConfig(PolicyLossOptions, UpdateSchedule):
+    """The objective: the update schedule, policy loss and KL (shared with GRPO), rewards, GAE, value clip,
+    adaptive KL, warm-up."""
 
     gamma: float = option(1.0, doc="GAE discount")
     lam: float = option(0.95, doc="GAE lambda (InstructGPT / TRL; verl and OpenRLHF now default 1.0)")
     whiten_advantages: bool = option(True, doc="whiten the advantages over the whole batch of every dp rank")
-    eps_low: float = option(0.2, doc="policy clip: ratio >= 1 - eps_low")
-    eps_high: Optional[float] = option(None, doc="upper policy clip (clip-higher); null: eps_low")
-    dual_clip: Optional[float] = option(None, doc="dual-clip bound c > 1 for negative advantages; null: off")
     cliprange_value: Optional[float] = option(0.2, doc="value clip around the old values; null: unclipped value loss")
-    entropy_coef: float = option(0.0, doc="entropy bonus: loss -= entropy_coef * entropy per token")
-    kl_coef: float = option(0.05, doc="beta: initial KL coefficient; 0 with no kl_target: no KL and no reference role")
+    kl_coef: float = option(0.05, doc="beta: initial KL coefficient (module doc); 0 with no kl_target: no KL and no "
+                                      "reference role")
     kl_target: Optional[float] = option(None, doc="adaptive KL controller target (Ziegler et al. 2019); null: fixed beta")
     kl_horizon: float = option(10000.0, doc="adaptive KL controller horizon (samples)")
-    kl_in: Literal["reward", "loss"] = option("reward", doc="KL penalty in the per-token reward or as a loss term")
-    kl_estimator: str = option("k1", doc=f"reward: one of {KL_IN_REWARD}; loss: one of {KL_IN_LOSS}")
     reward_normalize: bool = option(False, doc="normalise each outcome reward model's score with its own reward_stats.json "
                                                "(not the gated pair's, module doc)")
     reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
     critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
-    loss_agg: str = option("token-mean", doc=f"loss aggregation of both roles: {', '.join(LOSS_AGGREGATIONS)}")
-    mini_batches: int = option(1, doc="optimizer updates per epoch over the step's responses (each role)")
-    ppo_epochs: int = option(1, doc="passes over the step's responses")
-    micro_batch_size: int = option(64, doc="responses per forward on each rank (gradient accumulation)")
 
     def __post_init__(self):
-        if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise ValueError(f"loss_agg must be one of {list(LOSS_AGGREGATIONS)}, got {self.loss_agg!r}")
-        allowed = KL_IN_REWARD if self.kl_in == "reward" else KL_IN_LOSS
-        if self.kl_estimator not in allowed:
-            raise ValueError(f"kl_estimator must be one of {list(allowed)} with kl_in={self.kl_in!r}, got {self.kl_estimator!r}")
-        for name in ("kl_coef", "eps_low", "entropy_coef", "critic_warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.eps_high is not None and self.eps_high < 0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if self.cliprange_value is not None and not self.cliprange_value > 0:
-            raise ValueError(f"cliprange_value must be > 0 or null, got {self.cliprange_value}")
-        if self.reward_clip is not None and not self.reward_clip > 0:
-            raise ValueError(f"reward_clip must be > 0 or null, got {self.reward_clip}")
-        if self.kl_target is not None and not self.kl_target > 0:
-            raise ValueError(f"kl_target must be > 0 or null, got {self.kl_target}")
+        UpdateSchedule.__post_init__(self)
+        self.check_policy_loss(token_rewards=True)
+        if self.critic_warmup < 0:
+            raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
+        for name in ("cliprange_value", "reward_clip", "kl_target"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or null, got {value}")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        for name in ("mini_batches", "ppo_epochs", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self.check_policy_loss()
 
     @property
     def uses_kl(self) -> bool:
-        return self.kl_coef > 0 or self.kl_target is not None
+        return self.kl_beta > 0 or self.kl_target is not None
 
 
 @dataclasses.dataclass
@@ -169,25 +147,11 @@ class PPOConfig(OnlineConfig):
                              f"never be trained (the warm-up steps train only the critic)")
 
 
-def reward_stats(path: str) -> tuple[float, float]:
-    """(mean, std) from a reward-model export's reward_stats.json (`megalign.trainers.preference`)."""
-    file = os.path.join(path, "reward_stats.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"algo.reward_normalize=true needs {file} (written by the RM trainer's export); "
-                                f"train the RM with megalign or set algo.reward_normalize=false")
-    with open(file) as f:
-        stats = json.load(f)
-    if not stats.get("reward_std", 0) > 0:
-        raise ValueError(f"{file}: reward_std must be > 0, got {stats.get('reward_std')!r}")
-    return float(stats["reward_mean"]), float(stats["reward_std"])
-
-
-class PPOTrainer(OnlineTrainer):
+class PPOTrainer(PolicyGradient, OnlineTrainer):
     """PPO on the online trainer with a critic (module doc)."""
 
     name = "PPO"
     token_level_rewards = True
-    ACTOR_STATS = ("clipped", "approx_kl", "kl", "entropy", "tokens")
     CRITIC_STATS = ("clipped", "value", "tokens")
 
     def needs_reference(self) -> bool:
@@ -228,11 +192,11 @@ class PPOTrainer(OnlineTrainer):
                              self.batch_copies(layout), **self.packing("critic", layout))
         logger.info("critic from %s (%s head)", path, "fresh" if fresh else "its")
         self.roles.append(self.critic)
-        self.check_pipeline_batch("actor", self.layout, trained=True)
+        check_pipeline_batch(self.cfg, self.layout.dp, "actor", self.layout, trained=True)
         if self.reference is not None:
-            self.check_pipeline_batch("reference", self.reference.layout, trained=False)
-        self.check_pipeline_batch("critic", layout, trained=True)
-        self.kl = AdaptiveKL(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+            check_pipeline_batch(self.cfg, self.layout.dp, "reference", self.reference.layout, trained=False)
+        check_pipeline_batch(self.cfg, self.layout.dp, "critic", layout, trained=True)
+        self.kl = AdaptiveKL(algo.kl_beta, algo.kl_target, algo.kl_horizon)
         self.register_state("critic", ModelState(model, layout))
         self.register_state("critic_optim", OptimizerState(model, self.critic.optimizer, layout))
         self.register_state("kl_controller", self.kl.state)
@@ -254,100 +218,65 @@ class PPOTrainer(OnlineTrainer):
         if algo.reward_clip is not None:
             batch.rewards = normalize_scores(batch.rewards, clip=algo.reward_clip)
 
-    def _values(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N, R] no-grad critic values of the batch, in micro-batches (pipelined at critic.pp > 1)."""
-        return self.score_responses(self.critic, batch, self.cfg.algo.micro_batch_size, self.critic.values,
-                                    self.critic.pipeline_values)
-
-    def train_step(self) -> dict[str, float]:
-        """One PPO step (module doc); returns its metrics, reduced over ranks."""
-        cfg, algo, dp = self.cfg, self.cfg.algo, self.layout.dp_group
-        self.timer.reset()
-        self.memory.clear()
-        start = time.perf_counter()
-        step = self.progress["step"]
-        batch, generated, _ = self.collect()
-        mask = batch.response_mask
-        if cfg.rollout.old_logprobs == "recompute":
-            with self.phase("old_logprobs", actor=("weights",)):
-                batch.old_logp = self.score_logprobs(self.actor, batch, algo.micro_batch_size)
-        else:
-            batch.old_logp = batch.rollout_logp
-        if self.reference is not None:
-            with self.phase("reference", reference=("weights",)):
-                batch.ref_logp = self.score_logprobs(self.reference, batch, algo.micro_batch_size)
+    def advantages(self, batch: RolloutBatch) -> None:
+        """The critic's values, the per-token rewards (the score at the last token, -beta * KL_t with the KL in the
+        reward, the PRMs' step rewards), GAE's advantages (whitened over dp) and returns (module doc)."""
+        algo, mask = self.cfg.algo, batch.response_mask
         with self.phase("values", critic=("weights",)):
-            old_values = self._values(batch)
-        beta = self.kl.beta
-        kl = torch.zeros_like(mask)
+            batch.values = self.score_responses(self.critic, batch, algo.micro_batch_size, self.critic.values,
+                                                self.critic.pipeline_values)
+        self.rollout_kl = torch.zeros_like(mask)
         if self.reference is not None:
-            kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_estimator).float() * mask
-        in_reward = algo.kl_in == "reward" and self.reference is not None
+            self.rollout_kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_kind).float() * mask
+        in_reward = algo.kl_where == "reward" and self.reference is not None
         rewards, _ = token_rewards(batch.rewards, mask, batch.old_logp if in_reward else None,
-                                   batch.ref_logp if in_reward else None, beta, algo.kl_estimator,
+                                   batch.ref_logp if in_reward else None, self.kl.beta, algo.kl_kind,
                                    step_rewards=batch.token_rewards)
-        advantages, returns = advantages_and_returns(rewards, old_values, mask, algo.gamma, algo.lam)
-        batch.advantages = whiten(advantages, mask, dp) if algo.whiten_advantages else advantages
+        advantages, batch.returns = advantages_and_returns(rewards, batch.values, mask, algo.gamma, algo.lam)
+        batch.advantages = whiten(advantages, mask, self.layout.dp_group) if algo.whiten_advantages else advantages
 
-        # hidden: the last pipeline stage's output for `rows` when the role is at pp > 1 (`train_role`)
-        def critic_loss(rows, hidden=None):
+    def critic_loss(self, batch: RolloutBatch) -> RoleLoss:
+        """The critic's clipped value loss against the returns, and its sums."""
+        def fn(rows, hidden=None):
             values = self.critic.values_with_grad(*self.logprob_inputs(batch, rows), hidden=hidden)
-            loss, stats = value_loss(values, old_values[rows], returns[rows], mask[rows], algo.cliprange_value)
-            return loss, [stats.clipped, (values.detach() * mask[rows]).sum(), stats.count]
+            mask = batch.response_mask[rows]
+            loss, stats = value_loss(values, batch.values[rows], batch.returns[rows], mask, self.cfg.algo.cliprange_value)
+            return loss, {"clipped": stats.clipped, "value": (values.detach() * mask).sum(), "tokens": stats.count}
+        return RoleLoss(fn, self.CRITIC_STATS)
 
-        def actor_loss(rows, hidden=None):
-            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), cfg.rollout.temperature,
-                                                          hidden=hidden)
-            m = mask[rows]
-            loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], m)
-            kl_now = torch.zeros((), device=logp.device)
-            if algo.kl_in == "loss" and self.reference is not None:
-                kl_tok = kl_penalty(logp, batch.ref_logp[rows], algo.kl_estimator) * m
-                loss = loss + beta * kl_tok
-                kl_now = kl_tok.detach().sum()
-            if algo.entropy_coef:
-                loss = loss - algo.entropy_coef * entropy * m
-            count = stats.count
-            return loss, [stats.clip_frac * count, stats.approx_kl * count, kl_now, (entropy.detach() * m).sum(), count]
-
-        sums = self.rollout_sums(generated)
+    def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
+        """The critic's update, then the actor's (after `critic_warmup` steps); then the adaptive KL controller."""
+        cfg, mask = self.cfg, batch.response_mask
         with self.phase("critic_update", critic=("weights", "optimizer")):
-            critic_norms = self.train_role(self.critic, lr_at(cfg.critic.optim, step, cfg.steps), batch,
-                                            self.CRITIC_STATS, critic_loss, sums, "critic")
-        lr = lr_at(cfg.optim, step, cfg.steps)
-        if step >= algo.critic_warmup:
+            norms = {"critic": self.train_role(self.critic, self.lr(cfg.critic.optim), batch, self.critic_loss(batch),
+                                               sums, "critic")}
+        actor_loss = self.policy_loss(batch, self.kl.beta)
+        if self.progress["step"] >= cfg.algo.critic_warmup:
             with self.phase("update", actor=("weights", "optimizer")):
-                actor_norms = self.train_role(self.actor, lr, batch, self.ACTOR_STATS, actor_loss, sums, "actor")
+                norms["actor"] = self.train_role(self.actor, self.lr(), batch, actor_loss, sums, "actor")
         else:
-            sums.add("actor/loss", 0.0)
-            for name in self.ACTOR_STATS:
-                sums.add(f"actor/{name}", 0.0)
-            actor_norms = [torch.zeros(())]
-        rollout_kl = sequence_mean_kl(kl, mask, dp)
-        self.kl.update(float(rollout_kl), cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-
+            norms["actor"] = self.skip_role(sums, "actor", actor_loss, "", "")
+        self.step_kl = (self.kl.beta, float(sequence_mean_kl(self.rollout_kl, mask, self.layout.dp_group)))
+        self.kl.update(self.step_kl[1], cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         valid = mask.double()
-        for name, value in (("return", (returns.double() * valid).sum()), ("old_value", (old_values.double() * valid).sum()),
-                            ("kl_tokens", (kl.double() * valid).sum()), ("valid_tokens", valid.sum())):
-            sums.add(name, value)
-        total = sums.reduce(dp, self.layout.device)
-        tokens = max(total["valid_tokens"], 1.0)
-        actor_tokens, critic_tokens = max(total["actor/tokens"], 1.0), max(total["critic/tokens"], 1.0)
-        updates = algo.ppo_epochs * algo.mini_batches
-        metrics = {
-            "actor/loss": total["actor/loss"] / updates, "actor/clip_frac": total["actor/clipped"] / actor_tokens,
-            "actor/approx_kl": total["actor/approx_kl"] / actor_tokens,
-            "actor/entropy": total["actor/entropy"] / actor_tokens,
-            "actor/grad_norm": torch.stack(actor_norms).mean(), "actor/lr": lr,
-            "actor/kl_coef": beta, "actor/rollout_kl": float(rollout_kl), "actor/token_kl": total["kl_tokens"] / tokens,
-            "critic/loss": total["critic/loss"] / updates, "critic/clip_frac": total["critic/clipped"] / critic_tokens,
+        for name, value in (("return", batch.returns), ("old_value", batch.values), ("kl_tokens", self.rollout_kl)):
+            sums.add(name, (value.double() * valid).sum())
+        sums.add("valid_tokens", valid.sum())
+        return norms
+
+    def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
+                counts: dict[str, float]) -> dict[str, float]:
+        cfg = self.cfg
+        tokens, critic_tokens = max(total["valid_tokens"], 1.0), max(total["critic/tokens"], 1.0)
+        return {
+            **self.policy_metrics(total, norms["actor"], self.lr()),
+            "actor/kl_coef": self.step_kl[0], "actor/rollout_kl": self.step_kl[1],
+            "actor/token_kl": total["kl_tokens"] / tokens,
+            "critic/loss": total["critic/loss"] / cfg.algo.updates, "critic/clip_frac": total["critic/clipped"] / critic_tokens,
             "critic/value_mean": total["critic/value"] / critic_tokens, "critic/old_value_mean": total["old_value"] / tokens,
-            "critic/return_mean": total["return"] / tokens, "critic/grad_norm": torch.stack(critic_norms).mean(),
-            "critic/lr": lr_at(cfg.critic.optim, step, cfg.steps),
+            "critic/return_mean": total["return"] / tokens, "critic/grad_norm": torch.stack(norms["critic"]).mean(),
+            "critic/lr": self.lr(cfg.critic.optim),
         }
-        if algo.kl_in == "loss":
-            metrics["actor/loss_kl"] = total["actor/kl"] / actor_tokens
-        return self.step_metrics(total, generated.terms, metrics, start)
 
     def export(self) -> Optional[str]:
         path = super().export()

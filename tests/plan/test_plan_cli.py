@@ -71,7 +71,7 @@ def test_every_example_run_config_is_planned(path, capsys):
 @pytest.mark.parametrize("overrides, has_reference", [
     (["algo.advantage=reinforce_plus_plus"], True),  # -kl_coef * KL_t in the reward needs the reference
     (["algo.advantage=reinforce_plus_plus", "algo.kl_coef=0"], False),
-    (["algo.beta=0.04"], True)])
+    (["algo.kl_coef=0.04"], True)])
 def test_grpo_plans_the_reference_exactly_when_the_trainer_builds_it(overrides, has_reference, capsys):
     path = os.path.join(ROOT, "examples", "grpo_arith.yaml")
     main(["--run-config", path, "--gpus", "8", "--model", "llama3-8b", "--json", *overrides])

@@ -13,7 +13,7 @@ import megalign.models.heads as heads_module
 from megalign.models import from_pretrained, scalar_head_from_pretrained
 from megalign.parallel import MixedPrecision, ParallelLayout, vocab_parallel_token_logprob
 from megalign.roles import Actor, head_logprobs, response_logprobs, response_values
-from megalign.trainers.online import ActorConfig
+from megalign.trainers.online_config import ActorConfig
 from megalign.roles.packing import _packs, pipeline_packs, response_hidden
 
 VOCAB = 37  # odd: at tp = 2 the head has a padding row

@@ -47,8 +47,11 @@ def _train(root, example, run_dir, *overrides):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A folder with the tiny `runs/` tree every example reads (module doc)."""
-    root = tmp_path_factory.mktemp("examples")
+    return build_runs(tmp_path_factory.mktemp("examples"))
+
+
+def build_runs(root):
+    """`root` (a pathlib.Path) made the folder with the tiny `runs/` tree every example reads (module doc)."""
     policy, rm = policy_and_rm(root)
     with open(os.path.join(rm, "reward_stats.json"), "w") as f:
         json.dump({"reward_mean": 0.1, "reward_std": 0.5}, f)

@@ -53,7 +53,7 @@ def test_pp2_step_equals_unpipelined(policy, tmp_path, reference_pp):
     it (dp=2 for the reference: each rank scores the whole batch its actor pp group holds)."""
     # padded forwards at pp=1 too (the pipeline's are; packed vs padded is tests/roles/test_packed_forward.py):
     # the same sums in the same order, so AdamW's step on near-zero gradients does not amplify their rounding
-    overrides = ("algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute", "save_every=1",
+    overrides = ("algo.micro_batch_size=4", "algo.kl_coef=0.1", "rollout.old_logprobs=recompute", "save_every=1",
                  "export_hf=false", "rollout.pack=false")
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "pp2"), "actor.pp=2", f"reference.pp={reference_pp}", *overrides,
@@ -65,7 +65,7 @@ def test_pp2_step_equals_unpipelined(policy, tmp_path, reference_pp):
 def test_pp2_packed_step_equals_unpipelined(policy, tmp_path):
     """rollout.pack at pp=2 (one pack a pipeline micro-batch, `pipeline_packs`, every forward packed:
     pack_max_fill=1) equals the packed pp=1 step: the rollout's scores and the 1F1B update run on the same packs."""
-    overrides = ("algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute", "save_every=1",
+    overrides = ("algo.micro_batch_size=4", "algo.kl_coef=0.1", "rollout.old_logprobs=recompute", "save_every=1",
                  "export_hf=false", "rollout.pack=true", "rollout.pack_max_fill=1.0")
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "pp2"), "actor.pp=2", "reference.pp=2", *overrides, world_size=2)
@@ -84,7 +84,7 @@ def test_tp2_pp2_step_equals_unpipelined(policy, tmp_path):
     # gradient element near 1e-8 turns that rounding into an lr-sized step (on an AVX-512 EPYC an o_proj weight
     # 9e-5 from tp = 1 after step 1, step 2's approx_kl 3.3e-5 relative); eps 1e-6 keeps the update linear in such
     # elements (measured: weights within 1.7e-5, metrics within 4e-6 relative), so the tolerances stay compare_runs'
-    overrides = ("algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute", "save_every=1",
+    overrides = ("algo.micro_batch_size=4", "algo.kl_coef=0.1", "rollout.old_logprobs=recompute", "save_every=1",
                  "export_hf=false", "rollout.pack=false", "optim.eps=1e-6")
     run_distributed(_train, policy, str(tmp_path / "ref"), *overrides, world_size=1)
     run_distributed(_train, policy, str(tmp_path / "tp2pp2"), "actor.tp=2", "actor.pp=2", "reference.tp=2",
@@ -107,7 +107,7 @@ def test_pp2_dp2_step_equals_unpipelined(policy, tmp_path):
     # one mini-batch per epoch: each rank shuffles its own rows into mini-batches, so with more than one the global
     # mini-batches would hold other rows than dp=1's. Two epochs (the second's ratios differ from 1, clipping) of
     # 2 micro-batches of 4 rows per rank (16 responses per step, 8 per dp rank: the pp=2 pipeline's 2 micro-batches)
-    overrides = ("algo.micro_batch_size=4", "algo.mini_batches=1", "algo.ppo_epochs=2", "algo.beta=0.1",
+    overrides = ("algo.micro_batch_size=4", "algo.mini_batches=1", "algo.ppo_epochs=2", "algo.kl_coef=0.1",
                  "rollout.old_logprobs=recompute", "save_every=1", "export_hf=false", "rollout.pack=false")
     batch_file = str(tmp_path / "batches.pt")
     run_distributed(_record_then_replay, policy, str(tmp_path / "ref"), batch_file, *overrides, world_size=1)
@@ -118,7 +118,7 @@ def test_pp2_dp2_step_equals_unpipelined(policy, tmp_path):
 
 
 def _straight_then_resumed(policy, root):
-    pp2 = ("actor.pp=2", "reference.pp=2", "algo.micro_batch_size=4", "algo.beta=0.1", "rollout.old_logprobs=recompute",
+    pp2 = ("actor.pp=2", "reference.pp=2", "algo.micro_batch_size=4", "algo.kl_coef=0.1", "rollout.old_logprobs=recompute",
            "export_hf=false", "optim.schedule=constant")  # constant: the lr does not depend on `steps`
     _train(policy, f"{root}/straight", "steps=3", *pp2)
     _train(policy, f"{root}/resumed", "steps=2", *pp2)

@@ -58,7 +58,7 @@ def test_resume_is_exact(policy, tmp_path):
 
 
 def _offload_pair(policy, root):
-    common = ("algo.beta=0.05", "algo.ppo_epochs=2", "rollout.old_logprobs=recompute", "export_hf=false")
+    common = ("algo.kl_coef=0.05", "algo.ppo_epochs=2", "rollout.old_logprobs=recompute", "export_hf=false")
     _train(policy, f"{root}/resident", *common)
     _train(policy, f"{root}/offloaded", *common, "actor.offload_weights=true", "actor.offload_optimizer=true",
            "reference.offload_weights=true")
@@ -102,7 +102,7 @@ def test_bad_rows_are_counted_and_a_raising_reward_scores_zero(policy, tmp_path)
 
 def test_tensor_parallel_actor_with_a_smaller_reference(policy, tmp_path):
     # actor tp=2 (hybrid-engine generation on the shards), reference tp=1 on each rank: its own layout
-    run_distributed(_train, policy, str(tmp_path), "actor.tp=2", "reference.tp=1", "algo.beta=0.1", "export_hf=false")
+    run_distributed(_train, policy, str(tmp_path), "actor.tp=2", "reference.tp=1", "algo.kl_coef=0.1", "export_hf=false")
     metrics = _read_metrics(str(tmp_path))
     assert sorted(metrics) == [1, 2] and metrics[2]["actor/kl"] > 0 and metrics[2]["nan_skips"] == 0
 

@@ -59,8 +59,12 @@ def test_pairs_take_the_best_and_worst_and_drop_ties():
 
 
 def test_config_errors_name_the_setting(policy, tmp_path):
-    with pytest.raises(ValueError, match="loss_type"):
-        _config(policy, tmp_path, "algo.loss=simpo")
+    with pytest.raises(ValueError, match="loss must be one of"):
+        _config(policy, tmp_path, "algo.loss=dpo")
+    with pytest.raises(ValueError, match="loss_agg"):
+        _config(policy, tmp_path, "algo.loss_agg=seq-mean-token-sum-norm")
+    # the offline trainer's losses and coefficients: a reference-free one builds no reference
+    assert not _config(policy, tmp_path, "algo.loss=simpo").algo.uses_reference
     with pytest.raises(ValueError, match="beta"):
         _config(policy, tmp_path, "algo.beta=0")
     with pytest.raises(ValueError, match="label_smoothing"):

@@ -145,10 +145,10 @@ def test_entropy_bonus_and_kl_loss_term(policy, tmp_path):
     plain, entropy, kl = (_rows(f"{tmp_path}/{name}")[1] for name in ("plain", "entropy", "kl_loss"))
     assert plain["reward/mean"] == entropy["reward/mean"] == kl["reward/mean"]
     assert entropy["actor/loss"] - plain["actor/loss"] == pytest.approx(-0.01 * plain["actor/entropy"], rel=1e-4)
-    assert kl["actor/loss_kl"] > 0.01
-    assert kl["actor/loss"] - plain["actor/loss"] == pytest.approx(0.1 * kl["actor/loss_kl"], rel=1e-4)
+    assert kl["actor/kl"] > 0.01
+    assert kl["actor/loss"] - plain["actor/loss"] == pytest.approx(0.1 * kl["actor/kl"], rel=1e-4)
     # the KL of the update's forward is the rollout's (same weights at step 1), measured on another path
-    assert kl["actor/loss_kl"] == pytest.approx(kl["actor/token_kl"], rel=1e-4)
+    assert kl["actor/kl"] == pytest.approx(kl["actor/token_kl"], rel=1e-4)
 
 
 def test_tensor_parallel_step_matches_single_device(policy, tmp_path):

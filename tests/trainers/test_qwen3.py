@@ -35,7 +35,7 @@ def _qwen3_policy(path) -> str:
 
 
 def _train(policy, run_dir):
-    train_grpo(tiny_config(policy, run_dir, "steps=1", "actor.tp=2", "algo.beta=0.1"))
+    train_grpo(tiny_config(policy, run_dir, "steps=1", "actor.tp=2", "algo.kl_coef=0.1"))
 
 
 def test_grpo_step_from_a_qwen3_checkpoint(tmp_path):

@@ -14,7 +14,7 @@ from megalign.data.arith import preference_rows
 from megalign.data.preference import PreferenceExample
 from megalign.models import from_pretrained
 from megalign.parallel import ParallelLayout
-from megalign.trainers.preference import PairBatch, sequence_logps
+from megalign.roles.sequence_logps import PairBatch, sequence_logps
 
 
 def _batch(tok: CharTokenizer, n: int) -> PairBatch:

@@ -1,0 +1,69 @@
+"""`RolloutBatch`: one step's scored responses, the record every online algorithm reads and extends.
+
+It lives beside the engine that fills it, below the trainers: the online trainers
+(`megalign.trainers.online`) build it from the engine's output and the reward, and the algorithms add
+their per-token tensors (old and reference log-probs, values, returns, advantages) to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """N scored responses in whole groups of `group_size` adjacent members, and what the update adds.
+
+    Shapes: `sequences` / `attention_mask` [N, P + R] (left-padded prompt, right-padded response);
+    [N, R]: `response_mask` (fp32 1 for response tokens that train), `rollout_logp` (sampling
+    log-probs), and later `old_logp`, `ref_logp`, `values`, `returns`, `advantages`; [N]: `lengths`
+    (fp32 response tokens), `finished` (ended with EOS), `rewards` (fp32 total), `terms` {term: [N]
+    values}, `group` (int64: the group, one prompt's G samples, of each response: numbered in the order
+    the step sampled them); `token_rewards` [N, R] fp32: the process reward models' step rewards (None
+    without any).
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logp: torch.Tensor
+    lengths: torch.Tensor
+    finished: torch.Tensor
+    rewards: torch.Tensor
+    terms: dict[str, torch.Tensor]
+    group: torch.Tensor
+    group_size: int
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.rewards.numel()
+
+    def select(self, rows) -> "RolloutBatch":
+        """The rows `rows` (indices, a slice or a bool mask) of every per-response tensor; whole groups stay whole
+        only when `rows` picks whole groups (as `OnlineTrainer.collect` does)."""
+        def pick(value):
+            if isinstance(value, dict):
+                return {t: v[rows] for t, v in value.items()}
+            return value[rows] if isinstance(value, torch.Tensor) else value
+        return RolloutBatch(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Batches of one run (fixed shapes, one group size) concatenated along the response dim 0."""
+        out = {}
+        for f in dataclasses.fields(RolloutBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if isinstance(values[0], dict):
+                out[f.name] = {t: torch.cat([v[t] for v in values]) for t in values[0]}
+            elif isinstance(values[0], torch.Tensor):
+                out[f.name] = torch.cat(values)
+            else:
+                out[f.name] = values[0]
+        return RolloutBatch(**out)

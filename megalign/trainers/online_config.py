@@ -1,0 +1,172 @@
+"""The online family's configuration, declared once: the roles, prompts and sampling every online run has
+(`OnlineConfig`), and the update schedule every online algorithm's `algo` section inherits
+(`UpdateSchedule`: micro-batch, mini-batches, epochs, loss aggregation), which `OnlineTrainer.train_role`
+reads. GRPO, PPO and online DPO subclass both (`megalign.trainers.grpo`, `ppo`, `online_dpo`). Also the
+start-up pieces that read only the configuration: the prompt datasets it names and the pipeline micro-batch
+check of a role.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, Optional
+
+from megalign.algos.aggregation import LOSS_AGGREGATIONS
+from megalign.config import option
+from megalign.data import PromptDataset, Tokenizer, load_prompts, make_splits, write_jsonl
+from megalign.parallel import ParallelLayout
+from megalign.roles import ModelRoleConfig, RewardConfig, TrainedRoleConfig
+from megalign.rollout import EngineConfig
+from megalign.trainers.base import DataConfig, RunConfig
+from megalign.trainers.evaluation import EvalConfig
+from megalign.trainers.optim import OptimConfig
+
+
+def check_microbatches(key: str, cfg: ModelRoleConfig) -> None:
+    """ValueError naming `key`.microbatches unless it is 0: the online trainers' pipeline micro-batches are
+    `algo.micro_batch_size` rows (module doc), so the key would be ignored."""
+    if cfg.microbatches:
+        raise ValueError(f"{key}.microbatches={cfg.microbatches}: the online trainers split each rank's responses "
+                         f"into pipeline micro-batches of algo.micro_batch_size rows; leave {key}.microbatches at 0")
+
+
+@dataclasses.dataclass
+class ActorConfig(TrainedRoleConfig):
+    """The policy: an HF checkpoint (e.g. the SFT export `run_dir/hf`), its layout, dtype and offload."""
+
+    path: Optional[str] = option("runs/sft_arith/hf", doc="HF checkpoint folder of the initial policy")
+    offload_optimizer: bool = option(False, doc="move the optimizer state to host memory outside the update phase")
+    head_chunk_tokens: int = option(1024, doc="tokens per chunk of the fused LM head in the actor's log-probs: its only "
+                                              "[tokens, vocab / tp] temporary is one [head_chunk_tokens, vocab / tp] "
+                                              "logits chunk in the compute dtype (fp32 at vocab 151936: 594 MiB at "
+                                              "1024, 148 MiB at 256); smaller saves memory, with smaller matmuls")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.path:
+            raise ValueError("actor.path (an HF checkpoint folder) is required")
+        if self.head_chunk_tokens < 1:
+            raise ValueError(f"actor.head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+
+
+@dataclasses.dataclass
+class PromptDataConfig(DataConfig):
+    """Prompts with verifiable answers: the embedded arithmetic task, or JSONL / Parquet files."""
+
+    path: Optional[str] = option(None, doc="prompt file (.jsonl / .parquet; rows: prompt or messages, answer); null: the arithmetic task's train split")
+    max_prompt_length: int = option(64, doc="prompts with more tokens are dropped and counted")
+
+    def __post_init__(self):
+        if self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {self.max_prompt_length}")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """How responses are sampled."""
+
+    group_size: int = option(8, doc="G: responses sampled per prompt")
+    prompts_per_step: int = option(32, doc="prompts per step over all dp ranks (a multiple of dp)")
+    temperature: float = option(1.0, doc="sampling temperature (> 0); log-probs use the same temperature")
+    top_p: float = option(1.0, doc="nucleus sampling threshold (1 = off)")
+    max_response_length: int = option(24, doc="generated tokens per response at most")
+    old_logprobs: Literal["rollout", "recompute"] = option(
+        "rollout", doc="old log-probs of the ratio: those recorded while sampling, or a fresh forward after it")
+    engine: EngineConfig = option(EngineConfig(), doc="how the rollout engine batches (max_batch, sync_every, static, "
+                                                      "cuda_graphs); it never changes the samples")
+    pack: bool = option(True, doc="scoring and training forwards (actor, reference, critic) run on the rows' real tokens "
+                                  "packed (cu_seqlens) instead of padded rows; the same log-probs and values (at pp > 1: one pack a pipeline "
+                                  "micro-batch)")
+    pack_tokens: Optional[int] = option(None, doc="tokens per packed forward at most (null: one padded row, longest "
+                                                  "prompt + max_response_length; larger pays off with flash-attn)")
+    pack_max_fill: float = option(0.5, doc="pack a forward's rows only when their real tokens fill at most this fraction "
+                                           "of the padded rows (1.0: always): packing runs one trunk forward per pack, "
+                                           "which on nearly full rows costs more than it saves")
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages compare responses within a group), got {self.group_size}")
+        if self.prompts_per_step < 1 or self.max_response_length < 1:
+            raise ValueError("prompts_per_step and max_response_length must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.pack_tokens is not None and self.pack_tokens < 1:
+            raise ValueError(f"pack_tokens must be >= 1 (or null), got {self.pack_tokens}")
+        if not 0 <= self.pack_max_fill <= 1:
+            raise ValueError(f"pack_max_fill must be in [0, 1], got {self.pack_max_fill}")
+
+
+@dataclasses.dataclass
+class UpdateSchedule:
+    """How one step's samples become optimizer updates: `ppo_epochs` passes, each of `mini_batches` updates, each
+    accumulated over micro-batches of `micro_batch_size` rows per rank, the loss aggregated by `loss_agg` over the
+    mini-batch's global count (`megalign.algos.aggregation`). Every online algorithm's `algo` section is one."""
+
+    loss_agg: str = option("token-mean", doc=f"loss aggregation: {', '.join(LOSS_AGGREGATIONS)}")
+    mini_batches: int = option(1, doc="optimizer updates per epoch over the step's samples (each trained role)")
+    ppo_epochs: int = option(1, doc="passes over the step's samples")
+    micro_batch_size: int = option(64, doc="samples per forward on each rank (gradient accumulation)")
+
+    def __post_init__(self):
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg must be one of {list(LOSS_AGGREGATIONS)}, got {self.loss_agg!r}")
+        for name in ("mini_batches", "ppo_epochs", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per step of each trained role."""
+        return self.ppo_epochs * self.mini_batches
+
+
+@dataclasses.dataclass
+class OnlineConfig(RunConfig):
+    """What every online run has besides its algorithm: roles, prompts, sampling, optimizer, evaluation."""
+
+    actor: ActorConfig = option(ActorConfig(), doc="the policy")
+    reference: ModelRoleConfig = option(ModelRoleConfig(), doc="the frozen reference (built only when the algorithm needs it)")
+    reward: RewardConfig = option(RewardConfig(), doc="the reward")
+    data: PromptDataConfig = option(PromptDataConfig(), doc="prompts")
+    rollout: RolloutConfig = option(RolloutConfig(), doc="sampling")
+    optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=5), doc="optimizer and LR schedule (per step)")
+    eval: EvalConfig = option(EvalConfig(), doc="held-out greedy evaluation before training, every N steps and at the end")
+    algo: UpdateSchedule = option(UpdateSchedule(), doc="the objective (each algorithm's section extends the update schedule)")
+
+
+def prompt_datasets(cfg: PromptDataConfig, tokenizer: Tokenizer, run_dir: str) -> tuple[PromptDataset, Optional[PromptDataset]]:
+    """(training prompts, held-out prompts or None); the arithmetic splits are written to run_dir/data first."""
+    load = dict(tokenizer=tokenizer, max_prompt_length=cfg.max_prompt_length, skip_invalid=cfg.skip_invalid,
+                template_prompts=cfg.template_prompts)
+    path, eval_path = cfg.path, cfg.eval_path
+    if path is None:
+        train, held_out = make_splits(cfg.arith)
+        path = os.path.join(run_dir, "data", "arith_train.jsonl")
+        write_jsonl(train, path)  # atomic: ranks racing to write the same file are safe
+        if eval_path is None:
+            eval_path = os.path.join(run_dir, "data", "arith_held_out.jsonl")
+            write_jsonl(held_out, eval_path)
+    return load_prompts(path, **load), (load_prompts(eval_path, **load) if eval_path is not None else None)
+
+
+def check_pipeline_batch(cfg: OnlineConfig, actor_dp: int, key: str, layout: ParallelLayout, trained: bool,
+                         per_prompt: Optional[int] = None, unit: str = "responses") -> None:
+    """Start-up check of role `key` at pp > 1 beside an actor of `actor_dp` replicas, naming the settings: each rank's responses (a fixed number when
+    every step keeps all its groups; `per_prompt` units of `unit` a prompt in place of the group's responses,
+    e.g. online DPO's one pair) split into pipeline micro-batches of `algo.micro_batch_size` units, at least
+    pp of them per scoring forward and, for a `trained` role, per mini-batch."""
+    algo = cfg.algo
+    per_prompt = cfg.rollout.group_size if per_prompt is None else per_prompt
+    rows = cfg.rollout.prompts_per_step * per_prompt // actor_dp
+    mini = algo.mini_batches if trained else 1
+    if layout.pp == 1 or (rows % mini == 0 and (rows // mini) % algo.micro_batch_size == 0
+                          and rows // mini // algo.micro_batch_size >= layout.pp):
+        return
+    what = f"algo.mini_batches={mini} mini-batches of " if trained else ""
+    times = f"rollout.group_size={cfg.rollout.group_size}" if unit == "responses" else f"{per_prompt}"
+    raise ValueError(f"{key}.pp={layout.pp}: each rank's {rows} {unit} (rollout.prompts_per_step="
+                     f"{cfg.rollout.prompts_per_step} x {times} / dp={actor_dp}) must split into "
+                     f"{what}at least pp={layout.pp} micro-batches of algo.micro_batch_size={algo.micro_batch_size} "
+                     f"{'rows' if unit == 'responses' else unit}")

@@ -1,0 +1,59 @@
+"""The metrics every online algorithm logs beside its own (`OnlineMetrics`, a mixin of `OnlineTrainer`): the
+rollout's reward, term, length and truncation means over every generated response, the reward's error counts,
+the data, timer, memory and throughput figures.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from megalign.parallel.collectives import all_reduce
+from megalign.rollout import RolloutBatch
+from megalign.trainers.base import MetricSums
+from megalign.trainers.logging import memory_report
+
+
+class OnlineMetrics:
+    """`rollout_sums` and `step_metrics` for an `OnlineTrainer`."""
+
+    @staticmethod
+    def rollout_sums(generated: RolloutBatch) -> MetricSums:
+        """The sums over every generated response that `step_metrics` turns into means (reward, terms, lengths)."""
+        sums = MetricSums()
+        rewards = generated.rewards.double()
+        sums.add("reward", rewards.sum())
+        sums.add("reward_sq", (rewards ** 2).sum())
+        for name, values in generated.terms.items():
+            sums.add(f"term/{name}", values.double().sum())
+        sums.add("length", generated.lengths.sum())
+        sums.add("unfinished", (~generated.finished).sum())
+        sums.add("responses", len(generated))
+        return sums
+
+    def step_metrics(self, total: dict[str, float], terms, algorithm: dict[str, Any], start: float) -> dict[str, float]:
+        """A step's metrics: the rollout's means (from `rollout_sums`, reduced into `total`; `terms`: the reward
+        term names), the algorithm's own, reward error counts over dp, data, timer, memory and throughput."""
+        n = max(total["responses"], 1.0)
+        mean = total["reward"] / n
+        metrics = {
+            "reward/mean": mean, "reward/std": max(total["reward_sq"] / n - mean ** 2, 0.0) ** 0.5,
+            **{f"reward/{name}/mean": total[f"term/{name}"] / n for name in terms},
+            "response_length/mean": total["length"] / n, "response_length/clip_ratio": total["unfinished"] / n,
+            **algorithm,
+            "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
+        }
+        if self.cfg.eval.metric in terms:
+            metrics["accuracy"] = metrics[f"reward/{self.cfg.eval.metric}/mean"]
+        errors = torch.tensor(list(self.reward.error_counts().values()), dtype=torch.float64)
+        if errors.numel():
+            errors = all_reduce(errors.to(self.layout.device), self.layout.dp_group).cpu()
+            metrics.update(dict(zip(self.reward.error_counts(), errors.tolist())))
+        metrics.update(self.train_set.stats.as_dict())  # rows left out at load (invalid, too long), every step
+        metrics.update(self.timer.metrics())
+        metrics.update(self.memory)
+        metrics.update(self.rollout_metrics)
+        metrics.update(memory_report())
+        metrics["time/step"] = time.perf_counter() - start
+        return {k: float(v) for k, v in metrics.items()}

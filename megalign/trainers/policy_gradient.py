@@ -1,0 +1,49 @@
+"""The policy-gradient actor loss GRPO and PPO share (`PolicyGradient`, a mixin of their trainers): the clipped
+surrogate of `algo.policy_loss` on the batch's advantages, the KL to the reference when `algo.kl_in` is the loss,
+the entropy bonus, and the actor metrics they log (`megalign.algos.policy_loss_options` holds the options).
+"""
+from __future__ import annotations
+
+import torch
+
+from megalign.rollout import RolloutBatch
+from megalign.trainers.updates import RoleLoss
+
+
+class PolicyGradient:
+    """`policy_loss` and `policy_metrics` for an `OnlineTrainer` whose `algo` section is a `PolicyLossOptions`."""
+
+    POLICY_STATS = ("clipped", "approx_kl", "kl", "entropy", "tokens")
+
+    def policy_loss(self, batch: RolloutBatch, kl_coef: float) -> RoleLoss:
+        """The actor's policy-gradient loss: `algo.actor_policy_loss` (the chosen surrogate on `batch.advantages`, plus
+        `kl_coef` x KL to the reference per token when `algo.kl_in` is "loss"), minus `algo.entropy_coef` x entropy
+        per token; its sums are `POLICY_STATS` (token counts and totals). `hidden`: the last pipeline stage's output
+        for the rows at actor.pp > 1 (`accumulate`)."""
+        algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
+        beta = kl_coef if algo.kl_where == "loss" else 0.0  # in the reward, the KL is only measured here
+
+        def fn(rows, hidden=None):
+            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), temperature, hidden=hidden)
+            mask = batch.response_mask[rows]
+            loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask, beta,
+                                                 None if batch.ref_logp is None else batch.ref_logp[rows])
+            if algo.entropy_coef:
+                loss = loss - algo.entropy_coef * entropy * mask
+            count = stats.count
+            return loss, {"clipped": stats.clip_frac * count, "approx_kl": stats.approx_kl * count,
+                          "kl": stats.kl_mean * count, "entropy": (entropy.detach() * mask).sum(), "tokens": count}
+        return RoleLoss(fn, self.POLICY_STATS)
+
+    def policy_metrics(self, total: dict[str, float], norms: list[torch.Tensor], lr: float) -> dict[str, float]:
+        """The actor's metrics of `policy_loss` (means over the trained tokens; with a reference `actor/kl`, the mean
+        k3 (or the loss's estimator) KL of the policy being trained to the reference)."""
+        tokens = max(total["actor/tokens"], 1.0)
+        metrics = {
+            "actor/loss": total["actor/loss"] / self.cfg.algo.updates, "actor/clip_frac": total["actor/clipped"] / tokens,
+            "actor/approx_kl": total["actor/approx_kl"] / tokens, "actor/entropy": total["actor/entropy"] / tokens,
+            "actor/grad_norm": torch.stack(norms).mean(), "actor/lr": lr,
+        }
+        if self.reference is not None:
+            metrics["actor/kl"] = total["actor/kl"] / tokens
+        return metrics
