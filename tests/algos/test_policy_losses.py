@@ -117,12 +117,24 @@ def test_all_masked_rows_and_bf16():
     logp = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
     old, adv = logp.detach() + 0.01, torch.ones(3, 4, dtype=torch.bfloat16)
     mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    # the formulas in fp32 on the bf16-rounded inputs (A = 1; old = logp + 0.01 rounded to bf16 is >= logp, so r <= 1):
+    # CISPO -min(r, 1.28) logp; GSPO -min(s_i, clip(s_i)) with s_i the row's geometric-mean ratio
+    lp, o, m = logp.detach().float(), old.float(), mask.float()
+    r = torch.exp(lp - o)
+    s_row = torch.exp(((lp - o) * m).sum(-1) / m.sum(-1).clamp(min=1))
+    s = s_row[:, None].expand(3, 4)
+    expected = {cispo_loss: (-r.clamp(max=1.28) * lp * m, r[mask]),
+                gspo_loss: (-torch.minimum(s, s.clamp(1 - 3e-4, 1 + 4e-4)) * m, s_row[[0, 2]])}
     for fn, eps in ((cispo_loss, (None, 0.28)), (gspo_loss, (3e-4, 4e-4))):
         loss, stats = fn(logp, old, adv, mask, *eps)
-        assert loss.dtype == torch.float32 and torch.isfinite(loss).all() and (loss[1] == 0).all()
+        want_loss, ratios = expected[fn]
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-7)
         (g,) = torch.autograd.grad(loss.sum(), logp)
         assert g.dtype == torch.bfloat16 and (g[1] == 0).all() and (g[0, 2:] == 0).all()
-        assert stats.count == 6 and all(torch.isfinite(v) for v in stats)
+        assert stats.count == 6 and stats.clip_frac == 0 and stats.dual_clip_frac == 0 and stats.kl_mean == 0
+        torch.testing.assert_close(stats.approx_kl, (o - lp)[mask].mean(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close((stats.ratio_min, stats.ratio_max), (ratios.min(), ratios.max()), rtol=1e-6, atol=0)
     empty = torch.zeros(2, 3, requires_grad=True)
     for fn, eps in ((cispo_loss, (None, 0.28)), (gspo_loss, (3e-4, 4e-4))):
         loss, stats = fn(empty, empty.detach(), empty.detach(), torch.zeros(2, 3), *eps)

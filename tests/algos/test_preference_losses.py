@@ -316,21 +316,32 @@ def test_half_inputs_compute_in_fp32(name, dtype):
 
 
 def test_extreme_log_probs_stay_finite():
-    # very negative log-probs and a huge gap either way: the sigmoid losses saturate, no inf/NaN
+    # very negative log-probs and a huge gap either way: the sigmoid losses saturate, no inf/NaN; losses and
+    # gradients equal TRL's formulas in float64 (plus the per-pair chosen NLL -pw / n where the loss has one)
     pw = torch.tensor([-1e4, -5e4, -1.0], requires_grad=True)
     pl = torch.tensor([-9e4, -1.0, -3e4], requires_grad=True)
     ref = torch.tensor([-2e4, -2e4, -2e4])
     n = torch.tensor([1000, 4000, 1])
-    for loss_type in DPO_LOSSES:
+    w64, l64 = leaves([pw, pl], torch.float64)
+    r64, n64 = ref.double(), n.double()
+
+    def check(losses, expected, name):
+        torch.testing.assert_close(losses.double(), expected, rtol=1e-6, atol=1e-6, msg=name)
+        for got, want in zip(grads(losses.sum(), [pw, pl]), grads(expected.sum(), [w64, l64])):
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=name)
+
+    for loss_type, spec in DPO_LOSSES.items():
         losses, _ = dpo_loss(pw, pl, ref, ref, loss_type=loss_type, label_smoothing=0.0, chosen_lengths=n,
                              rejected_lengths=n, nll_coef=1.0)
-        g = grads(losses.sum(), [pw, pl])
-        assert torch.isfinite(losses).all() and all(torch.isfinite(x).all() for x in g), loss_type
+        per = n64 if spec.length_averaged else 1.0
+        expected, _, _ = trl_dpo_loss(w64 / per, l64 / per, r64 / per, r64 / per, 0.1, 0.0, loss_type)
+        check(losses, expected - w64 / n64, loss_type)
     losses, _ = dpo_loss(pw, pl, ref, ref, beta=0.1)  # beta h = 8000, -4999.9, 2999.9
     assert losses.tolist() == pytest.approx([0.0, 4999.9, 0.0], rel=1e-6, abs=1e-30)
-    for fn in (lambda: simpo_loss(pw, pl, n, n), lambda: cpo_loss(pw, pl, n), lambda: orpo_loss(pw, pl, n, n)):
-        losses, _ = fn()
-        assert torch.isfinite(losses).all() and all(torch.isfinite(x).all() for x in grads(losses.sum(), [pw, pl]))
+    check(simpo_loss(pw, pl, n, n)[0], trl_cpo_loss(w64 / n64, l64 / n64, 2.0, "simpo", simpo_gamma=1.0), "simpo")
+    check(cpo_loss(pw, pl, n)[0], trl_cpo_loss(w64, l64, 0.1, "sigmoid") - w64 / n64, "cpo")
+    ratio, _ = trl_odds_ratio_loss(w64 / n64, l64 / n64, beta=0.1)
+    check(orpo_loss(pw, pl, n, n)[0], -w64 / n64 - ratio, "orpo")
 
 
 def test_orpo_finite_at_probability_one():

@@ -205,13 +205,22 @@ def test_flash_path_matches_transformers_and_sdpa(tmp_path, flash_on_cpu, monkey
 
 
 def test_flash_right_padding_gives_finite_logits_everywhere(tmp_path, flash_on_cpu):
-    """Padding positions get zero attention output from the scatter, so their logits are finite, never NaN."""
-    make_causal_lm(tmp_path, "llama3_gqa")
+    """Padding positions get zero attention output from the scatter, so their logits are finite, never NaN: each is
+    the pad token's embedding through the residual MLP blocks alone (o_proj has no bias), written out on
+    transformers' modules."""
+    hf = make_causal_lm(tmp_path, "llama3_gqa")
     ours = from_pretrained(tmp_path).eval()
     kwargs, _ = make_batch("right", _sequences([6, 2], seed=5))
     with torch.no_grad():
         logits = ours(**kwargs)
-    assert torch.isfinite(logits).all()
+        assert not hf.config.attention_bias
+        h = hf.model.embed_tokens(torch.tensor([0]))
+        for layer in hf.model.layers:
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        want = hf.lm_head(hf.model.norm(h))[0]
+    padding = kwargs["attention_mask"] == 0
+    assert int(padding.sum()) == 4  # row 1's positions 2-5
+    torch.testing.assert_close(logits[padding], want.expand(4, -1), **FP32)
 
 
 def test_gap_in_padding_without_window_uses_flash(tmp_path, flash_on_cpu):
