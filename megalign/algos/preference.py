@@ -1,11 +1,13 @@
-"""Pairwise preference objectives as pure tensor functions: reward model, DPO family, SimPO, CPO, ORPO.
+"""Pairwise preference objectives as pure tensor functions: reward model, DPO family, TRL's DPO variants, WPO's
+weights, SimPO, CPO, ORPO; and `PAIR_LOSSES`, the registry the DPO trainer picks `algo.loss` from (name -> the
+loss, the `PreferenceAlgoConfig` coefficients it reads, whether it needs the reference), with that config.
 
-Every function scores pairs (chosen y_w, rejected y_l) of one prompt x. Conventions:
+Every loss scores pairs (chosen y_w, rejected y_l) of one prompt x. Conventions:
 
 - Inputs are per-sequence *summed* log-probs [B] of the response tokens (prompt and padding
   excluded), plus the response token counts [B] (integers >= 1) where an average is needed;
   the reward model takes the scalar rewards [B]. Any float dtype; computed in fp32 (see `common`).
-- Each function returns `(losses, stats)`. `losses` [B] is the per-pair loss, unreduced: the trainer
+- Each loss returns `(losses, stats)`. `losses` [B] is the per-pair loss, unreduced: the trainer
   sums it over micro-batches and data-parallel ranks and divides by the global number of pairs, so
   the objective is the mean over the global batch whatever the split (as `aggregate_loss` does for
   GRPO). `stats` is a `PreferenceStats` of detached [B] tensors; `stats.metrics()` gives TRL's metric
