@@ -4,12 +4,15 @@ One step (every rank, after `megalign.trainers.cli.init_distributed`):
 
     sample prompts -> actor generates G responses each -> reward role scores them -> [overlong
     penalty] -> [dynamic sampling: drop groups of equal rewards, generate more rounds] -> old
-    log-probs (from the rollout, or recomputed) -> reference log-probs (only when beta > 0 or the
-    estimator puts the KL in the reward; otherwise the reference role does not exist) -> advantages
+    log-probs (from the rollout, or recomputed) -> reference log-probs (only with a KL, `algo.kl_coef` > 0,
+    in the loss or, for the reinforce_plus_plus* estimators, in the reward; otherwise the reference role does
+    not exist) -> advantages
     (`algo.advantage`, one of `megalign.algos.advantages.ADVANTAGE_ESTIMATORS`: grpo, dr_grpo, rloo,
     reinforce_plus_plus, reinforce_plus_plus_baseline) -> ppo_epochs x mini-batches of the policy
-    loss (`algo.policy_loss`: ppo, cispo, gspo; `megalign.algos.policy_loss_options`) + loss
-    aggregation -> metrics (then checkpoint / eval cadence from the skeleton).
+    loss (`algo.policy_loss`: ppo, cispo, gspo; `megalign.algos.policy_loss_options`, shared with PPO
+    through `megalign.trainers.policy_gradient`) + loss aggregation -> metrics (then checkpoint / eval cadence
+    from the skeleton). `GRPOTrainer` fills in the online step template: `shape_rewards`, `keep_groups`,
+    `advantages`, `update`, `metrics`.
 
 Design choices:
 

@@ -8,14 +8,14 @@ The same trainer as GRPO, a different objective. One step (every rank, after
     and TRL's `OnlineDPOTrainer`) -> reward role scores them (verifiers and / or a reward model)
     [- algo.missing_eos_penalty for responses without EOS] -> one pair per prompt (`preference_pairs`:
     chosen = the highest reward, rejected = the lowest; a prompt whose rewards are all equal carries no
-    preference and is dropped, counted as `pairs/tied`) -> the reference's summed log-probs of both ->
-    `algo.ppo_epochs` x `algo.mini_batches` updates of the DPO loss of the offline trainer
-    (`megalign.algos.dpo_loss`, any of `DPO_LOSSES`: sigmoid, robust, hinge, ipo) on the actor's summed
-    log-probs -> metrics.
+    preference and is dropped, counted as `pairs/tied`) -> [the reference's summed log-probs of both] ->
+    `algo.ppo_epochs` x `algo.mini_batches` updates of the offline trainer's pairwise loss (`algo` is its
+    `PreferenceAlgoConfig`: any of `megalign.algos.preference.PAIR_LOSSES`; the reference-free ones, SimPO,
+    CPO, ORPO, build no reference) on the actor's summed log-probs -> metrics.
 
 Design choices:
 
-- Sequence log-probs are the offline DPO trainer's `megalign.trainers.preference.sequence_logps` (the
+- Sequence log-probs are the offline DPO trainer's `megalign.roles.sequence_logps.sequence_logps` (the
   fused vocab-parallel LM head on the response positions only) applied to the rollout's rows
   (`pair_batch` lays the chosen and rejected rows out as its `PairBatch`): log pi(y|x) is the sum over
   the response tokens, EOS included, of log softmax(logits)[y_t].
@@ -27,12 +27,12 @@ Design choices:
 - G >= 2: the best and the worst response of each prompt form its pair (the first among equals, in
   sampling order); G = 2 is the paper's and TRL's setting. Ties are dropped where TRL (`first_half >=
   second_half`) makes the first sample the chosen one: a pair with equal rewards has no preference.
-- The update is `OnlineTrainer.train_role` with one unit per pair (`units` [pairs, 1] ones, token-mean
-  aggregation): the loss is the sum of the per-pair losses over micro-batches and dp ranks divided by
+- The update is `OnlineTrainer.train_role` with one unit per pair (`RoleLoss.units` [pairs, 1] ones,
+  token-mean aggregation, the only one `algo.loss_agg` takes here): the loss is the sum of the per-pair losses over micro-batches and dp ranks divided by
   the global number of pairs, so dp = 2 equals dp = 1 on the same global batch. TRL averages per
   device batch instead.
 - Pipeline stages (`actor.pp > 1`, `reference.pp > 1`): a 1F1B micro-batch holds whole pairs (the
-  chosen and rejected rows interleaved, `train_role`'s `unit_inputs`), and the loss runs on the last
+  chosen and rejected rows interleaved, `RoleLoss.unit_inputs`), and the loss runs on the last
   stage's hidden states (`hidden_sequence_logps`). The pipeline's micro-batches have one shape, so at
   actor.pp > 1 every prompt keeps its pair, a tied one with weight 0 (no loss, no gradient, not in the
   metrics; its compute is the price of the fixed shape): each rank's prompts must split into
@@ -41,9 +41,9 @@ Design choices:
 - `rollout.old_logprobs` is unused: the loss has no importance ratio, only the reference.
 - A step in which no rank has a pair (every prompt tied) skips its update (warned, counted as
   `empty_updates`): an optimizer step on zero gradients would still move AdamW's weights.
-- Differences from TRL 1.16 besides ties: its "ipo" takes h on summed log-probs, while `DPO_LOSSES`
+- Differences from TRL 1.16 besides ties: its "ipo" takes h on summed log-probs, while megalign's
   "ipo" takes it on token averages (as TRL's offline DPOTrainer and IPO's eq. 17); label smoothing,
-  "robust", "hinge" and RPO's `nll_coef` come with the offline loss. Its defaults kept here: beta 0.1,
+  "robust", "hinge", RPO's `nll_coef` and the other pairwise losses come with the offline loss. Its defaults kept here: beta 0.1,
   "sigmoid", 2 samples, no missing-EOS penalty; its temperature default is 0.9, the online family's 1.0.
 - Metrics are TRL's names where they exist: `rewards/chosen`, `rewards/rejected`, `rewards/margins`,
   `rewards/accuracies`, `logps/chosen`, `logps/rejected` (means over the trained pairs of every update),

@@ -11,6 +11,8 @@ One step (every rank, after `megalign.trainers.cli.init_distributed`):
     over the whole batch of every dp rank -> critic update (ppo_epochs x mini-batches of the clipped
     value loss) -> actor update (clipped policy loss [+ beta * KL_t] [- entropy bonus]; skipped during
     the critic warm-up) -> KL coefficient update (fixed, or Ziegler et al.'s adaptive controller).
+    `PPOTrainer` fills in the online step template (`advantages`: values, token rewards, GAE; `update`: the
+    two roles; `metrics`); the KL is `algo.kl_coef` / `kl_in` / `kl_estimator` as in GRPO.
 
 The pure pieces are in `megalign.algos.ppo`; roles in `megalign.roles` (the critic in
 `megalign.roles.critic`).
@@ -23,7 +25,7 @@ Design choices:
   (`memory/<phase>/<role>_mib`). Offload moves storage only, so results are identical on and off.
 - Layouts: every role has its own tp x pp (`OnlineTrainer.role_layout`). At pp > 1 the actor rolls out
   and trains as GRPO's does (`pipeline_rollout`, forward-only scoring, 1F1B updates in `train_role`
-  with `micro_loss(rows, hidden)` on the last stage), the reference scores with the forward-only
+  with the `RoleLoss` on the last stage's hidden states), the reference scores with the forward-only
   schedule, and the critic is a pipeline stage too (its value head on the last stage; old values by
   `Critic.pipeline_values`, the value loss inside 1F1B). The critic's layout is independent of the
   actor's within `check_same_batch`: e.g. critic.pp=1 beside actor.pp=2 (each rank holds its actor

@@ -282,7 +282,7 @@ def _trainers_packed_and_padded(policy, root):
     for pack in ("true", "false"):
         common = ("steps=1", "rollout.old_logprobs=recompute", "export_hf=false", f"rollout.pack={pack}",
                   "rollout.pack_max_fill=1.0")  # pack whatever the rows' fill
-        train_grpo(tiny_config(policy, f"{root}/grpo_{pack}", "algo.beta=0.05", *common))
+        train_grpo(tiny_config(policy, f"{root}/grpo_{pack}", "algo.kl_coef=0.05", *common))
         train_ppo(tiny_ppo_config(policy, f"{root}/ppo_{pack}", "algo.kl_coef=0.05", "algo.entropy_coef=0.01",
                                   *common))
 
