@@ -3,7 +3,7 @@
 Layout of a run directory:
 
     run_dir/config.yaml                     the config of the latest start (earlier ones: config.<N>.yaml, see `resume`)
-    run_dir/checkpoints/step_00000040/      a complete checkpoint (DCP files + .metadata, config.yaml)
+    run_dir/checkpoints/step_00000040/      a complete checkpoint (DCP files + .metadata, config.yaml, data_files.json)
     run_dir/checkpoints/step_00000050.tmp/  being written, or left behind by a crash: never read
 
 Design choices:
@@ -26,11 +26,14 @@ Design choices:
   would not continue (another run's), which a trainer refuses to mix with its own.
 - A checkpoint holds the resolved config it was written with (`save(..., config=to_dict(cfg))`
   writes `config.yaml` into the folder before the rename), so a resume can compare it with its own
-  (`saved_config`, `megalign.checkpoint.resume.check_resume_config`).
+  (`saved_config`, `megalign.checkpoint.resume.check_resume_config`), and the fingerprints of the data
+  files the run read (`save(..., data_files=...)`, `saved_data_files`,
+  `megalign.checkpoint.data_files.check_resume_data`).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -51,6 +54,8 @@ _STEP_DIR = re.compile(r"step_(\d{8})")
 
 CONFIG_FILE = "config.yaml"
 """The resolved config inside a checkpoint folder."""
+DATA_FILES = "data_files.json"
+"""The fingerprints of the run's data files inside a checkpoint folder (`megalign.checkpoint.data_files`)."""
 
 State = Mapping[str, Union[Stateful, Mapping[str, Any]]]
 """Top-level name -> a `Stateful` (model, optimizer, RNG, sampler) or a plain nested dict."""
@@ -97,6 +102,10 @@ class CheckpointManager:
         # threads, each its own file, wrote 2.5x faster (benchmarks/bench_checkpoint.py, BENCHMARKS.md).
         self.writer_threads = writer_threads
 
+    def _folder(self, checkpoint: Union[int, str, os.PathLike]) -> str:
+        """The folder of a checkpoint given as a step number or a folder."""
+        return self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint)
+
     def path(self, step: int) -> str:
         """Folder of the completed checkpoint of `step`."""
         if step < 0:
@@ -115,13 +124,15 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: State, config: Any = None) -> str:
+    def save(self, step: int, state: State, config: Any = None,
+             data_files: Optional[Mapping[str, Any]] = None) -> str:
         """Write `state` as the checkpoint of `step` and return its folder.
 
         `Stateful` values are asked for their `state_dict()` once here. Raises ValueError, on every
         rank and before anything is written, when any rank's state holds NaN or inf. `config` (the
         run's resolved config, as `megalign.config.to_dict` gives it, or the config itself) is
-        written by rank 0 as `config.yaml` in the folder, before it is renamed into place.
+        written by rank 0 as `config.yaml` in the folder, before it is renamed into place, and `data_files`
+        (`megalign.checkpoint.data_files.fingerprint_files`) as `data_files.json`.
         """
         final = self.path(step)
         tmp = final + ".tmp"
@@ -146,6 +157,8 @@ class CheckpointManager:
                 raise describe_write_failure(exc, tmp, step) from exc
         if config is not None and _rank() == 0:
             atomic_write_text(os.path.join(tmp, CONFIG_FILE), config_yaml(config))
+        if data_files is not None and _rank() == 0:
+            atomic_write_text(os.path.join(tmp, DATA_FILES), json.dumps(data_files, indent=1, sort_keys=True))
         _barrier()
         if _rank() == 0:
             if os.path.exists(final):
@@ -195,7 +208,7 @@ class CheckpointManager:
         non-tensor values of plain dicts; the `Reshardable`s get their filled targets. A key of
         `state` missing from the checkpoint (another model) raises naming the key.
         """
-        path = self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint)
+        path = self._folder(checkpoint)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
         saved = SavedCheckpoint(path, frozenset(dcp.FileSystemReader(path).read_metadata().state_dict_metadata))
@@ -212,17 +225,34 @@ class CheckpointManager:
 
         Raises ConfigError naming the file when it is not a YAML mapping.
         """
-        path = os.path.join(self.path(checkpoint) if isinstance(checkpoint, int) else os.fspath(checkpoint), CONFIG_FILE)
+        return self._saved_mapping(checkpoint, CONFIG_FILE, "checkpoint config", "YAML", yaml.safe_load, yaml.YAMLError)
+
+    def saved_data_files(self, checkpoint: Union[int, str, os.PathLike]) -> Optional[dict[str, Any]]:
+        """The fingerprints of the data files a checkpoint (step or folder) was written with; None when it holds none
+        (written before they were recorded). Raises ConfigError naming the file when it is not a JSON object."""
+        return self._saved_mapping(checkpoint, DATA_FILES, "checkpoint data-file fingerprints", "JSON", json.load,
+                                   json.JSONDecodeError)
+
+    def _saved_mapping(self, checkpoint: Union[int, str, os.PathLike], name: str, what: str, syntax: str,
+                       parse: Any, errors: type[Exception]) -> Optional[dict[str, Any]]:
+        """The mapping `parse` reads from file `name` of a checkpoint, None without that file; ConfigError naming
+        the file (`what`) when it is not valid `syntax` (`parse` raises `errors`) or holds no mapping."""
+        path = os.path.join(self._folder(checkpoint), name)
         if not os.path.isfile(path):
             return None
         try:
             with open(path, encoding="utf-8") as fh:
-                saved = yaml.safe_load(fh)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"checkpoint config {path!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+                saved = parse(fh)
+        except errors as exc:
+            raise ConfigError(f"{what} {path!r} is not valid {syntax}: {' '.join(str(exc).split())}") from exc
         if not isinstance(saved, dict):
-            raise ConfigError(f"checkpoint config {path!r} must hold a mapping, got {type(saved).__name__}")
+            raise ConfigError(f"{what} {path!r} must hold a mapping, got {type(saved).__name__}")
         return saved
+
+    def saved_state_names(self, checkpoint: Union[int, str, os.PathLike]) -> frozenset[str]:
+        """The top-level state names (`register_state` keys: "model", "optim", ...) a complete checkpoint holds."""
+        metadata = dcp.FileSystemReader(self._folder(checkpoint)).read_metadata()
+        return frozenset(key.split(".")[0] for key in metadata.state_dict_metadata)
 
     def resolve_resume(self, resume: Union[str, int]) -> Optional[str]:
         """The checkpoint folder to resume from, or None to start fresh.
