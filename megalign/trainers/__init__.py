@@ -1,8 +1,11 @@
 """Training loops on one skeleton, and what they share.
 
-- `base`: the one lifecycle (`Trainer`: run dir and config, resume checks, seeding, checkpoint-state
-  registry, loop with save / eval cadence, skipped-update counting, export, closing table), the
-  shared `RunConfig` and `DataConfig`, and `MetricSums` (named metric reduction over ranks).
+- `base`: the one lifecycle (`Trainer`: start-up, seeding, checkpoint-state registry, loop with save /
+  eval cadence, skipped-update counting, export, closing table), on `run_config` (the shared
+  `RunConfig` and `DataConfig`), `run_dir` (the start-up checks: the resume, checkpoints the run does
+  not continue, room for a checkpoint), `model_checks`, `outcome` (`TrainResult`,
+  the update counts, a run that never trained) and `metric_sums` (`MetricSums`: named metric
+  reduction over ranks); the names trainers import stay importable from `base`.
 - `supervised`: the supervised family, one trainer with an objective plugged in (`Objective`);
   `sft`, `preference` (DPO family, reward model), `kto` and `prm` (process reward model;
   `megalign.tools.best_of_n` makes its Monte-Carlo labels and measures it by reranking) are objectives on it.

@@ -10,7 +10,7 @@ from trainers.grpo_helpers import tiny_config, tiny_policy
 from megalign.config import ConfigError
 from megalign.models import ModelConfig
 from megalign.plan.model import total_params
-from megalign.trainers import base
+from megalign.trainers import run_dir
 from megalign.trainers.grpo import GRPOTrainer
 
 
@@ -23,7 +23,7 @@ def _refused(cfg, match, free=None):
     built = []
     GRPOTrainer.build_tokenizer = lambda self, *a: built.append("tokenizer")  # nothing past the base start-up
     if free is not None:
-        base.shutil.disk_usage = lambda path: type("Usage", (), {"free": free})()
+        run_dir.shutil.disk_usage = lambda path: type("Usage", (), {"free": free})()
     with pytest.raises(ConfigError, match=match):
         GRPOTrainer(cfg)
     assert not built
@@ -40,7 +40,7 @@ def test_a_run_dir_that_takes_no_checkpoint_file_fails_at_start_up(policy, tmp_p
 
 def test_a_disk_without_room_for_one_checkpoint_fails_at_start_up(policy, tmp_path):
     params = total_params(ModelConfig.from_hf(policy))
-    need = params * base.CHECKPOINT_BYTES_PER_PARAM / 2**20
+    need = params * run_dir.CHECKPOINT_BYTES_PER_PARAM / 2**20
     run_distributed(_refused, tiny_config(policy, str(tmp_path / "run")),
                     rf"has 0.00 MiB free, but one checkpoint of this run takes about {need:.2f} MiB \(12 bytes per "
                     rf"trained parameter\)", 1000, world_size=1)

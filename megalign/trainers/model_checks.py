@@ -1,0 +1,89 @@
+"""Start-up checks of the models a run names, each error naming the config key and folder at fault.
+
+`ModelError` (a model that does not fit the run) and `ModelPathError` (a folder that is not an HF
+checkpoint) are printed by the launcher as one line, as config errors are. `check_model` compares a
+built model with the run's tokenizer and longest sequence; `check_stages` and `check_same_batch`
+check pipeline stages and how two roles' layouts share the batch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megalign.data import Tokenizer, check_vocab
+from megalign.parallel import ParallelLayout
+
+
+class ModelError(ValueError):
+    """A model that does not fit the run (vocabulary, positions, layers per stage), named by its config key and
+    folder: the launcher prints it as one line, as a config error."""
+
+
+class ModelPathError(FileNotFoundError):
+    """A model folder a config key names that is missing or not an HF checkpoint (one line, as `ModelError`)."""
+
+
+def check_model_path(path: str, key: str) -> None:
+    """ModelPathError naming the config `key` when `path` is not an HF checkpoint folder (no config.json)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "does not exist" if not os.path.exists(path) else "has no config.json"
+        raise ModelPathError(
+            f"{key}={path!r} {what}: it must be an HF checkpoint folder (e.g. the run_dir/hf export of an SFT run). "
+            f"For the embedded example, `launch/run_embedded.sh` creates it (or: python launch/train_sft.py "
+            f"--config examples/sft_arith.yaml, which writes runs/sft_arith/hf)")
+
+
+def check_stages(num_layers: int, pp: int, key: str, what: str) -> None:
+    """ModelError naming `key`.pp and `what` (where the layer count comes from) unless pp splits the layers evenly."""
+    if num_layers % pp:
+        raise ModelError(f"{key}.pp={pp} does not divide the {num_layers} decoder layers of {what}: every pipeline "
+                         f"stage holds num_layers / pp layers")
+
+
+def check_same_batch(layout: ParallelLayout, key: str, data_layout: ParallelLayout, data_key: str) -> None:
+    """How data moves between two roles' layouts on the same ranks, checked: a role computes on the batch its ranks
+    hold, and the batches are split by `data_layout`'s dp coordinate (every rank of a `data_key` tp x pp replica holds
+    that replica's whole batch, pipeline stages included). So each replica of the role (its ranks with one dp
+    coordinate: its tp group x pp group) must lie inside one `data_key` replica; then no data moves: a role at pp = 1
+    beside a pp > 1 model scores the batch on every stage's ranks (redundantly), and a role's tp group sees one batch.
+    ValueError naming both layouts and the offending ranks otherwise (e.g. reference.tp=2 beside model.tp=1, dp=2)."""
+    for replica in range(layout.dp):
+        ranks = [r for r in range(layout.world_size) if layout.coords(r)["dp"] == replica]
+        batches = sorted({data_layout.coords(r)["dp"] for r in ranks})
+        if len(batches) > 1:
+            raise ValueError(
+                f"{key}.tp={layout.tp} x {key}.pp={layout.pp} does not fit {data_key}.tp={data_layout.tp} x "
+                f"{data_key}.pp={data_layout.pp}: ranks {ranks} (one {key} replica) hold the batches of {data_key} "
+                f"dp ranks {batches} of dp={data_layout.dp}; a {key} replica must lie inside one {data_key} replica")
+
+
+def check_model(model, tokenizer: Tokenizer, accepted_vocab: set[int], key: str, path: Optional[str], max_length: int,
+                length_what: str) -> None:
+    """Start-up checks of a model (from config key `key`, folder `path` or None) against the run's `tokenizer`.
+
+    Vocabulary: every tokenizer id must be a row of the model (`check_vocab`), and a model with
+    more rows than the tokenizer has ids is accepted only with its own tokenizer (HF checkpoints
+    pad the embedding, e.g. Qwen2.5's 151936 rows for 151665 ids) or with the vocabulary of a model
+    already accepted (`accepted_vocab`, which this adds to: the reference of a padded actor): anything
+    else would sample ids the tokenizer cannot decode, mid-rollout. Length: the longest sequence the
+    run feeds the model (`max_length` tokens, named by `length_what`) must fit its positions.
+    """
+    config, tok = model.config, tokenizer
+    where = f"{key} {path!r}" if path else key
+    try:
+        check_vocab(tok, config.vocab_size, where)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from exc
+    tok_path = getattr(tok, "path", None)
+    own = (tok_path is not None and path is not None and
+           os.path.realpath(tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path))
+           == os.path.realpath(path))
+    if config.vocab_size > tok.vocab_size and not own and config.vocab_size not in accepted_vocab:
+        raise ModelError(f"tokenizer ({tok.name}, {tok.vocab_size} ids) does not match {where} (vocab_size "
+                         f"{config.vocab_size}) and is not that model's own tokenizer: the model would sample ids "
+                         f"the tokenizer cannot decode. Use the model's tokenizer (data.tokenizer.path) or a model "
+                         f"built for this one")
+    accepted_vocab.add(config.vocab_size)
+    if max_length > config.max_position_embeddings:
+        raise ModelError(f"{length_what} is {max_length} tokens but {key} has max_position_embeddings="
+                         f"{config.max_position_embeddings}; lower the length limits")
