@@ -305,10 +305,12 @@ def dpo_variant_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: t
         weights: optional [B] constant per-pair weights (WPO), as in `dpo_loss`.
 
     BCO's reward shift delta is the mean of the detached implicit rewards beta r_w and beta r_l of the pairs
-    of this call (the trainer calls once per micro-batch), not TRL's running mean: TRL keeps a running mean
-    over every step of the per-step batch means, gathered over processes, so its delta carries history and
-    is the same on every rank; here each micro-batch's delta is its own (the first TRL step's delta, taken
-    over a micro-batch), which keeps the loss a pure function of its inputs, without state to checkpoint.
+    of this call (the trainer calls once per micro-batch), not TRL's running mean. TRL's `RunningMoments`
+    is updated at every loss call (each micro-batch, evaluation batches included) with that call's mean
+    reward averaged over the processes, and delta is the mean of all updates so far: it carries history,
+    is the same on every rank, and is not saved in checkpoints. Here each micro-batch's delta is its own
+    (TRL's delta at its first call, on one process), so the loss stays a pure function of its inputs and a
+    resumed run needs no state; it depends on the micro-batch split, unlike the other losses.
 
     Returns: (losses [B], stats: implicit rewards beta r, the policy log-probs), as `dpo_loss`.
     """
