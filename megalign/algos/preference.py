@@ -492,7 +492,7 @@ class PairLogps(NamedTuple):
 
 
 class PairLoss(NamedTuple):
-    """One entry of `PAIR_LOSSES`, the pairwise losses the DPO trainer offers as `algo.loss`."""
+    """One entry of `PAIR_LOSSES`, the pairwise losses the DPO trainers (offline and online) offer as `algo.loss`."""
 
     loss: Callable[["PreferenceAlgoConfig", PairLogps], tuple[torch.Tensor, PreferenceStats]]
     """(config, log-probs) -> (losses [B], stats)."""
