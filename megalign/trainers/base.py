@@ -5,14 +5,15 @@ set the run up), registers what a checkpoint must hold, and implements `train_st
 the rest, so a new objective or role never copies the plumbing:
 
     start-up (`Trainer.__init__`): device -> the run directory's lock (`megalign.checkpoint.lock`: a
-    second job on it fails here, naming the first) -> resume point resolved, and the checkpoint's config
-    compared with this one before any model is built (`run_dir.check_resume`: keys outside `RUN_FREE_KEYS`
-    and `free_keys()` that differ are an error unless `resume_changes=allow`) -> checkpoints in run_dir
-    that the run does not continue refuse the start, unless `overwrite_checkpoints` deletes them ->
-    run_dir/checkpoints must take a file and have room for one checkpoint -> run_dir/config.yaml
-    (`write_run_config`: an earlier, different one is kept as config.<N>.yaml) -> every RNG seeded ->
-    [subclass: tokenizer, data, roles, `register_state`]
-    `train()`: load the checkpoint -> `on_train_start`
+    second job on it fails here, naming the first) -> resume point resolved -> the data files fingerprinted
+    (every `DataConfig`'s `path` / `eval_path`, `megalign.checkpoint.data_files`) -> the checkpoint's config
+    and data fingerprints compared with this run's before any model is built (`run_dir.check_resume`: a
+    change is an error unless `resume_changes=allow`) -> checkpoints in run_dir that the run does not
+    continue refuse the start, unless `overwrite_checkpoints` deletes them -> run_dir/checkpoints must take
+    a file and have room for one checkpoint -> run_dir/config.yaml (`write_run_config`: an earlier,
+    different one is kept as config.<N>.yaml) -> every RNG seeded -> [subclass: tokenizer, data, roles,
+    `register_state`]
+    `train()`: load the checkpoint (less the derived state the resume recomputes) -> `on_train_start`
     -> evaluation before training (`eval_before`, once per run) -> loop { `train_step` -> metrics (file,
     TensorBoard, progress bar) -> evaluation every `eval_every()` steps -> the ranks agree on a stop signal
     and a time-based save (`megalign.trainers.stopping`) -> checkpoint every `save_every` steps, after
@@ -25,7 +26,10 @@ Design choices:
 
 - Checkpoint state is a registry (`register_state(key, stateful)`): the base registers the RNG
   states and the progress counters, a trainer adds its models, optimizers, sampler and generators.
-  Resume is exact because everything that a step reads is in there.
+  Resume is exact because everything that a step reads is in there. State the trainer can compute
+  again from parts of the config (a cache of reference scores over the training data) is registered
+  with `derived_from`: a resume allowed to change one of those parts (a data file edited under the
+  same path counts as a change of the key that names it) does not load it, and the trainer recomputes it.
 - Skipped updates have one path: a role's `optimizer_step` decides (non-finite loss or gradient norm
   on any rank, `megalign.roles.actor.TrainableRole`), the trainer reports through `skip_update`,
   which warns with the step number and counts per reason in `progress` (`nan_skips`,
@@ -42,13 +46,13 @@ What the trainers share lives beside this module, and the names they import are 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from megalign.checkpoint import CheckpointManager, Counters, RNGState, RunDirLock, write_run_config
+from megalign.checkpoint import CheckpointManager, Counters, RNGState, RunDirLock, fingerprint_files, write_run_config
 from megalign.config import to_dict
 from megalign.data import Tokenizer, TokenizerConfig, build_tokenizer
 from megalign.parallel import ParallelLayout
@@ -59,8 +63,10 @@ from megalign.trainers.model_checks import (ModelError, ModelPathError, check_mo
                                             check_stages)
 from megalign.trainers.outcome import (SKIP_REASONS, SkippedUpdatesError, TrainResult, accuracy_table, check_updates,
                                        update_summary)
-from megalign.trainers.run_config import RUN_FREE_KEYS, DataConfig, RunConfig, resolve_device, seed_everything
-from megalign.trainers.run_dir import CHECKPOINT_BYTES_PER_PARAM, check_resume, check_run_dir, claim_checkpoints
+from megalign.trainers.run_config import (RUN_FREE_KEYS, DataConfig, RunConfig, data_paths, resolve_device,
+                                          seed_everything)
+from megalign.trainers.run_dir import (CHECKPOINT_BYTES_PER_PARAM, check_resume, check_run_dir, claim_checkpoints,
+                                       stale_state)
 from megalign.trainers.stopping import PREEMPTED_EXIT_STATUS, Preempted, SaveClock, StopSignals, agree_to_stop
 from megalign.trainers.watchdog import Watchdog
 
@@ -71,6 +77,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Trainer:
@@ -93,8 +101,9 @@ class Trainer:
         self.on_rank0(self.lock.acquire)  # before anything is written there
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
         self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
-        if self.resume_from is not None:
-            check_resume(self.checkpoints, self.resume_from, cfg, RUN_FREE_KEYS + self.free_keys())
+        self.data_files = self.on_rank0(lambda: fingerprint_files(data_paths(cfg)))  # read by one rank, kept by all
+        self.resume_changes: list[str] = [] if self.resume_from is None else check_resume(
+            self.checkpoints, self.resume_from, cfg, RUN_FREE_KEYS + self.free_keys(), self.data_files)
         # after the resume checks: a refused resume deletes nothing; before any model is built: not at the first save
         self.on_rank0(lambda: claim_checkpoints(self.checkpoints, self.resume_from, cfg))
         self.on_rank0(lambda: check_run_dir(self.checkpoints, cfg.run_dir, self.trained_models()))
@@ -104,24 +113,27 @@ class Trainer:
         self.progress: dict[str, Any] = {"step": 0, **dict.fromkeys(SKIP_REASONS, 0), "accuracy_before": -1.0,
                                          "updates": 0, "skipped_steps": 0}
         self.state: dict[str, Any] = {"rng": RNGState(), "progress": Counters(self.progress)}
+        self._derived: dict[str, tuple[str, ...]] = {}
         self.watchdog = Watchdog(cfg.watchdog_minutes * 60, lambda: self.progress["step"] + 1, self.rank)
         self.timer = PhaseTimer(self.watchdog)
         self._skipped_in_step = False
 
     # ----- set-up helpers for subclasses
 
-    def on_rank0(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on rank 0 alone (a decision about the run directory), then raise its error, if any, on every rank
-        together, so no rank goes on to wait in a collective for one that failed."""
-        error: list[Optional[BaseException]] = [None]
+    def on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0 alone (a decision about the run directory, a read of the data files), then return its
+        result on every rank, or raise its error on every rank together, so no rank goes on to wait in a
+        collective for one that failed."""
+        box: list[Any] = [None, None]  # result, error
         if self.rank == 0:
             try:
-                fn()
+                box[0] = fn()
             except Exception as exc:  # sent to every rank, raised there
-                error[0] = exc
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            raise error[0]
+                box[1] = exc
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
 
     def layout_for(self, tp: int, pp: int = 1, key: str = "model") -> ParallelLayout:
         """The layout with tensor-parallel size `tp` and `pp` pipeline stages (dp = world / (tp x pp)), built once
@@ -145,11 +157,25 @@ class Trainer:
         the models already accepted (`model_checks.check_model`)."""
         check_model(model, self.tokenizer, self._accepted_vocab, key, path, max_length, length_what)
 
-    def register_state(self, key: str, value: Stateful) -> None:
-        """Add `value` (a `Stateful` or a plain dict) to what every checkpoint holds, under `key`."""
+    def register_state(self, key: str, value: Stateful, derived_from: tuple[str, ...] = ()) -> None:
+        """Add `value` (a `Stateful` or a plain dict) to what every checkpoint holds, under `key`.
+
+        `derived_from`: for state the trainer computes again whenever it was not loaded (a cache of reference
+        scores), the dotted config keys (prefixes) it is computed from, e.g. ("data", "reference", "model.path").
+        It is then not loaded, and stays as registered, when a resume allowed by `resume_changes=allow` changed
+        one of those keys (a data file edited under the path a key names counts as a change of that key) or
+        when the checkpoint holds none of it (`run_dir.stale_state`).
+        """
         if key in self.state:
             raise ValueError(f"checkpoint state {key!r} is registered twice")
+        if isinstance(derived_from, str):
+            raise TypeError(f"derived_from must be a tuple of dotted config keys, not one string {derived_from!r}")
+        unknown = [prefix for prefix in derived_from if not _names_a_key(to_dict(self.cfg), prefix)]
+        if unknown:
+            raise ValueError(f"derived_from of checkpoint state {key!r}: {unknown} name no key of the config")
         self.state[key] = value
+        if derived_from:
+            self._derived[key] = tuple(derived_from)
 
     def skip_update(self, reason: Literal["nan_skips", "empty_updates"], detail: str) -> None:
         """Count and warn about an update that did not happen in the current step (module doc)."""
@@ -226,15 +252,18 @@ class Trainer:
         return metrics
 
     def _load(self) -> None:
-        """Load the resumed checkpoint into the registered state."""
+        """Load the resumed checkpoint into the registered state, less the derived state it must recompute."""
+        stale = stale_state(self._derived, self.resume_changes, self.checkpoints.saved_state_names(self.resume_from))
+        for key, why in stale.items():
+            logger.warning("not loading %s from %s: %s; the trainer recomputes it", key, self.resume_from, why)
         self.prepare_checkpoint_io()
-        self.checkpoints.load(self.resume_from, self.state)
+        self.checkpoints.load(self.resume_from, {k: v for k, v in self.state.items() if k not in stale})
         logger.info("resumed from %s at step %d", self.resume_from, self.progress["step"])
 
     def _save(self, step: int) -> None:
         self.prepare_checkpoint_io()
         with self.timer("checkpoint"):
-            self.checkpoints.save(step, self.state, config=to_dict(self.cfg))
+            self.checkpoints.save(step, self.state, config=to_dict(self.cfg), data_files=self.data_files)
 
     def train(self) -> TrainResult:
         """Run (or resume) the whole training; every rank calls it. The run directory's lock is released however
@@ -300,3 +329,12 @@ class Trainer:
                   accuracy_table(before, after, self.progress["step"], self.eval_label(), self.name, updates), flush=True)
         return TrainResult(self.progress["step"], history, hf_path, before, after, self.progress["updates"])
 
+
+def _names_a_key(config: dict[str, Any], dotted: str) -> bool:
+    """Whether `dotted` ("model.path") names a key of the nested config dict `config` (`to_dict`)."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True

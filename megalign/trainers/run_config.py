@@ -2,14 +2,15 @@
 
 A trainer's config subclasses `RunConfig`, so the keys stay top-level (`steps=...`) and are declared
 once; a trainer changes a default by redeclaring that one field. Its data section subclasses
-`DataConfig`.
+`DataConfig`, which is how the data files of every trainer are found (`data_paths`) and fingerprinted
+in each checkpoint (`megalign.checkpoint.data_files`) without the trainer naming them.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import random
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
@@ -98,3 +99,15 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
 
+
+def data_paths(cfg: Any, prefix: str = "") -> dict[str, Optional[str]]:
+    """{dotted config key: path or None} of the data files config `cfg` names: the `path` and `eval_path` of every
+    `DataConfig` in it (any subclass, at any depth), so every trainer's data is found without naming it."""
+    found: dict[str, Optional[str]] = {}
+    for field in dataclasses.fields(cfg):
+        value, key = getattr(cfg, field.name), f"{prefix}{field.name}"
+        if isinstance(value, DataConfig):
+            found.update({f"{key}.path": value.path, f"{key}.eval_path": value.eval_path})
+        elif dataclasses.is_dataclass(value):
+            found.update(data_paths(value, f"{key}."))
+    return found

@@ -1,16 +1,21 @@
-"""The run directory at start-up: the resume's config check, checkpoints the run does not continue, room for a
-checkpoint.
+"""The run directory at start-up: the resume checks (config and data files), checkpoints the run does not continue,
+room for a checkpoint, and which derived state a resume recomputes.
 
 `Trainer.__init__` calls these in order, before any model is built, so a wrong start fails in seconds
 and not at the first save hours later:
 
 - `check_resume`: the checkpoint's config against this run's (`megalign.checkpoint.check_resume_config`:
-  keys outside `RUN_FREE_KEYS` and the trainer's `free_keys()`): a change is an error unless
-  `resume_changes=allow`.
+  keys outside `RUN_FREE_KEYS` and the trainer's `free_keys()`) and the fingerprints of its data files
+  against the files now (`megalign.checkpoint.check_resume_data`): a change is an error unless
+  `resume_changes=allow`; the allowed changes are returned as dotted config keys (a changed data file as
+  the key that names it, `data.path`).
 - `claim_checkpoints`: checkpoints in run_dir that the run does not continue (another run's) refuse the
   start, unless `overwrite_checkpoints` deletes them.
 - `check_run_dir`: run_dir/checkpoints must take a file and have room for one checkpoint
   (`checkpoint_bytes`: `CHECKPOINT_BYTES_PER_PARAM` per trained parameter).
+- `stale_state`: the state a trainer registered as derived from parts of the config (a cache of reference
+  scores: from the data and the reference) is not loaded when the resume changed one of those parts or
+  the checkpoint lacks it; the trainer recomputes it.
 """
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ import errno
 import logging
 import os
 import shutil
-from typing import Collection, Optional
+from typing import Any, Collection, Mapping, Optional
 
-from megalign.checkpoint import CheckpointManager, check_resume_config, with_defaults
-from megalign.config import ConfigError, to_dict
+from megalign.checkpoint import CheckpointManager, check_resume_config, check_resume_data, with_defaults
+from megalign.config import ConfigError, key_is_under, to_dict
 from megalign.plan.model import load_model, total_params
 from megalign.trainers.run_config import RunConfig
 
@@ -36,11 +41,31 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def check_resume(checkpoints: CheckpointManager, resume_from: str, cfg: RunConfig, free_keys: Collection[str]) -> None:
-    """ConfigError naming the changed keys when a resume from `resume_from` changes the config, unless
-    `resume_changes=allow` (module doc). Every rank calls it (they read the same file, so all raise together)."""
+def check_resume(checkpoints: CheckpointManager, resume_from: str, cfg: RunConfig, free_keys: Collection[str],
+                 data_files: Mapping[str, Any]) -> list[str]:
+    """The dotted config keys a resume from `resume_from` changes, allowed by `resume_changes=allow` (module doc);
+    ConfigError naming the changed keys or data files otherwise. `data_files`: this run's fingerprints
+    (`megalign.checkpoint.fingerprint_files`). Every rank calls it with the same arguments, so all raise together."""
+    allow = cfg.resume_changes == "allow"
     saved = with_defaults(type(cfg), checkpoints.saved_config(resume_from))
-    check_resume_config(saved, to_dict(cfg), free_keys, cfg.resume_changes == "allow", checkpoint=resume_from)
+    changed = check_resume_config(saved, to_dict(cfg), free_keys, allow, checkpoint=resume_from)
+    return changed + check_resume_data(checkpoints.saved_data_files(resume_from), data_files, allow,
+                                       checkpoint=resume_from)
+
+
+def stale_state(derived: Mapping[str, Collection[str]], changed: Collection[str],
+                saved: Collection[str]) -> dict[str, str]:
+    """{state key: why} of the derived state a resume must not load (module doc): `derived` maps a state key to the
+    dotted config prefixes it is computed from, `changed` holds the keys the resume changed (`check_resume`),
+    `saved` the state names the checkpoint holds."""
+    stale = {}
+    for key, sources in derived.items():
+        hits = [k for k in changed if any(key_is_under(k, source) for source in sources)]
+        if key not in saved:
+            stale[key] = "the checkpoint holds none"
+        elif hits:
+            stale[key] = f"it is computed from {', '.join(sources)}, and the resume changed {', '.join(hits)}"
+    return stale
 
 
 def claim_checkpoints(checkpoints: CheckpointManager, resume_from: Optional[str], cfg: RunConfig) -> None:
