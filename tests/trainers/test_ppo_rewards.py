@@ -162,18 +162,21 @@ def _normalised_and_gated(models, data, run_dir):
     _ppo(models["policy"], run_dir, "reward.terms=[]", f"data.path={data}", "algo.reward_normalize=true",
          f"reward.model.path={models['a']}", "reward.model_weight=2.0",
          f"reward.models=[{{name: b, path: {models['b']}, weight: 0.5}}, {{name: s, path: {models['s']}}}, "
-         f"{{name: h, path: {models['h']}}}]", "reward.gated={safety: s, helpful: h, weight: 4.0}")
+         f"{{name: h, path: {models['h']}}}]", "reward.gated={safety: s, helpful: h, weight: 4.0, threshold: 1.0e-6}")
 
 
 def test_ppo_normalises_each_model_and_whitens_the_gated_score(models, tmp_path):
-    data = write_rows(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b), "is_safety": a % 2 == 0}
-                                                   for a in range(4) for b in range(3)])
+    # 4 prompts, 2 of them safety ones: a step's 4 prompts are one pass over the data (the sampler draws each row once
+    # an epoch), and with the gate's threshold at 1e-6 no helpful prompt's score (|score| ~ 1) falls under it, so
+    # exactly half of every step's responses take the safety branch
+    data = write_rows(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+1=", "answer": str(a + 1), "is_safety": a % 2 == 0}
+                                                   for a in range(4)])
     run_distributed(_normalised_and_gated, models, data, str(tmp_path / "run"), world_size=1, timeout_s=120)
     row = metric_rows(str(tmp_path / "run"))[-1]
     # reward/mean is the shaped total: each RM normalised with its own stats, the whitened gated score averages 0
     expected = 2.0 * (row["reward/reward_model/mean"] - 0.2) / 0.5 + 0.5 * (row["reward/b/mean"] + 0.1) / 2.0
     assert row["reward/mean"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert 0 < row["reward/gated_safety_branch/mean"] <= 1
+    assert row["reward/gated_safety_branch/mean"] == 0.5
     bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}])
     with pytest.raises(RankFailure, match="bad.jsonl:1: reward.gated.safety_field='is_safety' must be a boolean"):
         run_distributed(_ppo, models["policy"], str(tmp_path / "bad"), "reward.terms=[]", f"data.path={bad}",
