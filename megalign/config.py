@@ -70,6 +70,24 @@ def option(default: Any = dataclasses.MISSING, *, doc: str) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def set_defaults(**values: Any):
+    """Class decorator, applied under `@dataclasses.dataclass`: the decorated config's own defaults of fields it
+    inherits, with each field's type and doc kept, so a field is declared and documented once (in the base) and a
+    subclass states only its value (`@set_defaults(run_dir="runs/grpo_arith", steps=60)`)."""
+    def apply(cls):
+        inherited = {f.name: f for base in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)}
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for name, value in values.items():
+            if name not in inherited:
+                raise TypeError(f"{cls.__name__}: set_defaults({name}=...) names no inherited field")
+            annotations[name] = inherited[name].type
+            setattr(cls, name, option(value, doc=inherited[name].metadata.get("doc", "")))
+        cls.__annotations__ = annotations
+        return cls
+    return apply
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 

@@ -38,7 +38,7 @@ from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
 from megalign.algos.grpo import informative_groups, overlong_mask, overlong_penalty
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.parallel.collectives import all_reduce_count
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult
@@ -79,13 +79,11 @@ class AlgoConfig(PolicyLossOptions, UpdateSchedule):
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/grpo_arith", steps=60, save_every=20)
 class GRPOConfig(OnlineConfig):
     """One GRPO run (`launch/train_grpo.py --config ... key.sub=value`)."""
 
     algorithm: Literal["grpo"] = algorithm_option("grpo")
-    run_dir: str = option("runs/grpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(60, doc="training steps (one rollout + its updates each)")
-    save_every: int = option(20, doc="checkpoint every N steps (and after the last); 0: only after the last")
     algo: AlgoConfig = option(AlgoConfig(), doc="objective")
 
 
@@ -124,13 +122,11 @@ class GRPOTrainer(PolicyGradient, OnlineTrainer):
     def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
         sums.add("dropped_groups", counts["dropped_groups"])
         sums.add("kept_groups", counts["kept_groups"])
-        loss = self.policy_loss(batch, self.cfg.algo.kl_beta)
-        if self.cfg.algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout.dp_group,
-                                                               self.layout.device) == 0:
-            return {"actor": self.skip_role(sums, "actor", loss, "empty_updates",
-                                            "dynamic sampling kept no group with unequal rewards on any rank")}
-        with self.phase("update", actor=("weights", "optimizer")):
-            return {"actor": self.train_role(self.actor, self.lr(), batch, loss, sums, "actor")}
+        empty = self.cfg.algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout.dp_group,
+                                                                    self.layout.device) == 0
+        return {"actor": self.update_actor(batch, sums, self.policy_loss(batch, self.cfg.algo.kl_beta),
+                                           "dynamic sampling kept no group with unequal rewards on any rank" if empty
+                                           else None)}
 
     def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
                 counts: dict[str, float]) -> dict[str, float]:

@@ -34,7 +34,7 @@ import torch
 
 from megalign.algos import check_kto_weight_ratio, kto_loss_at, kto_reference_point
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.data import (PromptExample, UnpairedExample, collate_replies, load_unpaired, make_splits,
                            write_unpaired_jsonl)
 from megalign.models import CausalLM
@@ -62,17 +62,14 @@ class KTOAlgoConfig:
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/kto_arith", steps=300, batch_size=64, save_every=100,
+              model=PolicyModelConfig(path="runs/sft_arith/hf"),
+              optim=OptimConfig(lr=5e-5, warmup_steps=10, schedule="cosine"))
 class KTOConfig(SupervisedConfig):
     """One KTO run (`launch/train_kto.py --config ... key.sub=value`)."""
 
     algorithm: Literal["kto"] = algorithm_option("kto")
-    run_dir: str = option("runs/kto_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(300, doc="optimizer steps")
-    batch_size: int = option(64, doc="examples per step over all dp ranks (a multiple of dp, at least 2 per rank)")
-    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
-    model: PolicyModelConfig = option(PolicyModelConfig(path="runs/sft_arith/hf"), doc="the policy (an SFT export) and its layout")
     reference: ReferenceConfig = option(ReferenceConfig(), doc="the frozen reference")
-    optim: OptimConfig = option(OptimConfig(lr=5e-5, warmup_steps=10, schedule="cosine"), doc="optimizer and LR schedule")
     data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="unpaired rows: prompt, completion, label (path null: the arithmetic rows)")
     algo: KTOAlgoConfig = option(KTOAlgoConfig(), doc="the loss")
 

@@ -12,7 +12,8 @@
     advantages the algorithm's (`advantages`)
     update     the algorithm's (`update`): `train_role(role, lr, batch, RoleLoss, ...)` runs epochs x
                mini-batches of one loss per unit, accumulated over micro-batches by `megalign.trainers.updates`
-               (padded or packed rows, pp = 1 or 1F1B at pp > 1), or `skip_role` leaves a role out
+               (padded or packed rows, pp = 1 or 1F1B at pp > 1); `update_actor` trains the actor or, with
+               nothing to learn from (no informative group, the critic's warm-up), leaves it out
     metrics    the algorithm's (`metrics`) beside the shared ones (`rollout_sums`, `step_metrics`)
 
 The configuration (roles, prompts, sampling, and the `UpdateSchedule` every `algo` section extends) is
@@ -368,7 +369,7 @@ class OnlineTrainer(OnlineMetrics, Trainer):
         raise NotImplementedError
 
     def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
-        """Train the roles on the batch (`train_role` or `skip_role`), adding their sums to `sums`; returns each
+        """Train the roles on the batch (`train_role`, `update_actor`), adding their sums to `sums`; returns each
         trained role's gradient norms by name."""
         raise NotImplementedError
 
@@ -430,14 +431,19 @@ class OnlineTrainer(OnlineMetrics, Trainer):
             sums.add(f"{prefix}/{name}", value)
         return norms
 
-    def skip_role(self, sums: MetricSums, prefix: str, loss: RoleLoss, counter: str, why: str) -> list[torch.Tensor]:
-        """A role's update left out this step (counted as `counter`, warned with `why`; a step on zero gradients
-        would still move AdamW's weights through its momentum): its sums added as zeros so every rank's sums line
-        up; returns its gradient norms, [0]."""
+    def update_actor(self, batch: RolloutBatch, sums: MetricSums, loss: RoleLoss, skip: Optional[str] = None,
+                     counter: str = "empty_updates") -> list[torch.Tensor]:
+        """The actor's update on `loss` (`train_role` in the "update" phase), unless `skip` says why not: then its sums
+        are added as zeros so every rank's sums line up, the step counted as `counter` (none when empty) and warned
+        with `skip` (a step on zero gradients would still move AdamW's weights through its momentum). Returns the
+        actor's gradient norms ([0] when skipped)."""
+        if skip is None:
+            with self.phase("update", actor=("weights", "optimizer")):
+                return self.train_role(self.actor, self.lr(), batch, loss, sums, "actor")
         if counter:
-            self.skip_update(counter, why)
+            self.skip_update(counter, skip)
         for name in ("loss",) + loss.stats:
-            sums.add(f"{prefix}/{name}", 0.0)
+            sums.add(f"actor/{name}", 0.0)
         return [torch.zeros(())]
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ import torch
 
 from megalign.algos.preference import PairLogps, PreferenceAlgoConfig, pair_losses
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.data import IGNORE_INDEX
 from megalign.parallel import Pipeline
 from megalign.parallel.collectives import all_reduce_count
@@ -90,13 +90,11 @@ class OnlineDPOAlgoConfig(PreferenceAlgoConfig, UpdateSchedule):
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/online_dpo_arith", steps=200, save_every=50)
 class OnlineDPOConfig(OnlineConfig):
     """One online DPO run (`launch/train_online_dpo.py --config ... key.sub=value`)."""
 
     algorithm: Literal["online_dpo"] = algorithm_option("online_dpo")
-    run_dir: str = option("runs/online_dpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(200, doc="training steps (one rollout + its updates each)")
-    save_every: int = option(50, doc="checkpoint every N steps (and after the last); 0: only after the last")
     rollout: RolloutConfig = option(RolloutConfig(group_size=2), doc="sampling (G = 2 samples per prompt: one pair)")
     algo: OnlineDPOAlgoConfig = option(OnlineDPOAlgoConfig(), doc="objective")
 
@@ -226,12 +224,10 @@ class OnlineDPOTrainer(OnlineTrainer):
         chosen, rejected, tied, _, _ = self.pairs
         sums.add("tied", tied.sum())
         sums.add("score_margin", (batch.rewards[chosen] - batch.rewards[rejected]).double().sum())
-        loss = self.actor_loss(batch)
-        if all_reduce_count(int((~tied).sum()), self.layout.dp_group, self.layout.device) == 0:
-            return {"actor": self.skip_role(sums, "actor", loss, "empty_updates",
-                                            "every prompt's responses have equal rewards on every rank: no pair")}
-        with self.phase("update", actor=("weights", "optimizer")):
-            return {"actor": self.train_role(self.actor, self.lr(), batch, loss, sums, "actor")}
+        empty = all_reduce_count(int((~tied).sum()), self.layout.dp_group, self.layout.device) == 0
+        return {"actor": self.update_actor(batch, sums, self.actor_loss(batch),
+                                           "every prompt's responses have equal rewards on every rank: no pair"
+                                           if empty else None)}
 
     def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
                 counts: dict[str, float]) -> dict[str, float]:

@@ -67,7 +67,7 @@ from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.models import ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
@@ -132,13 +132,11 @@ class PPOAlgoConfig(PolicyLossOptions, UpdateSchedule):
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/ppo_arith", steps=60, save_every=20)
 class PPOConfig(OnlineConfig):
     """One PPO run (`launch/train_ppo.py --config ... key.sub=value`)."""
 
     algorithm: Literal["ppo"] = algorithm_option("ppo")
-    run_dir: str = option("runs/ppo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/, critic_hf/")
-    steps: int = option(60, doc="training steps (one rollout + the critic's and the actor's updates each)")
-    save_every: int = option(20, doc="checkpoint every N steps (and after the last); 0: only after the last")
     critic: CriticConfig = option(CriticConfig(), doc="the value model")
     algo: PPOAlgoConfig = option(PPOAlgoConfig(), doc="objective")
 
@@ -252,12 +250,9 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         with self.phase("critic_update", critic=("weights", "optimizer")):
             norms = {"critic": self.train_role(self.critic, self.lr(cfg.critic.optim), batch, self.critic_loss(batch),
                                                sums, "critic")}
-        actor_loss = self.policy_loss(batch, self.kl.beta)
-        if self.progress["step"] >= cfg.algo.critic_warmup:
-            with self.phase("update", actor=("weights", "optimizer")):
-                norms["actor"] = self.train_role(self.actor, self.lr(), batch, actor_loss, sums, "actor")
-        else:
-            norms["actor"] = self.skip_role(sums, "actor", actor_loss, "", "")
+        warming_up = self.progress["step"] < cfg.algo.critic_warmup
+        norms["actor"] = self.update_actor(batch, sums, self.policy_loss(batch, self.kl.beta),
+                                           "critic warm-up" if warming_up else None, counter="")
         self.step_kl = (self.kl.beta, float(sequence_mean_kl(self.rollout_kl, mask, self.layout.dp_group)))
         self.kl.update(self.step_kl[1], cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         valid = mask.double()

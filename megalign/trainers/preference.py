@@ -37,7 +37,7 @@ import torch
 from megalign.algos import reward_model_loss
 from megalign.algos.preference import REFERENCE_FREE, PairLogps, PreferenceAlgoConfig, pair_losses
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.data import (PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
                            load_prompts, make_splits, write_preference_jsonl)
 from megalign.models import CausalLM
@@ -67,17 +67,14 @@ class PreferenceDataConfig(DataConfig):
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/dpo_arith", steps=200, batch_size=32, save_every=100,
+              model=PolicyModelConfig(path="runs/sft_arith/hf"),
+              optim=OptimConfig(lr=5e-5, warmup_steps=10, schedule="constant"))
 class DPOConfig(SupervisedConfig):
     """One pairwise preference run (`launch/train_dpo.py --config ... key.sub=value`)."""
 
     algorithm: Literal["dpo"] = algorithm_option("dpo")
-    run_dir: str = option("runs/dpo_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(200, doc="optimizer steps")
-    batch_size: int = option(32, doc="pairs per step over all dp ranks (a multiple of dp)")
-    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
-    model: PolicyModelConfig = option(PolicyModelConfig(path="runs/sft_arith/hf"), doc="the policy (an SFT export) and its layout")
     reference: ReferenceConfig = option(ReferenceConfig(), doc="the frozen reference (DPO family only)")
-    optim: OptimConfig = option(OptimConfig(lr=5e-5, warmup_steps=10, schedule="constant"), doc="optimizer and LR schedule")
     data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="the pairs")
     algo: PreferenceAlgoConfig = option(PreferenceAlgoConfig(), doc="the loss")
 
@@ -168,16 +165,14 @@ class RewardAlgoConfig:
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/rm_arith", steps=200, batch_size=32, save_every=100,
+              model=PolicyModelConfig(path="runs/sft_arith/hf"),
+              optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"))
 class RMConfig(SupervisedConfig):
-    """One reward-model run (`launch/train_rm.py --config ... key.sub=value`)."""
+    """One reward-model run (`launch/train_rm.py --config ... key.sub=value`); `model.path` is an SFT export (a fresh
+    reward head) or a reward model (continued)."""
 
     algorithm: Literal["rm"] = algorithm_option("rm")
-    run_dir: str = option("runs/rm_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(200, doc="optimizer steps")
-    batch_size: int = option(32, doc="pairs per step over all dp ranks (a multiple of dp)")
-    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
-    model: PolicyModelConfig = option(PolicyModelConfig(path="runs/sft_arith/hf"), doc="the starting checkpoint (an SFT export: fresh reward head; a reward model: continued) and its layout")
-    optim: OptimConfig = option(OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"), doc="optimizer and LR schedule")
     data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="the pairs (held-out pairs: data.eval_path, or the arithmetic held-out split)")
     algo: RewardAlgoConfig = option(RewardAlgoConfig(), doc="the loss")
 

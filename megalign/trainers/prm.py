@@ -37,7 +37,7 @@ import torch
 
 from megalign.algos import IGNORE_INDEX, prm_loss
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.data import ArithChainConfig, StepwiseExample, collate_stepwise, load_stepwise, make_chain_splits
 from megalign.data.arith import write_stepwise_jsonl
 from megalign.data.tokenizer import Tokenizer
@@ -82,16 +82,13 @@ class PRMAlgoConfig:
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/prm_chain", steps=300, batch_size=64, save_every=100,
+              model=PolicyModelConfig(path="runs/sft_chain/hf"),
+              optim=OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"))
 class PRMConfig(SupervisedConfig):
     """One process (or outcome) reward model run (`launch/train_prm.py --config ... key.sub=value`)."""
 
     algorithm: Literal["prm"] = algorithm_option("prm")
-    run_dir: str = option("runs/prm_chain", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(300, doc="optimizer steps")
-    batch_size: int = option(64, doc="solutions per step over all dp ranks (a multiple of dp)")
-    save_every: int = option(100, doc="checkpoint every N steps (and always after the last); 0: only after the last")
-    model: PolicyModelConfig = option(PolicyModelConfig(path="runs/sft_chain/hf"), doc="the starting policy (an SFT export) and its layout")
-    optim: OptimConfig = option(OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"), doc="optimizer and LR schedule")
     data: StepDataConfig = option(StepDataConfig(), doc="the stepwise rows")
     algo: PRMAlgoConfig = option(PRMAlgoConfig(), doc="reward tokens and supervision")
 

@@ -28,7 +28,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from megalign.algos.registry import algorithm_option
-from megalign.config import option
+from megalign.config import option, set_defaults
 from megalign.data import PromptExample, Tokenizer, load_prompts, make_splits
 from megalign.data.sft import IGNORE_INDEX, SFTExample, collate_sft, encode_sft, load_sft
 from megalign.models import CausalLM
@@ -52,14 +52,11 @@ class SFTDataConfig(DataConfig):
 
 
 @dataclasses.dataclass
+@set_defaults(run_dir="runs/sft_arith", steps=900, save_every=300, optim=OptimConfig(lr=3e-3, warmup_steps=20))
 class SFTConfig(SupervisedConfig):
     """One SFT run (`launch/train_sft.py --config ... key.sub=value`)."""
 
     algorithm: Literal["sft"] = algorithm_option("sft")
-    run_dir: str = option("runs/sft_arith", doc="output folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, hf/")
-    steps: int = option(900, doc="optimizer steps")
-    save_every: int = option(300, doc="checkpoint every N steps (and always after the last); 0: only after the last")
-    optim: OptimConfig = option(OptimConfig(lr=3e-3, warmup_steps=20), doc="optimizer and LR schedule")
     data: SFTDataConfig = option(SFTDataConfig(), doc="the data")
 
 
