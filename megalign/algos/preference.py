@@ -489,6 +489,8 @@ class PairLogps(NamedTuple):
     rejected_lengths: torch.Tensor
     ref_chosen: Optional[torch.Tensor] = None
     ref_rejected: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    """WPO's constant per-pair weights [B] (`wpo_weights`), given when `algo.use_weighting`."""
 
 
 class PairLoss(NamedTuple):
@@ -506,16 +508,17 @@ def _dpo_entry(loss_type: str) -> PairLoss:
     def loss(a: "PreferenceAlgoConfig", x: PairLogps) -> tuple[torch.Tensor, PreferenceStats]:
         return dpo_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, loss_type=loss_type, beta=a.beta_value,
                         label_smoothing=a.label_smoothing, nll_coef=a.nll_coef, chosen_lengths=x.chosen_lengths,
-                        rejected_lengths=x.rejected_lengths)
+                        rejected_lengths=x.rejected_lengths, weights=x.weights)
     smoothing = ("label_smoothing",) if DPO_LOSSES[loss_type].label_smoothing else ()
-    return PairLoss(loss, ("beta", *smoothing, "nll_coef"), reference=True)
+    return PairLoss(loss, ("beta", *smoothing, "nll_coef", "use_weighting"), reference=True)
 
 
 def _variant_entry(loss_type: str) -> PairLoss:
     def loss(a: "PreferenceAlgoConfig", x: PairLogps) -> tuple[torch.Tensor, PreferenceStats]:
         return dpo_variant_loss(x.chosen, x.rejected, x.ref_chosen, x.ref_rejected, loss_type=loss_type,
-                                beta=a.beta_value, exo_epsilon=a.exo_epsilon)
-    return PairLoss(loss, ("beta", "exo_epsilon") if loss_type == "exo_pair" else ("beta",), reference=True)
+                                beta=a.beta_value, exo_epsilon=a.exo_epsilon, weights=x.weights)
+    own = ("exo_epsilon",) if loss_type == "exo_pair" else ()
+    return PairLoss(loss, ("beta", *own, "use_weighting"), reference=True)
 
 
 PAIR_LOSSES: dict[str, PairLoss] = {
@@ -533,7 +536,7 @@ PAIR_LOSSES: dict[str, PairLoss] = {
 REFERENCE_FREE = tuple(name for name, entry in PAIR_LOSSES.items() if not entry.reference)
 """Pairwise losses without a reference model."""
 
-_SWITCHES = ("label_smoothing", "nll_coef", "exo_epsilon")
+_SWITCHES = ("label_smoothing", "nll_coef", "exo_epsilon", "use_weighting")
 """Coefficients whose non-default value a loss that does not read them refuses (the others, beta and the
 reference-free losses' own, keep their defaults harmlessly where unread)."""
 
@@ -553,6 +556,9 @@ class PreferenceAlgoConfig:
     lam: float = option(0.1, doc="orpo: weight of the odds-ratio term")
     exo_epsilon: float = option(EXO_EPSILON, doc="exo_pair: eps in (0, 0.5) of the label distribution (1 - eps, eps) "
                                                  "(TRL: label_smoothing, 1e-3 when 0)")
+    use_weighting: bool = option(False, doc="DPO losses and variants: weight each pair by WPO's min(1, exp(a_w + a_l)), "
+                                            "a = the policy's mean adjusted token log-prob (TRL's use_weighting; one "
+                                            "more forward-only pass of the LM head)")
 
     def __post_init__(self):
         """Every coefficient checked here, at start-up, not in the first loss after the reference pass."""
@@ -587,4 +593,6 @@ class PreferenceAlgoConfig:
 
 def pair_losses(algo: PreferenceAlgoConfig, logps: PairLogps) -> tuple[torch.Tensor, PreferenceStats]:
     """(per-pair losses [B], statistics) of `algo.loss` (a `PAIR_LOSSES` entry) on the pairs' log-probs."""
+    if algo.use_weighting and logps.weights is None:
+        raise ValueError("algo.use_weighting needs WPO's per-pair weights: PairLogps.weights (wpo_weights)")
     return PAIR_LOSSES[algo.loss].loss(algo, logps)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from megalign.algos.preference import wpo_token_logps
 from megalign.data import IGNORE_INDEX
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
@@ -66,3 +67,14 @@ def sequence_logps(model: CausalLM, batch: PairBatch, layout: ParallelLayout) ->
     """[R] summed response log-probs of each row of `batch` (R = 2B: chosen rows, then rejected rows): the trunk on
     the whole batch, then `hidden_sequence_logps`."""
     return hidden_sequence_logps(model, model.model(batch.input_ids, batch.attention_mask), batch.targets, layout)
+
+
+def wpo_sequence_sums(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
+                      layout: ParallelLayout) -> torch.Tensor:
+    """[R] per row, the sum over its target tokens of WPO's adjusted log-prob log p(y_t) - log sum_v p_v^2
+    (`megalign.algos.wpo_token_logps`, no gradient), from the trunk's output `hidden` [R, T, H]."""
+    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    head = model.lm_head
+    terms = wpo_token_logps(hidden[rows, cols], head.proj.weight, targets[rows, cols],
+                            layout.tp_group if layout.tp > 1 else None, head.vocab_start, head.vocab_size)
+    return terms.new_zeros(targets.shape[0]).index_add(0, rows, terms)

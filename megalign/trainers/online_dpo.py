@@ -87,6 +87,9 @@ class OnlineDPOAlgoConfig(PreferenceAlgoConfig, UpdateSchedule):
                              f"(token-mean over one unit a pair); leave loss_agg at token-mean")
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             raise ValueError(f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
+        if self.use_weighting:
+            raise ValueError("use_weighting: online DPO does not compute WPO's weights (the offline DPO trainer does); "
+                             "leave it false")
 
 
 @dataclasses.dataclass

@@ -35,7 +35,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from megalign.algos import reward_model_loss
-from megalign.algos.preference import REFERENCE_FREE, PairLogps, PreferenceAlgoConfig, pair_losses
+from megalign.algos.preference import REFERENCE_FREE, PairLogps, PreferenceAlgoConfig, pair_losses, wpo_weights
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
 from megalign.data import (PreferenceExample, PromptExample, collate_preferences, encode_sft, load_preferences,
@@ -43,7 +43,8 @@ from megalign.data import (PreferenceExample, PromptExample, collate_preferences
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout
 from megalign.roles.reward_exports import write_reward_stats
-from megalign.roles.sequence_logps import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
+from megalign.roles.sequence_logps import (PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps,
+                                           wpo_sequence_sums)
 from megalign.trainers.base import DataConfig, MetricSums, TrainResult
 from megalign.trainers.optim import OptimConfig
 from megalign.trainers.evaluation import eval_count
@@ -142,14 +143,21 @@ class PairwiseObjective(Objective[PreferenceExample]):
              layout: ParallelLayout) -> tuple[torch.Tensor, dict]:
         logps, lengths = hidden_sequence_logps(model, hidden, rows["targets"], layout), rows["lengths"]
         ref = (rows["ref"][0::2], rows["ref"][1::2]) if "ref" in rows else (None, None)
-        losses, pair_stats = self.pair_losses(logps[0::2], logps[1::2], lengths[0::2], lengths[1::2], *ref)
+        weights = None
+        if self.cfg.algo.use_weighting:
+            adjusted = wpo_sequence_sums(model, hidden, rows["targets"], layout)
+            weights = wpo_weights(adjusted[0::2], adjusted[1::2], lengths[0::2], lengths[1::2])
+        losses, pair_stats = self.pair_losses(logps[0::2], logps[1::2], lengths[0::2], lengths[1::2], *ref, weights)
         return losses.sum(), pair_stats.metrics()
 
     def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
-                    rejected_len: torch.Tensor, ref_chosen: Optional[torch.Tensor], ref_rejected: Optional[torch.Tensor]):
+                    rejected_len: torch.Tensor, ref_chosen: Optional[torch.Tensor], ref_rejected: Optional[torch.Tensor],
+                    weights: Optional[torch.Tensor] = None):
         """(per-pair losses [B], statistics) of `algo.loss` from the policy's summed log-probs [B] of the chosen and
-        rejected responses, their lengths [B] and (reference-based losses) the reference's summed log-probs [B]."""
-        return pair_losses(self.cfg.algo, PairLogps(chosen, rejected, chosen_len, rejected_len, ref_chosen, ref_rejected))
+        rejected responses, their lengths [B], (reference-based losses) the reference's summed log-probs [B] and
+        (algo.use_weighting) WPO's per-pair weights [B]."""
+        return pair_losses(self.cfg.algo, PairLogps(chosen, rejected, chosen_len, rejected_len, ref_chosen, ref_rejected,
+                                                    weights))
 
 
 @dataclasses.dataclass

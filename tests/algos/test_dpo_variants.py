@@ -182,6 +182,8 @@ def test_registry_entries_call_the_variants():
     ({"loss": "exo_pair", "exo_epsilon": 0.0}, r"exo_epsilon must be in \(0, 0.5\), got 0.0"),
     ({"loss": "sppo_hard", "beta": -1.0}, "beta must be a finite number > 0, got -1.0"),
     ({"loss": "hinge", "label_smoothing": 0.2}, "label_smoothing=0.2 is not defined for loss 'hinge'"),
+    ({"loss": "orpo", "use_weighting": True}, "use_weighting=True is not defined for loss 'orpo'; only for sigmoid, "
+                                              "robust, hinge, ipo, apo_zero"),
 ])
 def test_config_refuses_what_the_loss_does_not_read(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -213,6 +215,19 @@ def test_weights_scale_loss_and_gradient_as_constants(dtype):
         assert grad_w is None
         for ga, gb in zip(got, torch.autograd.grad((plain * w.detach()).sum(), b)):
             torch.testing.assert_close(ga, gb)
+
+
+def test_registry_passes_the_weights_and_asks_for_them():
+    pw, pl, rw, rl = random_logps(4, seed=12, dtype=torch.float64)
+    n, w = torch.full((4,), 3.0), torch.tensor([0.2, 1.0, 0.5, 0.9], dtype=torch.float64)
+    for name, plain in [("ipo", lambda: dpo_loss(pw, pl, rw, rl, loss_type="ipo", beta=0.1, chosen_lengths=n,
+                                                 rejected_lengths=n)[0]),
+                        ("sppo_hard", lambda: dpo_variant_loss(pw, pl, rw, rl, loss_type="sppo_hard")[0])]:
+        algo = PreferenceAlgoConfig(loss=name, use_weighting=True)
+        losses, _ = pair_losses(algo, PairLogps(pw, pl, n, n, rw, rl, w))
+        torch.testing.assert_close(losses, plain() * w)
+        with pytest.raises(ValueError, match="algo.use_weighting needs WPO's per-pair weights"):
+            pair_losses(algo, PairLogps(pw, pl, n, n, rw, rl))
 
 
 def trl_wpo_weights(logits, labels, loss_mask, num_examples):
