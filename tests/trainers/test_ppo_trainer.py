@@ -33,6 +33,17 @@ def _rows(run_dir):
     return {row["step"]: row for row in metric_rows(run_dir) if "reward/mean" in row}
 
 
+def controller_betas(rows, beta, target, horizon, samples):
+    """The KL coefficient of each step of `rows` (step rows in order) under the adaptive controller (Ziegler et al.
+    2019, eq. 2; TRL's AdaptiveKLController): beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) samples / horizon)
+    after each step, KL the step's logged rollout KL and `samples` its responses over every rank."""
+    betas = []
+    for row in rows:
+        betas.append(beta)
+        beta *= 1 + min(max(row["actor/rollout_kl"] / target - 1, -0.2), 0.2) * samples / horizon
+    return betas
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     return tiny_policy(tmp_path_factory.mktemp("policy") / "hf")
@@ -47,13 +58,9 @@ def test_reward_rises_two_ranks_and_critic_exports(policy, tmp_path):
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
     # the adaptive controller moved beta by its formula from the logged KL of each step
-    beta = 0.01
-    for s in sorted(rows)[:-1]:
-        assert rows[s]["actor/kl_coef"] == pytest.approx(beta, rel=1e-9)
-        e = min(max(rows[s]["actor/rollout_kl"] / 0.5 - 1, -0.2), 0.2)
-        beta *= 1 + e * 64 / 100
-    assert rows[12]["actor/kl_coef"] == pytest.approx(beta, rel=1e-9)
-    assert rows[12]["actor/kl_coef"] != 0.01
+    betas = controller_betas([rows[s] for s in sorted(rows)], 0.01, 0.5, 100, 64)
+    assert [rows[s]["actor/kl_coef"] for s in sorted(rows)] == pytest.approx(betas, rel=1e-9)
+    assert betas[-1] != 0.01
     # the critic learned something: its values track the returns better than the fresh head did
     assert rows[12]["critic/loss"] < rows[1]["critic/loss"]
     # per-phase memory of every role, and the critic's export loads in transformers with the same values
@@ -100,7 +107,10 @@ def test_resume_is_exact_with_four_roles(policy, tmp_path):
     straight, resumed = _rows(f"{tmp_path}/straight"), _rows(f"{tmp_path}/resumed")
     assert sorted(straight) == sorted(resumed) == [1, 2, 3, 4]
     assert straight == resumed
-    assert straight[3]["actor/kl_coef"] != 0.05  # the adaptive beta came back from the checkpoint
+    # the adaptive beta, moved by its formula, came back from the checkpoint (16 responses a step)
+    betas = controller_betas([straight[s] for s in (1, 2, 3, 4)], 0.05, 1.0, 50, 16)
+    assert [straight[s]["actor/kl_coef"] for s in (1, 2, 3, 4)] == pytest.approx(betas, rel=1e-9)
+    assert betas[2] != 0.05
 
 
 def test_critic_warmup_leaves_the_actor_alone(policy, tmp_path):
