@@ -72,7 +72,7 @@ def _import(ref: str) -> Any:
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("sft", "supervised fine-tuning on prompt/response pairs or chat messages", "supervised",
               "megalign.trainers.sft:SFTConfig", "megalign.trainers.sft:train_sft", reference=False),
-    Algorithm("dpo", "pairwise preference losses: DPO, IPO, hinge, robust, SimPO, CPO, ORPO (algo.loss)", "supervised",
+    Algorithm("dpo", "pairwise preference losses: the DPO family and its variants, SimPO, CPO, ORPO (algo.loss)", "supervised",
               "megalign.trainers.preference:DPOConfig", "megalign.trainers.preference:train_dpo",
               reference="algo.uses_reference"),
     Algorithm("kto", "KTO on unpaired desirable / undesirable rows", "supervised",
@@ -89,7 +89,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               reference="algo.uses_kl", critic=True, reward=True),
     Algorithm("online_dpo", "online DPO on pairs of the actor's own samples ranked by the reward role", "online",
               "megalign.trainers.online_dpo:OnlineDPOConfig", "megalign.trainers.online_dpo:train_online_dpo",
-              reference=True, reward=True),
+              reference="algo.uses_reference", reward=True),
 )}
 
 

@@ -27,6 +27,7 @@ DECIDES = {"sft": SFTObjective, "dpo": PairwiseObjective, "kto": KTOObjective, "
            "prm": PRMObjective, "grpo": GRPOTrainer, "ppo": PPOTrainer, "online_dpo": OnlineDPOTrainer}
 VARIANTS = {"dpo": [["algo.loss=orpo"], ["algo.loss=ipo"]],
             "ppo": [["algo.kl_coef=0"], ["algo.kl_coef=0", "algo.kl_target=6"]],
+            "online_dpo": [["algo.loss=simpo"], ["algo.loss=ipo"]],
             "grpo": [["algo.kl_coef=0.04"], ["algo.advantage=reinforce_plus_plus"],
                      ["algo.advantage=reinforce_plus_plus", "algo.kl_coef=0"]]}
 
