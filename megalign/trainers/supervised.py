@@ -333,7 +333,7 @@ class SupervisedTrainer(Trainer):
                          "the objective's longest example")
         self.ref_cache = {"scores": torch.zeros(len(self.train_set), self.objective.num_scores), "ready": False}
         if cfg.reference.mode == "cache":
-            self.register_state("reference_cache", self.ref_cache)
+            self.register_state("reference_cache", self.ref_cache, derived_from=("data", "reference", "model.path"))
         return Reference(ref_model, ref_layout, cfg.reference.offload_weights)
 
     def _check_pipeline(self, cfg: SupervisedConfig) -> None:
