@@ -1,53 +1,27 @@
-"""Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", arXiv 2402.04792)
-on the online trainer (`megalign.trainers.online`): `train_online_dpo(cfg)`.
+"""Online DPO (Guo et al. 2024, arXiv 2402.04792; TRL's `OnlineDPOTrainer`) on the online step template:
+`train_online_dpo(cfg)`.
 
-The same trainer as GRPO, a different objective. One step (every rank, after
-`megalign.trainers.cli.init_distributed`):
-
-    sample prompts -> actor generates G responses each (`rollout.group_size`, default 2 as in the paper
-    and TRL's `OnlineDPOTrainer`) -> reward role scores them (verifiers and / or a reward model)
-    [- algo.missing_eos_penalty for responses without EOS] -> one pair per prompt (`preference_pairs`:
-    chosen = the highest reward, rejected = the lowest; a prompt whose rewards are all equal carries no
-    preference and is dropped, counted as `pairs/tied`) -> [the reference's summed log-probs of both] ->
-    `algo.ppo_epochs` x `algo.mini_batches` updates of the offline trainer's pairwise loss (`algo` is its
-    `PreferenceAlgoConfig`: any of `megalign.algos.preference.PAIR_LOSSES`; the reference-free ones, SimPO,
-    CPO, ORPO, build no reference) on the actor's summed log-probs -> metrics.
+    collect     G samples a prompt (default 2, the paper's), scored by the reward role [- algo.missing_eos_penalty
+                for responses without EOS]
+    score       one pair a prompt (`preference_pairs`: the best against the worst; a prompt whose rewards all tie
+                gives none, counted as `pairs/tied`) and, for a loss against the reference, the reference's summed
+                log-probs of both
+    update      `ppo_epochs` x `mini_batches` updates of the offline trainer's pairwise loss (`algo` is its
+                `PreferenceAlgoConfig`: any `PAIR_LOSSES` entry), one unit a pair (the mean over the global pairs)
+    metrics     TRL's names: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
+                logps/rejected, objective/scores_margin, val/contain_eos_token
 
 Design choices:
 
-- Sequence log-probs are the offline DPO trainer's `megalign.roles.sequence_logps.sequence_logps` (the
-  fused vocab-parallel LM head on the response positions only) applied to the rollout's rows
-  (`pair_batch` lays the chosen and rejected rows out as its `PairBatch`): log pi(y|x) is the sum over
-  the response tokens, EOS included, of log softmax(logits)[y_t].
-- Temperature: `rollout.temperature` shapes only the sampling distribution; the loss's log-probs
-  (actor and reference) are of softmax(logits), temperature 1, as TRL's `OnlineDPOTrainer._forward`
-  (log_softmax of the raw logits) and the offline DPO trainer compute them. DPO's implicit reward
-  beta log(pi / pi_ref) is about the policy itself, and the loss has no ratio to the sampler (GRPO and
-  PPO divide by the temperature because their ratio is against the sampling distribution).
-- G >= 2: the best and the worst response of each prompt form its pair (the first among equals, in
-  sampling order); G = 2 is the paper's and TRL's setting. Ties are dropped where TRL (`first_half >=
-  second_half`) makes the first sample the chosen one: a pair with equal rewards has no preference.
-- The update is `OnlineTrainer.train_role` with one unit per pair (`RoleLoss.units` [pairs, 1] ones,
-  token-mean aggregation, the only one `algo.loss_agg` takes here): the loss is the sum of the per-pair losses over micro-batches and dp ranks divided by
-  the global number of pairs, so dp = 2 equals dp = 1 on the same global batch. TRL averages per
-  device batch instead.
-- Pipeline stages (`actor.pp > 1`, `reference.pp > 1`): a 1F1B micro-batch holds whole pairs (the
-  chosen and rejected rows interleaved, `RoleLoss.unit_inputs`), and the loss runs on the last
-  stage's hidden states (`hidden_sequence_logps`). The pipeline's micro-batches have one shape, so at
-  actor.pp > 1 every prompt keeps its pair, a tied one with weight 0 (no loss, no gradient, not in the
-  metrics; its compute is the price of the fixed shape): each rank's prompts must split into
-  `algo.mini_batches` x at least pp micro-batches of `algo.micro_batch_size` pairs (checked at
-  start-up). The reference at pp > 1 scores the pairs by the forward-only schedule.
-- `rollout.old_logprobs` is unused: the loss has no importance ratio, only the reference.
-- A step in which no rank has a pair (every prompt tied) skips its update (warned, counted as
-  `empty_updates`): an optimizer step on zero gradients would still move AdamW's weights.
-- Differences from TRL 1.16 besides ties: its "ipo" takes h on summed log-probs, while megalign's
-  "ipo" takes it on token averages (as TRL's offline DPOTrainer and IPO's eq. 17); label smoothing,
-  "robust", "hinge", RPO's `nll_coef` and the other pairwise losses come with the offline loss. Its defaults kept here: beta 0.1,
-  "sigmoid", 2 samples, no missing-EOS penalty; its temperature default is 0.9, the online family's 1.0.
-- Metrics are TRL's names where they exist: `rewards/chosen`, `rewards/rejected`, `rewards/margins`,
-  `rewards/accuracies`, `logps/chosen`, `logps/rejected` (means over the trained pairs of every update),
-  `objective/scores_margin` (reward of chosen minus rejected), `val/contain_eos_token`.
+- Log-probs are the offline trainer's (`megalign.roles.sequence_logps`: the fused head on the response tokens,
+  EOS included) at temperature 1, as TRL computes them: DPO's implicit reward is about the policy itself and the
+  loss has no ratio to the sampler, so `rollout.temperature` shapes only the sampling (and `old_logprobs` is
+  unused).
+- Ties are dropped where TRL makes the first sample the chosen one. At actor.pp > 1 a 1F1B micro-batch holds
+  whole pairs (chosen and rejected rows interleaved) of one fixed shape, so every prompt keeps its pair, a tied
+  one with weight 0 (no loss, no gradient, not in the metrics).
+- Differences from TRL 1.16: its "ipo" takes the margin on summed log-probs, megalign's on token averages (as
+  TRL's offline DPOTrainer and IPO's eq. 17); its temperature default is 0.9, the online family's 1.0.
 """
 from __future__ import annotations
 

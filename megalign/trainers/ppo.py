@@ -1,56 +1,27 @@
-"""PPO with four colocated roles (actor, critic, reference, reward) on the online trainer: `train_ppo(cfg)`.
+"""PPO with four colocated roles (actor, critic, reference, reward) on the online step template: `train_ppo(cfg)`.
 
-One step (every rank, after `megalign.trainers.cli.init_distributed`):
+`PPOTrainer` adds the critic (`megalign.roles.critic`, its own tp x pp, dtype, optimizer and offload switches;
+exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the step:
 
-    sample prompts -> actor generates G responses each -> reward scores them (verifiers and / or
-    reward models; [each RM's score normalised with its own stored mean / std]; [Llama 2's gated
-    score whitened over the global batch]; [the total clipped]; [process RMs' step rewards]) -> old
-    log-probs (rollout or recomputed) -> reference log-probs (when a KL term is on) -> critic values
-    [N, R] -> per-token rewards (score at the last response token, [a process reward at the end of
-    each step], [-beta * KL_t]) -> GAE -> advantages whitened
-    over the whole batch of every dp rank -> critic update (ppo_epochs x mini-batches of the clipped
-    value loss) -> actor update (clipped policy loss [+ beta * KL_t] [- entropy bonus]; skipped during
-    the critic warm-up) -> KL coefficient update (fixed, or Ziegler et al.'s adaptive controller).
-    `PPOTrainer` fills in the online step template (`advantages`: values, token rewards, GAE; `update`: the
-    two roles; `metrics`); the KL is `algo.kl_coef` / `kl_in` / `kl_estimator` as in GRPO.
-
-The pure pieces are in `megalign.algos.ppo`; roles in `megalign.roles` (the critic in
-`megalign.roles.critic`).
+    shape_rewards  each outcome RM's score normalised with its own `reward_stats.json` (`algo.reward_normalize`,
+                   not the gated pair's), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, the total clipped
+    advantages     the critic's values -> per-token rewards (the score at the last response token, the process
+                   RMs' step rewards at the tokens that end each step, -beta * KL_t when `algo.kl_in` is the
+                   reward) -> GAE (`megalign.algos.ppo`) -> advantages whitened over every dp rank
+    update         the critic's clipped value loss, then the actor's policy loss (`PolicyGradient`: with the KL in
+                   the loss when `algo.kl_in` says so, the entropy bonus; none during `algo.critic_warmup`) ->
+                   the KL coefficient (fixed, or Ziegler et al.'s adaptive controller, checkpointed)
+    metrics        actor, critic and KL metrics
 
 Design choices:
 
-- Placement: all four roles live on every rank (colocated), and each phase (`generate`, `reward`,
-  `old_logprobs`, `reference`, `values`, `critic_update`, `update`) brings in only what it uses; with
-  the offload switches on, the rest waits in host memory. Memory per role and phase is logged
-  (`memory/<phase>/<role>_mib`). Offload moves storage only, so results are identical on and off.
-- Layouts: every role has its own tp x pp (`OnlineTrainer.role_layout`). At pp > 1 the actor rolls out
-  and trains as GRPO's does (`pipeline_rollout`, forward-only scoring, 1F1B updates in `train_role`
-  with the `RoleLoss` on the last stage's hidden states), the reference scores with the forward-only
-  schedule, and the critic is a pipeline stage too (its value head on the last stage; old values by
-  `Critic.pipeline_values`, the value loss inside 1F1B). The critic's layout is independent of the
-  actor's within `check_same_batch`: e.g. critic.pp=1 beside actor.pp=2 (each rank holds its actor
-  replica's batch; the critic's two dp replicas there train on the same rows and its summed gradient
-  is divided by 2, `TrainableRole.batch_copies`), or critic.pp=2. Each rank's responses must split
-  into at least pp micro-batches of `algo.micro_batch_size` per mini-batch (checked at start-up,
-  naming the keys); pipelined forwards run padded (`rollout.pack` packs only the pp = 1 roles).
-  Checkpoints hold each stage's shards under its tp x pp coordinates and resume at the same layout;
-  the critic's HF export (critic_hf/) from stages is a sharded checkpoint.
-- The critic's update runs before the actor's, one after the other on the same ranks (as verl's
-  colocated workers do): it costs the critic's forward + backward per mini-batch on top of the
-  actor's, and with offload each update phase also pays the copies of its role's weights and
-  optimizer state (measured in BENCHMARKS.md). The two updates are independent (both read only the
-  rollout's old values, advantages and returns), so their order does not change the result.
-- Losses use the shared aggregation with global counts (`megalign.algos.aggregation.loss_normalizer`)
-  and summed gradients over dp, for both roles; each role clips its own gradient norm.
-- The KL coefficient is checkpointed with the run, so a resumed adaptive controller goes on where it was.
-- Rewards (`shape_rewards`, `megalign.algos.reward_shaping`): `algo.reward_normalize` normalises every
-  outcome reward model with its own `reward_stats.json`, except the two of `reward.gated`, whose
-  gate reads their raw scores as logits (a normalised score would move the 0.15 threshold); their
-  gated score LOGIT(R_c) is whitened over the responses of every dp rank instead (Llama 2's
-  WHITEN(LOGIT(R_c)), before the KL term). `algo.reward_clip` then clips the sequence total. A
-  process reward model's step rewards (`RolloutBatch.token_rewards`) are added to the token rewards
-  unnormalised and unclipped, each at the token that ends its step; the sequence score stays at the
-  last token, so outcome and process rewards combine.
+- Colocated placement: each phase (`generate`, `reward`, `old_logprobs`, `reference`, `values`,
+  `critic_update`, `update`) brings in only the roles it uses; offload moves storage only, so results are
+  identical on and off. The two updates run one after the other (critic first, as verl's colocated workers);
+  both read only the rollout's values, advantages and returns, so their order does not change the result.
+- The critic's layout is independent of the actor's within `check_same_batch` (e.g. critic.pp=1 beside
+  actor.pp=2: its two dp replicas train on the same rows, the summed gradient divided by 2); pipelined roles
+  need each rank's responses to split into at least pp micro-batches per mini-batch (checked at start-up).
 """
 from __future__ import annotations
 
