@@ -1,4 +1,5 @@
-"""Pure-torch reference of token_logprob and its vocab-parallel building blocks.
+"""Pure-torch reference of token_logprob and its vocab-parallel building blocks (the merge of the shards'
+statistics, which has no kernel, is `megalign.ops.token_logprob.combine_vocab_partials` itself).
 
 Same math as the kernels (see megalign/ops/token_logprob.py), written to be as accurate as the
 output dtype allows, because tests measure the kernels and this reference against a float64 oracle
