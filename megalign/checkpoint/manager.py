@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import logging
 import warnings
 from typing import Any, Iterator, Mapping, Optional, Union
 
@@ -51,6 +52,7 @@ from megalign.checkpoint.write_errors import describe_write_failure
 from megalign.config import ConfigError, atomic_write_text, config_yaml
 
 _STEP_DIR = re.compile(r"step_(\d{8})")
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 """The resolved config inside a checkpoint folder."""
@@ -112,12 +114,22 @@ class CheckpointManager:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         return os.path.join(self.dir, f"step_{step:08d}")
 
-    def steps(self) -> list[int]:
-        """Steps of the completed checkpoints, ascending (`.tmp` folders are not checkpoints)."""
+    def _step_folders(self) -> list[int]:
+        """Steps of every `step_N` folder, ascending, whole or not (`.tmp` folders are not checkpoints)."""
         if not os.path.isdir(self.dir):
             return []
         found = (_STEP_DIR.fullmatch(name) for name in os.listdir(self.dir))
         return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(self.dir, m.group(0))))
+
+    def steps(self) -> list[int]:
+        """Steps of the completed checkpoints, ascending: `step_N` folders that `damage` finds whole."""
+        return [step for step in self._step_folders() if damage(self.path(step)) is None]
+
+    def damaged(self) -> dict[int, str]:
+        """{step: what is wrong} of the `step_N` folders that are not whole (truncated or emptied after the save:
+        a copy cut short, a full disk, a file system repair)."""
+        found = {step: damage(self.path(step)) for step in self._step_folders()}
+        return {step: why for step, why in found.items() if why is not None}
 
     def latest_step(self) -> Optional[int]:
         """The newest completed checkpoint's step, or None."""
@@ -172,6 +184,9 @@ class CheckpointManager:
         """Delete all but the newest `keep_last` checkpoints, and `.tmp` leftovers (rank 0 only; no save is in flight)."""
         for step in self.steps()[: -self.keep_last]:
             shutil.rmtree(self.path(step), ignore_errors=True)
+        for step, why in self.damaged().items():  # never loadable; a resume already fell back past it
+            logger.warning("deleting the damaged checkpoint %s (%s)", self.path(step), why)
+            shutil.rmtree(self.path(step), ignore_errors=True)
         for name in os.listdir(self.dir):
             if name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
@@ -209,8 +224,9 @@ class CheckpointManager:
         `state` missing from the checkpoint (another model) raises naming the key.
         """
         path = self._folder(checkpoint)
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+        why = damage(path)
+        if why is not None:
+            raise FileNotFoundError(f"{path} is not a complete checkpoint: {why}")
         saved = SavedCheckpoint(path, frozenset(dcp.FileSystemReader(path).read_metadata().state_dict_metadata))
         targets = {name: value.load_target(name, saved) if isinstance(value, Reshardable) else value
                    for name, value in state.items()}
@@ -265,15 +281,45 @@ class CheckpointManager:
             return None
         if resume == "auto":
             step = self.latest_step()
+            for bad, why in self.damaged().items():
+                if step is None or bad > step:
+                    logger.warning("resume=auto: the checkpoint %s is damaged (%s); resuming from %s instead",
+                                   self.path(bad), why, "scratch" if step is None else self.path(step))
             return None if step is None else self.path(step)
         if isinstance(resume, int) or (isinstance(resume, str) and resume.isdigit()):
             path = self.path(int(resume))
         else:
             path = os.fspath(resume)
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise FileNotFoundError(f"resume={resume!r}: {path} is not a complete checkpoint (no .metadata); "
+        why = damage(path)
+        if why is not None:
+            raise FileNotFoundError(f"resume={resume!r}: {path} is not a complete checkpoint ({why}); "
                                     f"completed steps in {self.dir}: {self.steps()}")
         return path
+
+
+def damage(path: Union[str, os.PathLike]) -> Optional[str]:
+    """None when the checkpoint folder `path` is whole, else what is wrong: no folder, no (or an unreadable)
+    `.metadata`, or a data file missing or shorter than the bytes `.metadata` places in it (every rank's shards are
+    listed there with their file, offset and length). Reads the metadata and stats the files: no tensor data."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return "no such folder"
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return "no .metadata"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a truncated pickle raises whatever unpickling stops on
+        return f".metadata unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} missing"
+        if os.path.getsize(file) < size:
+            return f"{name} has {os.path.getsize(file)} bytes, .metadata places {size}"
+    return None
 
 
 def checkpoint_step(path: Union[str, os.PathLike]) -> int:

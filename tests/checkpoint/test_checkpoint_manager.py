@@ -125,6 +125,41 @@ def test_resume_selection_and_pruning(tmp_path):
         manager.resolve_resume(str(tmp_path / "elsewhere"))
 
 
+@pytest.mark.parametrize("harm", ["truncate", "remove", "metadata"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, harm):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2):
+        manager.save(step, {"progress": {"step": step}, "w": torch.arange(1000.0) * step})
+    folder = manager.path(2)
+    data = next(name for name in os.listdir(folder) if name.endswith(".distcp"))
+    if harm == "truncate":  # a copy cut short: the file exists, its last bytes do not
+        with open(os.path.join(folder, data), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(folder, data)) - 10)
+        reason = f"{data} has"
+    elif harm == "remove":
+        os.remove(os.path.join(folder, data))
+        reason = f"{data} missing"
+    else:  # a .metadata cut in half
+        with open(os.path.join(folder, ".metadata"), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(folder, ".metadata")) // 2)
+        reason = ".metadata unreadable"
+    assert manager_mod.damage(folder).startswith(reason) and manager_mod.damage(manager.path(1)) is None
+    assert manager.steps() == [1] and manager.latest_step() == 1 and list(manager.damaged()) == [2]
+    with caplog.at_level("WARNING", logger="megalign.checkpoint.manager"):
+        assert manager.resolve_resume("auto") == manager.path(1)
+    assert f"{folder} is damaged ({reason}" in caplog.text and "resuming from" in caplog.text
+    assert manager.not_continued(manager.path(1)) == []  # the run's own damaged step does not block its resume
+    with pytest.raises(FileNotFoundError, match=f"resume=2: .* is not a complete checkpoint \\({reason}"):
+        manager.resolve_resume(2)
+    state = {"progress": {"step": 0}, "w": torch.zeros(1000)}
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        manager.load(folder, state)
+    manager.load(manager.resolve_resume("auto"), state)
+    assert state["progress"]["step"] == 1 and torch.equal(state["w"], torch.arange(1000.0))
+    manager.save(3, {"progress": {"step": 3}, "w": torch.zeros(1000)})  # the next save removes the damaged one
+    assert not os.path.exists(folder) and manager.steps() == [1, 3]
+
+
 def test_refuses_to_save_nonfinite_state(tmp_path):
     model = tiny_model()
     with torch.no_grad():
