@@ -122,7 +122,10 @@ def test_grpo_resumes_on_another_dp_size(policy, tmp_path):
     run_distributed(_grpo_dp1_then_dp2, policy, str(tmp_path), world_size=1)
     run_distributed(_grpo_dp1_then_dp2, policy, str(tmp_path), world_size=2)
     rows = [r for r in _rows(str(tmp_path)) if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(0 <= r["reward/mean"] <= 1 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the one reward term, weight 1, over every sample of both ranks: the total is that term's mean exactly
+    assert all(r["reward/mean"] == pytest.approx(r["reward/digit_fraction/mean"], abs=1e-12) for r in rows)
+    assert [r["reward/digit_fraction/samples"] for r in rows[:2]] == [16, 32]
     assert rows[2]["reward/digit_fraction/samples"] == 16 * 3  # rank 0's counts carried on, rank 1 started at 0
 
 
