@@ -35,6 +35,11 @@ def hf_architecture(model_type: str, task: str = "CausalLM") -> str:
     return f"{_HF_CLASS_PREFIX[model_type]}For{task}"
 
 
+class HFConfigError(ValueError):
+    """An HF config.json that megalign cannot use, its message naming the file and key: the launcher prints it as
+    one line (`megalign.trainers.cli`), as a config error."""
+
+
 @dataclass
 class RopeScaling:
     """Llama 3 RoPE frequency scaling (`rope_type: llama3`), as in `transformers`' `_compute_llama3_parameters`.
@@ -169,14 +174,33 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Union[dict, str, os.PathLike], vocab_pad_multiple: int = 1) -> "ModelConfig":
-        """Build from an HF config dict, a config.json path, or a checkpoint folder holding config.json."""
+        """Build from an HF config dict, a config.json path, or a checkpoint folder holding config.json.
+
+        A file that cannot be read or parsed, a required key missing, an unsupported family or a bad value is an
+        `HFConfigError` naming the key, and the file when read from one."""
+        where = ""
         if not isinstance(hf, dict):
             path = os.fspath(hf)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            with open(path) as f:
-                hf = json.load(f)
-        hf = dict(hf)
+            where = f"{path}: "
+            try:
+                with open(path) as f:
+                    hf = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise HFConfigError(f"{where}cannot be read as an HF config.json: {exc}") from exc
+            if not isinstance(hf, dict):
+                raise HFConfigError(f"{where}an HF config.json holds a JSON object, got {type(hf).__name__}")
+        try:
+            return cls._from_hf_dict(dict(hf), vocab_pad_multiple)
+        except KeyError as exc:
+            raise HFConfigError(f"{where}required key {exc.args[0]!r} is missing") from None
+        except (TypeError, ValueError) as exc:
+            raise HFConfigError(f"{where}{exc}") from exc
+
+    @classmethod
+    def _from_hf_dict(cls, hf: dict, vocab_pad_multiple: int) -> "ModelConfig":
+        """`from_hf` of a parsed config.json; KeyError for a missing key, ValueError / TypeError for a bad value."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")

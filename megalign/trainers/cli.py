@@ -14,7 +14,7 @@ line `error: ...` on stderr, naming the file and line or the override and the do
 (argparse's status for usage errors) instead of a traceback; so does a `LaunchError` (a launcher
 variable missing or contradicting another, named in the line), and so do the other errors in what the
 user gave, whose messages already name the file and row or the config key and folder (`INPUT_ERRORS`:
-a bad data row, a model that does not fit the run, a reward function spec). Errors about the run rather
+a bad data row, a model that does not fit the run or whose config.json cannot be used, a reward function spec). Errors about the run rather
 than its input (`RUN_ERRORS`: the run directory locked by another job, a run whose policy never moved, a
 checkpoint that could not be written, named with its file and cause)
 print one line too and exit 1. A traceback repeated by every rank helps nobody there; `--debug` (or
@@ -48,6 +48,7 @@ from megalign.checkpoint import RunDirLocked
 from megalign.checkpoint.write_errors import CheckpointWriteError
 from megalign.config import ConfigError, config_help, load_config
 from megalign.data.prompts import DataError
+from megalign.models.config import HFConfigError
 from megalign.parallel.launch import LaunchError, cuda_device_index, resolve_launch
 from megalign.rewards import RewardSpecError
 from megalign.trainers.base import ModelError, ModelPathError, SkippedUpdatesError
@@ -58,7 +59,7 @@ USAGE = "usage: [-h] [--debug] [--config CONFIG.yaml] [key.sub=value ...]"
 
 DEBUG_ENV = "MEGALIGN_DEBUG"
 """Set to 1 (or pass --debug) to see the traceback of the errors printed as one line (module doc)."""
-INPUT_ERRORS = (DataError, ModelError, ModelPathError, RewardSpecError)
+INPUT_ERRORS = (DataError, ModelError, ModelPathError, HFConfigError, RewardSpecError)
 """Errors in the data, models or reward functions a config names: one line, exit status 2 (module doc)."""
 RUN_ERRORS = (RunDirLocked, SkippedUpdatesError, CheckpointWriteError)
 """Errors about the run itself: one line, exit status 1 (module doc)."""
