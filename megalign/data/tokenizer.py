@@ -26,7 +26,9 @@ Design choices:
   rendered to text with the tokenizer's own template and then encoded without adding special
   tokens, because templates write their own BOS; this is also stable across transformers versions
   (v5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`). A tokenizer without a
-  pad token pads with EOS (pad positions are masked, so the id only has to be valid).
+  pad token pads with EOS (pad positions are masked, so the id only has to be valid). A text it cannot
+  encode (the exported character tokenizer has no unknown token) is a ValueError naming the character
+  and its position, as for `CharTokenizer`, so the data loaders name the row and `skip_invalid` skips it.
   Qwen3's template has a thinking switch, the template variable `enable_thinking` (unset: thinking;
   false: an empty `<think></think>` block closes the generation prompt, so the model answers
   directly). `tokenizer.enable_thinking` passes it to every rendering of the run (prompts, SFT
@@ -221,8 +223,21 @@ class HFTokenizer:
             self.template_kwargs["enable_thinking"] = enable_thinking
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(self.hf.encode(text, add_special_tokens=False))
+        try:
+            ids = list(self.hf.encode(text, add_special_tokens=False))
+        except Exception as exc:  # `tokenizers` raises its Rust errors as plain Exception
+            raise ValueError(self._encode_error(text, exc)) from None
         return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
+
+    def _encode_error(self, text: str, exc: Exception) -> str:
+        """What `encode` says when `text` cannot be encoded: the first character that cannot be encoded alone (the
+        exported character tokenizer's WordLevel vocabulary has no unknown token) and its position (module doc)."""
+        for i, ch in enumerate(text):
+            try:
+                self.hf.encode(ch, add_special_tokens=False)
+            except Exception:  # as in `encode`
+                return f"{self.name} cannot encode {ch!r} at position {i}: {exc}"
+        return f"{self.name} cannot encode the text: {exc}"
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
