@@ -41,6 +41,7 @@ from megalign.trainers.base import MetricSums, TrainResult
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.updates import RoleLoss
 from megalign.trainers.online_config import OnlineConfig, RolloutConfig, UpdateSchedule, check_pipeline_batch
+from megalign.trainers.preference import check_reference_used
 from megalign.roles.sequence_logps import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
 
 
@@ -74,6 +75,10 @@ class OnlineDPOConfig(OnlineConfig):
     algorithm: Literal["online_dpo"] = algorithm_option("online_dpo")
     rollout: RolloutConfig = option(RolloutConfig(group_size=2), doc="sampling (G = 2 samples per prompt: one pair)")
     algo: OnlineDPOAlgoConfig = option(OnlineDPOAlgoConfig(), doc="objective")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_reference_used(self.reference, self.algo)
 
 
 def preference_pairs(rewards: torch.Tensor, group_size: int,

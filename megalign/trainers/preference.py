@@ -79,6 +79,25 @@ class DPOConfig(SupervisedConfig):
     data: PreferenceDataConfig = option(PreferenceDataConfig(), doc="the pairs")
     algo: PreferenceAlgoConfig = option(PreferenceAlgoConfig(), doc="the loss")
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_reference_used(self.reference, self.algo)
+
+
+def check_reference_used(reference: object, algo: PreferenceAlgoConfig) -> None:
+    """ValueError naming every `reference.*` key set away from its default when `algo.loss` is reference-free
+    (simpo, cpo, orpo, ...): such a run never builds the reference, so the setting would be ignored without a word.
+    `reference` is the run config's reference section (a dataclass; its defaults are those of its class)."""
+    if algo.uses_reference:
+        return
+    default = type(reference)()
+    changed = [f"reference.{f.name}={getattr(reference, f.name)!r}" for f in dataclasses.fields(reference)
+               if getattr(reference, f.name) != getattr(default, f.name)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} set but algo.loss={algo.loss!r} uses no reference model, so the "
+                         f"run never builds one and would ignore it: remove the reference keys or choose a loss "
+                         f"that compares with a reference")
+
 
 def arith_pairs(cfg: PreferenceDataConfig, run_dir: str) -> tuple[str, str]:
     """The embedded arithmetic pairs of the train and held-out splits, written to run_dir/data (atomic, so
