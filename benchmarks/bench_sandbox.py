@@ -1,0 +1,95 @@
+"""Sandbox throughput: executions per second of a tiny program through `SandboxPool`, and the `code_tests` reward
+on a small generated code task, side by side with an unisolated baseline.
+
+- `sandbox pool, W workers`: `SandboxPool(W).map` of N copies of `print(sum(range(10)))`, each a full
+  sandboxed execution (fresh namespaces, tmpfs root, privileges dropped, temporary directory made and
+  removed).
+- `plain subprocess, W threads`: the same program as `python -I -S -c PROGRAM` through `subprocess.run`
+  with setrlimit in a preexec and a timeout, W threads at once: what a peer's `setrlimit + alarm` sandbox
+  costs (no namespaces, no fork server: an interpreter start-up per execution).
+- `code_tests`: the reward on responses to "write f(x) = 3x^2 + 2x - 1" (half right, half off by one), 8
+  hidden assert tests per response, each test an execution; executions/s = responses x 8 / seconds.
+
+Target (issue 28): >= 200 executions/s on 2 cores for a tiny program. Median of `--repeats` rounds after a
+warm-up round. Prints the CPU (`lscpu`'s model name) and the load average: the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import cpu_model  # noqa: E402
+
+from megalign.rewards.code_tests import make_code_tests  # noqa: E402
+from megalign.sandbox import Sandbox, SandboxPool  # noqa: E402
+
+PROGRAM = "print(sum(range(10)))"
+
+
+def rate(fn, n: int, repeats: int) -> float:
+    """Median executions per second of `fn()` (which runs n executions) over `repeats` rounds after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return n / statistics.median(times)
+
+
+def plain_subprocess_rate(workers: int, n: int, repeats: int) -> float:
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+    def limits():
+        resource.setrlimit(resource.RLIMIT_CPU, (2, 3))
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    def one(_):
+        return subprocess.run([python, "-I", "-S", "-c", PROGRAM], capture_output=True, timeout=5, preexec_fn=limits)
+
+    with ThreadPoolExecutor(workers) as ex:
+        return rate(lambda: list(ex.map(one, range(n))), n, repeats)
+
+
+def code_task(n_responses: int):
+    right = "```python\ndef f(x):\n    return 3 * x * x + 2 * x - 1\n```"
+    off = "```python\ndef f(x):\n    return 3 * x * x + 2 * x\n```"
+    tests = [f"assert f({x}) == {3 * x * x + 2 * x - 1}" for x in (-3, -1, 0, 1, 2, 5, 10, 17)]
+    return [right if i % 2 == 0 else off for i in range(n_responses)], {"tests": tests}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=400, help="executions per round")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", default="1,2,4,8")
+    args = parser.parse_args()
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; python {sys.version.split()[0]}; "
+          f"load average before: {os.getloadavg()}")
+    print("| side | workers | executions/s |\n|---|---:|---:|")
+    for w in (int(x) for x in args.workers.split(",")):
+        with SandboxPool(w, Sandbox(timeout_s=2)) as pool:
+            r = rate(lambda: pool.map([PROGRAM] * args.n), args.n, args.repeats)
+        print(f"| sandbox pool | {w} | {r:.0f} |", flush=True)
+        print(f"| plain subprocess (rlimits only) | {w} | {plain_subprocess_rate(w, args.n, args.repeats):.0f} |",
+              flush=True)
+    responses, meta = code_task(args.n // 8)
+    for w in (2, 4):
+        reward = make_code_tests(timeout_s=2, workers=w)
+        scores = []
+        r = rate(lambda: scores.append([reward("", resp, None, meta) for resp in responses]), len(responses) * 8,
+                 args.repeats)
+        assert all(s == (1.0 if i % 2 == 0 else 0.0) for i, s in enumerate(scores[-1])), scores[-1]
+        print(f"| code_tests reward (8 tests per response, one response at a time) | {w} | {r:.0f} |", flush=True)
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
