@@ -30,10 +30,12 @@ What every execution gets (the launcher is `_boot.py`, run by the interpreter it
   environment variables read); `language="bash"` runs /bin/bash on the program instead.
 
 Where the kernel refuses the namespaces (a container without CAP_SYS_ADMIN, user namespaces disabled),
-`run` raises `SandboxError` naming what was refused: no program ever runs with less isolation than
+`run` raises `SandboxError` naming what was refused (`unavailable_reason()` tells ahead): no program ever runs with less isolation than
 described here. Not enforced: a limit on the memory of all processes together (RLIMIT_AS is per
 process: nproc x memory_mb bounds it) and on disk use beyond file_mb per file in /work.
 """
-from megalign.sandbox.core import LANGUAGES, STATUSES, UID_BASE, Outcome, Sandbox, SandboxError, SandboxPool
+from megalign.sandbox.core import (LANGUAGES, STATUSES, UID_BASE, Outcome, Sandbox, SandboxError, SandboxPool,
+                                   unavailable_reason)
 
-__all__ = ["LANGUAGES", "STATUSES", "UID_BASE", "Outcome", "Sandbox", "SandboxError", "SandboxPool"]
+__all__ = ["LANGUAGES", "STATUSES", "UID_BASE", "Outcome", "Sandbox", "SandboxError", "SandboxPool",
+           "unavailable_reason"]

@@ -210,6 +210,22 @@ class Sandbox:
 
 
 _SERVER_LOCK = threading.Lock()
+_UNAVAILABLE: dict[str, Optional[str]] = {}
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the kernel refuses this machine's sandbox (the SandboxError of a trial run of `pass`), or None when it
+    works; checked once per process, for start-up checks and for tests to skip on."""
+    if "reason" not in _UNAVAILABLE:
+        box = Sandbox(timeout_s=5)
+        try:
+            box.run("pass")
+            _UNAVAILABLE["reason"] = None
+        except SandboxError as exc:
+            _UNAVAILABLE["reason"] = str(exc)
+        finally:
+            box.close()
+    return _UNAVAILABLE["reason"]
 
 
 class _ForkServer:

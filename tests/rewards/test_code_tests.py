@@ -5,18 +5,10 @@ import pytest
 
 from megalign.rewards import get_reward
 from megalign.rewards.code_tests import extract_code, make_code_tests
-from megalign.sandbox import Sandbox, SandboxError
+from megalign.sandbox import unavailable_reason
 
 
-def _sandbox_available():
-    try:
-        Sandbox(timeout_s=2).run("pass")
-        return True
-    except SandboxError:
-        return False
-
-
-needs_sandbox = pytest.mark.skipif(not _sandbox_available(), reason="the kernel refuses the sandbox's namespaces")
+needs_sandbox = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no sandbox here: {unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,10 @@ import time
 
 import pytest
 
-from megalign.sandbox import Outcome, Sandbox, SandboxError, SandboxPool
+from megalign.sandbox import Outcome, Sandbox, SandboxPool, unavailable_reason
 
 
-def _isolation_available():
-    try:
-        Sandbox(timeout_s=2).run("pass")
-        return True
-    except SandboxError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _isolation_available(), reason="the kernel refuses the sandbox's namespaces")
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no sandbox here: {unavailable_reason()}")
 
 
 @pytest.fixture
@@ -183,3 +175,29 @@ def test_cli_prints_the_outcome_as_json(tmp_path):
     outcome = json.loads(res.stdout)
     assert outcome["status"] == "ok" and outcome["stdout"] == "hello\n"
     assert set(outcome) == {f.name for f in Outcome.__dataclass_fields__.values()}
+
+
+def test_an_interrupted_run_leaves_nothing_running_and_the_sandbox_keeps_working():
+    # A reward timeout (SafeReward's SIGALRM) may interrupt run() anywhere; the program must not outlive it.
+    import signal
+
+    class Interrupted(BaseException):
+        pass
+
+    def expire(signum, frame):
+        raise Interrupted
+
+    box = Sandbox(timeout_s=30, uid_base=210_000)
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(Interrupted):
+            box.run("import time\ntime.sleep(30)\n")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    time.sleep(0.2)
+    ps = subprocess.run(["ps", "-e", "-o", "uid="], capture_output=True, text=True).stdout.split()
+    assert "210000" not in ps
+    assert box.run("print('again')").stdout == "again\n"
+    box.close()
