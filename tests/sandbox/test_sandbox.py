@@ -31,6 +31,11 @@ def test_exception_is_error_with_traceback(box):
     assert "ValueError: nope" in out.stderr
 
 
+def test_bash_programs_run_too(box):
+    out = box.run("read n\necho $((n * 7))\n", stdin="6\n", language="bash")
+    assert (out.status, out.stdout) == ("ok", "42\n")
+
+
 def test_exit_code_is_kept(box):
     assert box.run("import sys; sys.exit(3)").exit_code == 3
 
