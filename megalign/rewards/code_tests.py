@@ -18,6 +18,9 @@ Design choices (written down so users can predict the reward):
 - `make_code_tests(timeout_s=..., memory_mb=..., workers=...)` builds the function with other limits, for
   a user module to name in the config; `code_tests` is the default (2 s per test, 256 MB, 4 workers).
   The pool is created on the first call, so importing this module starts no process.
+- Time: a sample takes up to ceil(tests / workers) x timeout_s when every test runs into its limit; the
+  trainer's per-sample `reward.timeout_s` (default 10 s) must be above that, or the sample is a counted
+  failure (the interrupted executions are killed: nothing keeps running).
 """
 from __future__ import annotations
 
