@@ -20,7 +20,7 @@ Design choices (written down so users can predict the reward):
   The pool is created on the first call, so importing this module starts no process.
 - Time: a sample takes up to ceil(tests / workers) x timeout_s when every test runs into its limit; the
   trainer's per-sample `reward.timeout_s` (default 10 s) must be above that, or the sample is a counted
-  failure (the interrupted executions are killed: nothing keeps running).
+  failure (its executions still running end within their own limits in the pool's threads).
 """
 from __future__ import annotations
 
