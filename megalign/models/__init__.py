@@ -1,7 +1,7 @@
 """Decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral), its heads, and HF checkpoint interop.
 
 `from_pretrained(path, kind)` builds a policy ('causal_lm'), critic ('value') or reward model ('reward')
-from an HF folder; `save_hf_checkpoint` writes one back. `LayerFactory` is where tensor parallelism plugs in;
+from an HF folder; `save_hf_checkpoint` writes one back. `apply_lora` (lora.py) adds LoRA adapters. `LayerFactory` is where tensor parallelism plugs in;
 `TensorParallelFactory` (parallelize.py) is the tensor-parallel one (`from_pretrained(path, layout=...)`).
 """
 from .config import ModelConfig, RopeScaling, hf_architecture
@@ -9,6 +9,8 @@ from .decoder import Decoder, KVCache, LayerFactory, SlotKVCache
 from .heads import CausalLM, LMHead, RewardHead, RewardModel, ValueHead, ValueModel
 from .hf_adapter import (from_pretrained, load_hf_weights, save_hf_checkpoint, scalar_head_from_pretrained,
                          stage_from_pretrained)
+from .lora import (LoRAConfig, adapters_disabled, apply_lora, lora_modules, lora_state_dict, merge_adapters,
+                   unmerge_adapters)
 from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 __all__ = [
@@ -16,4 +18,5 @@ __all__ = [
     "RewardHead", "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
     "scalar_head_from_pretrained", "stage_from_pretrained",
     "TensorParallelFactory", "tensor_parallel_config",
+    "LoRAConfig", "apply_lora", "adapters_disabled", "lora_modules", "lora_state_dict", "merge_adapters", "unmerge_adapters",
 ]
