@@ -6,15 +6,21 @@
 - `reward_stats.json` (`REWARD_STATS_FILE`): a Bradley-Terry reward model of `megalign.trainers.preference`
   records the mean and std of its rewards over the held-out responses, so a later stage (PPO's
   `algo.reward_normalize`) can normalise its scores, as OpenRLHF stores them with its reward models.
+  A run without held-out pairs takes them over its training responses instead (which the model has fit,
+  so their spread can be wider than on new text); `source` ("held_out" or "train") and the count
+  `<source>_responses` say which. Files written before `source` existed are held-out statistics.
 
 Both files are written by rank 0 through a temporary name and a rename (`atomic_write_text`).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from megalign.config import atomic_write_text
+
+logger = logging.getLogger(__name__)
 
 PRM_FILE = "prm.json"
 REWARD_STATS_FILE = "reward_stats.json"
@@ -37,14 +43,26 @@ def load_prm_info(path: str) -> dict:
         return json.load(f)
 
 
-def write_reward_stats(path: str, reward_sum: float, reward_sq_sum: float, responses: int) -> None:
+REWARD_STATS_SOURCES = ("held_out", "train")
+"""Which responses `reward_stats.json` was computed over (module doc)."""
+
+
+def write_reward_stats(path: str, reward_sum: float, reward_sq_sum: float, responses: int,
+                       source: str = "held_out") -> None:
     """`reward_stats.json` in the export folder `path` from the sum and sum of squares of the rewards of
-    `responses` held-out responses: mean = sum / n, std = sqrt(max(sum_sq / n - mean^2, 0)) (population std)."""
+    `responses` responses of `source` (`REWARD_STATS_SOURCES`): mean = sum / n, std = sqrt(max(sum_sq / n - mean^2,
+    0)) (population std); logged with where the numbers come from."""
+    if source not in REWARD_STATS_SOURCES:
+        raise ValueError(f"source must be one of {REWARD_STATS_SOURCES}, got {source!r}")
     n = max(responses, 1)
     mean = reward_sum / n
     stats = {"reward_mean": mean, "reward_std": max(reward_sq_sum / n - mean ** 2, 0.0) ** 0.5,
-             "held_out_responses": int(responses)}
-    atomic_write_text(os.path.join(path, REWARD_STATS_FILE), json.dumps(stats, indent=1))
+             f"{source}_responses": int(responses), "source": source}
+    file = os.path.join(path, REWARD_STATS_FILE)
+    atomic_write_text(file, json.dumps(stats, indent=1))
+    what = "held-out responses" if source == "held_out" else "training responses (no held-out pairs were scored)"
+    logger.info("%s: reward mean %.6g, std %.6g over %d %s", file, stats["reward_mean"], stats["reward_std"],
+                responses, what)
 
 
 def reward_stats(path: str) -> tuple[float, float]:

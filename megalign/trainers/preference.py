@@ -219,7 +219,9 @@ class RewardModelObjective(Objective[PreferenceExample]):
 
     At export the reward mean and std over the held-out responses (chosen and rejected) are written
     beside the weights (`megalign.roles.reward_exports.write_reward_stats`), so a later stage (PPO) can
-    normalise the rewards, as OpenRLHF stores them with its reward models.
+    normalise the rewards, as OpenRLHF stores them with its reward models. Without held-out pairs to score
+    (no eval_path, or eval.max_samples=0) they come from the training pairs, scored once more by the
+    final model, and the file says so (`source`: "train").
     """
 
     model_kind = "reward"
@@ -279,12 +281,15 @@ class RewardModelObjective(Objective[PreferenceExample]):
         return self._scored[1]
 
     def _score_held_out(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:
+        n = eval_count(self.cfg.eval, trainer.held_out)
+        return self._score_pairs(trainer, trainer.held_out[:n]) if n else None
+
+    def _score_pairs(self, trainer: "SupervisedTrainer", pairs: Sequence[PreferenceExample]) -> dict[str, float]:
+        """Sums over `pairs` (the same list on every rank, dp-split; every rank calls this): correct pairs (chosen
+        scored above rejected), pairs, and the sum and sum of squares of the 2 x pairs rewards."""
         cfg, layout = self.cfg.eval, trainer.layout
-        n = eval_count(cfg, trainer.held_out)
-        if not n:
-            return None
         sums = MetricSums()
-        mine = [trainer.held_out[i] for i in range(layout.dp_rank, n, layout.dp)]
+        mine = [pairs[i] for i in range(layout.dp_rank, len(pairs), layout.dp)]
         model = trainer.policy.model
         was_training = model.training
         model.eval()
@@ -313,10 +318,12 @@ class RewardModelObjective(Objective[PreferenceExample]):
         return f"held-out pairwise accuracy ({count} pairs, chosen scored above rejected)"
 
     def after_export(self, trainer: "SupervisedTrainer", path: str) -> None:
-        totals = self._held_out_sums(trainer)
-        if totals is None or trainer.rank != 0:
-            return
-        write_reward_stats(path, totals["reward"], totals["reward_sq"], int(2 * totals["pairs"]))
+        totals, source = self._held_out_sums(trainer), "held_out"
+        if totals is None:  # no held-out pairs scored: the training pairs instead (class doc)
+            totals, source = self._score_pairs(trainer, trainer.train_set), "train"
+        if trainer.rank == 0:
+            write_reward_stats(path, totals["reward"], totals["reward_sq"], int(2 * totals["pairs"]), source)
+
 
 def train_rm(cfg: RMConfig) -> TrainResult:
     """Train the reward model as configured; every rank calls it after `init_distributed`."""

@@ -13,7 +13,8 @@ def test_reward_stats_are_the_population_mean_and_std(tmp_path):
     # rewards 1, 2, 3, 4: sum 10, sum of squares 30 -> mean 2.5, variance 30 / 4 - 2.5^2 = 1.25
     write_reward_stats(str(tmp_path), 10.0, 30.0, 4)
     with open(tmp_path / "reward_stats.json") as f:
-        assert json.load(f) == {"reward_mean": 2.5, "reward_std": math.sqrt(1.25), "held_out_responses": 4}
+        assert json.load(f) == {"reward_mean": 2.5, "reward_std": math.sqrt(1.25), "held_out_responses": 4,
+                                  "source": "held_out"}
     assert reward_stats(str(tmp_path)) == (2.5, math.sqrt(1.25))
     assert not [p.name for p in tmp_path.iterdir() if p.name != "reward_stats.json"]  # no temporary left behind
 
