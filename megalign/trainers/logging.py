@@ -5,10 +5,14 @@ Design choices:
 - Rank 0 writes; other ranks' `MetricsLogger` is a no-op, so trainers call `.log` on every rank
   without branching (the values should already be reduced across ranks by the trainer).
 - `metrics.jsonl` is the record of truth: one JSON object per `log` call, `{"step": N, ...}`,
-  appended and flushed at once, so a crash loses at most the line being written and a resumed run
-  appends to the same file (lines from a step logged twice, before and after a crash, are both kept;
-  readers take the last line per step). TensorBoard and tqdm are conveniences: each is imported
-  lazily and, when missing, disabled with one warning instead of stopping training.
+  appended and flushed at once, so a crash loses at most the line being written. A run resumed from
+  its checkpoint at step k (`resumed=True`) first removes the killed run's rows of steps after k, and
+  a line the kill cut short, by writing the kept rows to a temporary file renamed over the old one,
+  and logs how many it dropped: the resumed run logs those steps again, and a plot of the file then
+  shows one trajectory, not the abandoned one beside it. TensorBoard's event files are append-only;
+  its writer is opened with `purge_step=k + 1`, so TensorBoard hides the killed run's later events.
+  TensorBoard and tqdm are conveniences: each is imported lazily and, when missing, disabled with one
+  warning instead of stopping training.
 - Values may be Python numbers or 0-dim tensors; tensors are converted here, at log time, which is
   the one host sync per step that logging costs. Non-finite values are written as JSON `null`
   (JSON has no NaN), so the file stays valid for every parser.
@@ -30,6 +34,8 @@ import time
 from typing import Iterator, Mapping, Optional, Union
 
 import torch
+
+from megalign.config import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +66,20 @@ class MetricsLogger:
         tensorboard: also write TensorBoard scalars.
         progress_total: total steps for the progress bar; None for no bar.
         initial_step: steps already done (a resumed run), where the bar starts.
+        resumed: the run resumes from its checkpoint at `initial_step`: the killed run's rows of later steps
+            are removed from metrics.jsonl and hidden in TensorBoard (module doc).
     """
 
     def __init__(self, run_dir: Union[str, os.PathLike], rank: int = 0, tensorboard: bool = True,
-                 progress_total: Optional[int] = None, initial_step: int = 0):
+                 progress_total: Optional[int] = None, initial_step: int = 0, resumed: bool = False):
         self.enabled = rank == 0
         self.path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
         self._file = self._writer = self._bar = None
         if not self.enabled:
             return
         os.makedirs(os.fspath(run_dir), exist_ok=True)
+        if resumed:
+            self._drop_rows_after(initial_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             try:
@@ -77,7 +87,8 @@ class MetricsLogger:
             except ImportError as exc:  # tensorboard is optional
                 logger.warning("tensorboard is not installed (%s); metrics go to %s only", exc, self.path)
             else:
-                self._writer = SummaryWriter(os.path.join(os.fspath(run_dir), "tensorboard"))
+                self._writer = SummaryWriter(os.path.join(os.fspath(run_dir), "tensorboard"),
+                                             purge_step=initial_step + 1 if resumed else None)
         if progress_total is not None:
             try:
                 from tqdm import tqdm
@@ -87,6 +98,31 @@ class MetricsLogger:
                 self._bar = tqdm(total=progress_total, initial=initial_step, dynamic_ncols=True, file=sys.stderr)
         self._last_step = initial_step
         self._shown: dict[str, str] = {}
+
+    def _drop_rows_after(self, step: int) -> None:
+        """Rewrite metrics.jsonl without the rows of steps after `step` and any line that is not a whole JSON row
+        (a kill mid-write), atomically, and log the counts (module doc)."""
+        if not os.path.isfile(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        kept, later, broken = [], 0, 0
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, TypeError, KeyError):
+                broken += 1
+                continue
+            if row_step > step:
+                later += 1
+            else:
+                kept.append(line)
+        if later or broken:
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+            logger.warning("%s: resuming at step %d, dropped %d rows of later steps logged by the interrupted run "
+                           "and %d unreadable lines; kept %d rows", self.path, step, later, broken, len(kept))
 
     def log(self, step: int, metrics: Mapping[str, Number]) -> None:
         """Record `metrics` for `step` (all ranks call it; rank 0 writes)."""
