@@ -50,6 +50,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from megalign.models.lora import lora_modules
 from megalign.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class ModelState:
     module doc for why the prefix. Loading copies into the existing tensors (DCP loads in place),
     so the model must already be built with the saved tp and pp (checked first, `load_target`);
     any dp size loads it.
+
+    A model with LoRA adapters (`megalign.models.lora`) saves and loads its trainable parameters only
+    (the adapters): the frozen base is rebuilt from the run's `model.path` (or seed) before loading,
+    so a checkpoint holds a few MB instead of the whole model.
     """
 
     def __init__(self, model: nn.Module, layout: Optional[ParallelLayout] = None):
@@ -123,16 +128,23 @@ class ModelState:
         coords = _coords(layout)
         self.key = f"tp{coords['tp']}_pp{coords['pp']}"
         self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
+        self.adapters_only = bool(lora_modules(model))
 
     def state_dict(self) -> dict[str, Any]:
-        return {self.key: self.model.state_dict()}
+        state = self.model.state_dict()
+        if self.adapters_only:
+            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            state = {name: t for name, t in state.items() if name in trainable}
+        return {self.key: state}
 
     def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
         check_saved_layout(name, saved, self.tp, self.pp)
         return self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state[self.key])
+        result = self.model.load_state_dict(state[self.key], strict=not self.adapters_only)
+        if self.adapters_only and result.unexpected_keys:
+            raise ValueError(f"ModelState: checkpoint tensors {result.unexpected_keys} are not adapters of this model")
 
 
 class OptimizerState:

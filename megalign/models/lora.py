@@ -38,13 +38,14 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalign.config import option
 from megalign.parallel.collectives import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from megalign.parallel.layers import ColumnParallelLinear, RowParallelLinear, _shard
 
@@ -56,10 +57,12 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoRAConfig:
     """rank r, alpha (the update is scaled by alpha / r), dropout on the adapter's input, target modules by name."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Union[str, list[str]] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    rank: int = option(8, doc="adapter rank r")
+    alpha: float = option(16.0, doc="the update is scaled by alpha / rank")
+    dropout: float = option(0.0, doc="dropout on the adapter's input (drawn per tp rank: only 0 is identical across tp sizes)")
+    target_modules: Union[str, list[str]] = option(
+        ["q_proj", "v_proj"], doc="adapted linears by name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                  "down_proj), or 'all-linear'")
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:

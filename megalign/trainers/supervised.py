@@ -35,6 +35,13 @@ Design choices:
 - The frozen reference stays at pp = 1 and scores (`Objective.scores`) on every rank the batch its
   pp group holds: once per training example before training (`reference.mode: cache`, checkpointed)
   or per batch.
+- LoRA (`model.lora`, `megalign.models.lora`): adapters on the policy's linears, the base frozen, so the
+  optimizer (built over parameters with requires_grad) holds only adapter state and checkpoints only the
+  adapters (`ModelState`; the base is rebuilt from `model.path` or the seed first). The reference of DPO /
+  KTO is the policy with its adapters off (`AdapterOffReference`: no second copy of the weights), so a
+  LoRA run refuses a `reference.path` other than `model.path` and a model at pp > 1 beside a reference
+  (which scores at pp = 1). The export is merged into HF weights, or a PEFT adapter folder
+  (`model.lora_export: peft`, in `<run_dir>/hf`, the base named by `model.path`).
 - Exact resume: model and ZeRO-1 optimizer shards, every rank's RNG, the sampler position, the
   reference cache and the progress counters are checkpoint state; the learning rate is a function of
   the step (`megalign.trainers.optim.lr_at`).
@@ -44,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
 from typing import Any, Callable, Generic, Literal, Optional, Sequence, TypeVar
 
@@ -52,20 +58,22 @@ import torch
 import torch.distributed as dist
 
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
+from megalign.checkpoint.hf_export import export_peft_adapter
 from megalign.config import option
 from megalign.data import PromptExample, PromptSampler, Tokenizer
-from megalign.models import (CausalLM, ModelConfig, TensorParallelFactory, from_pretrained, stage_from_pretrained,
-                             tensor_parallel_config)
+from megalign.models import CausalLM, ModelConfig, from_pretrained, stage_from_pretrained
 from megalign.models.hf_adapter import scalar_head_from_pretrained
-from megalign.parallel import (MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline, pp_tied_parameters,
-                               stage_layer_range, tp_sharded_parameters)
+from megalign.models.lora import LoRAConfig, adapters_disabled, apply_lora
+from megalign.parallel import MicroBatchSums, MixedPrecision, ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.roles import DTYPES, ModelRoleConfig, Reference, TrainedRoleConfig
 from megalign.roles.actor import TrainableRole
+from megalign.roles.adapter_reference import AdapterOffReference
 from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path, check_same_batch, check_stages
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
 from megalign.trainers.logging import memory_report
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
+from megalign.trainers.scratch import scratch_config, scratch_model  # noqa: F401 (scratch_config: read from here)
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +92,15 @@ class PolicyModelConfig(TrainedRoleConfig):
     max_position_embeddings: int = option(256, doc="from scratch: longest sequence (RoPE tables)")
     tie_word_embeddings: bool = option(False, doc="from scratch: LM head shares the embedding matrix")
     init_std: float = option(0.02, doc="from scratch: std of the normal init of every matrix (norm gains start at 1)")
+    lora: Optional[LoRAConfig] = option(None, doc="LoRA adapters {rank, alpha, dropout, target_modules}; the base is frozen "
+                                                  "and the reference is the model with adapters off; null: full fine-tuning")
+    lora_export: Literal["merged", "peft"] = option(
+        "merged", doc="with lora: export the adapters merged into HF weights, or as a PEFT adapter folder over model.path")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.lora_export == "peft" and (self.lora is None or self.path is None):
+            raise ValueError("model.lora_export: peft needs model.lora and model.path (the adapter's base model)")
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -221,51 +235,6 @@ class Objective(Generic[E]):
         """Add what later stages need beside the exported weights (e.g. a reward model's reward statistics)."""
 
 
-def scratch_config(cfg: PolicyModelConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The `ModelConfig` of a from-scratch model for `tokenizer` (also read by `megalign.plan`)."""
-    return ModelConfig(
-        model_type=cfg.model_type, vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads, tie_word_embeddings=cfg.tie_word_embeddings,
-        max_position_embeddings=cfg.max_position_embeddings, pad_token_id=tokenizer.pad_id,
-        extra_hf={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
-    )
-
-
-def scratch_model(cfg: PolicyModelConfig, tokenizer: Tokenizer, layout: ParallelLayout, seed: int) -> CausalLM:
-    """A from-scratch `CausalLM` for `tokenizer`, initialised identically for every tp and pp (module doc): this
-    rank's tp slices of its pipeline stage's layers (`stage_layer_range`) of the one dense initialisation; a tied
-    LM-head copy on the last stage starts as the embedding."""
-    dense_config = scratch_config(cfg, tokenizer)
-    config = tensor_parallel_config(dense_config, layout.tp)
-    generator = torch.Generator().manual_seed(seed)
-    # unpadded: the draws do not depend on tp's vocabulary padding
-    dense = CausalLM(dense_config, activation_checkpointing=cfg.activation_checkpointing)
-    with torch.no_grad():
-        for p in dense.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, cfg.init_std, generator=generator)
-    if layout.tp == 1 and layout.pp == 1 and config.padded_vocab_size == dense_config.padded_vocab_size:
-        return dense.to(layout.device)
-    start, end = stage_layer_range(config.num_hidden_layers, layout)
-    model = CausalLM(config, TensorParallelFactory(layout), cfg.activation_checkpointing, layer_range=(start, end))
-    shard_dims = {id(p): dim for p, dim in tp_sharded_parameters(model).items()}
-    copies = {id(p) for p, is_copy in pp_tied_parameters(model).items() if is_copy}
-    full = dict(dense.named_parameters())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            global_name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{int(m[1]) + start}.", name)
-            src = full["model.embed.weight" if id(p) in copies else global_name]
-            if id(p) in shard_dims:
-                dim = shard_dims[id(p)]
-                padded = src.new_zeros(p.shape[:dim] + (p.shape[dim] * layout.tp,) + p.shape[dim + 1:])
-                padded[tuple(slice(0, n) for n in src.shape)] = src  # vocabulary padding rows stay 0, as when loaded
-                src = padded.chunk(layout.tp, dim=dim)[layout.tp_rank]
-            p.copy_(src)
-    return model.to(layout.device)
-
-
 class SupervisedTrainer(Trainer):
     """A supervised run of one objective (module doc)."""
 
@@ -314,11 +283,17 @@ class SupervisedTrainer(Trainer):
             model = from_pretrained(cfg.model.path, layout=layout, activation_checkpointing=recompute)
         self.check_model(model, "model.path" if cfg.model.path else "model", cfg.model.path,
                          self.objective.max_length(), "the objective's longest example")
+        if cfg.model.lora is not None:
+            if kind != "causal_lm":
+                raise ValueError(f"model.lora: LoRA trains policies only; a {kind} model's new head must train whole")
+            apply_lora(model, cfg.model.lora, seed=cfg.seed)
         return model.train()
 
     def _build_reference(self, cfg: SupervisedConfig) -> Reference:
         """The frozen reference (at pp = 1, module doc) and its score cache: one row per training example, filled
         before the first step (`reference.mode: cache`, then checkpointed)."""
+        if cfg.model.lora is not None:
+            return self._adapter_off_reference(cfg)
         ref_path = cfg.reference.path or cfg.model.path
         if ref_path is None:
             raise ValueError("reference.path (or model.path) is required: the objective compares with a frozen reference")
@@ -331,10 +306,25 @@ class SupervisedTrainer(Trainer):
         ref_model = from_pretrained(ref_path, layout=ref_layout, dtype=DTYPES[cfg.reference.dtype])
         self.check_model(ref_model, "reference.path", ref_path, self.objective.max_length(),
                          "the objective's longest example")
+        self._register_reference_cache(cfg)
+        return Reference(ref_model, ref_layout, cfg.reference.offload_weights)
+
+    def _adapter_off_reference(self, cfg: SupervisedConfig) -> AdapterOffReference:
+        """A LoRA run's reference: the policy with its adapters off (module doc), in the policy's layout and precision."""
+        if cfg.reference.path not in (None, cfg.model.path):
+            raise ValueError(f"reference.path={cfg.reference.path!r}: with model.lora the reference is model.path's base "
+                             f"model (the policy with adapters off); leave reference.path null or equal to model.path")
+        if self.layout.pp > 1:
+            raise ValueError(f"model.pp={self.layout.pp}: with model.lora the reference is the policy itself, and the "
+                             f"supervised trainers score a reference at pp=1; set model.pp=1")
+        self._register_reference_cache(cfg)
+        return AdapterOffReference(self.policy.model, self.layout, self.policy.precision)
+
+    def _register_reference_cache(self, cfg: SupervisedConfig) -> None:
+        """The reference's score cache: one row per training example, checkpointed with `reference.mode: cache`."""
         self.ref_cache = {"scores": torch.zeros(len(self.train_set), self.objective.num_scores), "ready": False}
         if cfg.reference.mode == "cache":
             self.register_state("reference_cache", self.ref_cache, derived_from=("data", "reference", "model.path"))
-        return Reference(ref_model, ref_layout, cfg.reference.offload_weights)
 
     def _check_pipeline(self, cfg: SupervisedConfig) -> None:
         """Start-up checks of model.pp > 1, naming the settings: the layers split evenly over the stages, and each dp
@@ -363,7 +353,8 @@ class SupervisedTrainer(Trainer):
     def _reference_scores(self, batch) -> torch.Tensor:
         """[B, k] reference scores of `batch`, without gradient; the reference's weights come on device and go back."""
         self.reference.need("weights")
-        with torch.no_grad(), self.reference.precision.autocast(self.reference.layout.device):
+        with torch.no_grad(), adapters_disabled(self.reference.model), self.reference.precision.autocast(
+                self.reference.layout.device):  # adapters_disabled: the adapter-off reference of LoRA; else nothing
             scores = self.objective.scores(self.reference.model, batch, self.reference.layout).float()
         self.reference.need()
         return scores
@@ -491,6 +482,10 @@ class SupervisedTrainer(Trainer):
         return eval_count(self.cfg.eval, self.held_out)
 
     def export(self) -> Optional[str]:
-        path = export_hf(self.policy.model, os.path.join(self.cfg.run_dir, "hf"), self.layout, tokenizer=self.tokenizer)
+        path = os.path.join(self.cfg.run_dir, "hf")
+        if self.cfg.model.lora is not None and self.cfg.model.lora_export == "peft":
+            path = export_peft_adapter(self.policy.model, path, self.cfg.model.path, self.layout)
+        else:
+            path = export_hf(self.policy.model, path, self.layout, tokenizer=self.tokenizer)
         self.objective.after_export(self, path)
         return path
