@@ -87,7 +87,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, layout: ParallelLayout) -> torch.optim.Optimizer:
-    """AdamW over `model`'s trainable parameters, its state sharded over `layout.dp_group` (ZeRO-1).
+    """AdamW over `model`'s trainable parameters (requires_grad: with LoRA the adapters only, so the optimizer holds
+    no state for the frozen base), its state sharded over `layout.dp_group` (ZeRO-1).
 
     Trainers call `set_lr(optimizer, lr_at(cfg, step, total))` before each `step()`.
     """
