@@ -14,6 +14,7 @@ from trainers.helpers import checkpoint_params, metric_rows
 from megalign.config import load_config
 from megalign.models import from_pretrained, lora_modules
 from megalign.roles.adapter_reference import AdapterOffReference
+from megalign.trainers.kto import KTOConfig, KTOObjective
 from megalign.trainers.preference import DPOConfig, PairwiseObjective
 from megalign.trainers.sft import SFTConfig, SFTObjective
 from megalign.trainers.supervised import SupervisedTrainer
@@ -94,7 +95,9 @@ def _dpo(policy, run_dir):
     rows = result.metrics
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the policy is its own reference
     last = [row["loss"] for row in rows[-3:]]
-    assert sum(last) / 3 < math.log(2) - 0.01, rows  # the adapters learn to prefer the chosen answers
+    # the adapters learn to prefer the chosen answers; a reference scored with the adapters on would be the policy
+    # itself (every margin 0, the loss ln 2 at every step)
+    assert sum(last) / 3 < math.log(2) - 0.01, rows
     assert _base_unchanged(trainer, policy) > 0
     return trainer
 
@@ -115,6 +118,23 @@ def _dpo_and_peft(policy, run_dir):
 
 def test_dpo_with_lora_reference_is_the_adapter_off_policy(policy, tmp_path):
     run_distributed(_dpo_and_peft, policy, str(tmp_path), world_size=1)
+
+
+def _kto_cached_reference(policy, run_dir):
+    cfg = load_config(KTOConfig, None, [
+        f"run_dir={run_dir}", f"model.path={policy}", "steps=3", "batch_size=8", "data.arith.max_operand=4",
+        "data.max_length=40", "optim.lr=5e-3", "optim.warmup_steps=0", "eval.max_samples=0", "tensorboard=false",
+        "export_hf=false", "save_every=0", *LORA])  # reference.mode: cache, scored before the first step
+    trainer = SupervisedTrainer(cfg, KTOObjective, "KTO")
+    assert isinstance(trainer.reference, AdapterOffReference)
+    result = trainer.train()
+    assert trainer.ref_cache["ready"] and all(math.isfinite(row["loss"]) for row in result.metrics)
+    assert any(m.lora_B.abs().max() > 0 for m in lora_modules(trainer.policy.model).values())
+    assert _base_unchanged(trainer, policy) > 0
+
+
+def test_kto_with_lora_caches_the_adapter_off_reference(policy, tmp_path):
+    run_distributed(_kto_cached_reference, policy, str(tmp_path), world_size=1)
 
 
 def _refuses_another_reference(policy, run_dir):
