@@ -39,6 +39,13 @@ Design choices:
   `tokenizer_config.json` differs between versions; ids are exactly `SentencePieceProcessor`'s.
   Such a file has no chat template, so chat rendering is an error (as for an HF tokenizer
   without one). `save` copies the file, which `AutoTokenizer` reads beside the exported config.json.
+- `tokenizer_fingerprint` identifies a tokenizer by what decides its ids, in three parts hashed apart so that a
+  mismatch can say which differs: "vocabulary" (every token with its id, and for an HF fast tokenizer its model
+  section: BPE merges, unknown token), "special tokens" (pad / bos / eos / unk ... with their ids, and the added
+  tokens with their flags) and "normaliser" (an HF fast tokenizer's normaliser, pre-tokeniser, post-processor and
+  decoder; a slow one's class and SentencePiece model; a bare SentencePiece model's whole file). Names, paths, chat templates and length limits are left
+  out: they do not change which id a text gets. `CharTokenizer`'s fingerprint is that of its export (`save`),
+  which gives the same ids, so a character-tokenizer run and a checkpoint exported from one agree.
 - Which tokenizer a run uses (`build_tokenizer`): `kind: auto` (the default) takes the tokenizer
   of `path` if given, else of the model folder when it holds tokenizer files, else the character
   tokenizer; a folder with `tokenizer.json` or `tokenizer_config.json` is an HF tokenizer, one with
@@ -47,9 +54,12 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Literal, Mapping, Optional, Protocol, Sequence
 
 from megalign.config import option
@@ -376,3 +386,55 @@ def build_tokenizer(cfg: TokenizerConfig, model_path: Optional[str] = None) -> T
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer.path: no SentencePiece model at {path!r}")
     return SentencePieceTokenizer(path)
+
+
+FINGERPRINT_PARTS = ("vocabulary", "special tokens", "normaliser")
+"""The parts of `tokenizer_fingerprint`, in the order a mismatch names them."""
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@functools.cache
+def _char_fingerprint() -> tuple[tuple[str, str], ...]:
+    """The fingerprint of `CharTokenizer`'s export (module doc), computed once per process."""
+    with tempfile.TemporaryDirectory() as folder:
+        CharTokenizer().save(folder)
+        return tuple(tokenizer_fingerprint(HFTokenizer(folder)).items())
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, str]:
+    """{part: sha256 hex} for each of `FINGERPRINT_PARTS`: what decides the ids `tokenizer` gives a text (module doc).
+
+    Two tokenizers give the same ids for every text exactly when all three parts are equal (up to hash collisions),
+    so the roles that read the actor's token ids compare them (`megalign.trainers.model_checks.check_tokenizer`)."""
+    if isinstance(tokenizer, CharTokenizer):
+        return dict(_char_fingerprint())
+    specials = {"pad": tokenizer.pad_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
+    if isinstance(tokenizer, HFTokenizer):
+        hf = tokenizer.hf
+        vocab = sorted(hf.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+        named = {role: [token, hf.convert_tokens_to_ids(token)] for role, token in hf.special_tokens_map.items()
+                 if isinstance(token, str)}
+        added = {i: [t.content, t.special, t.normalized, t.lstrip, t.rstrip, t.single_word]
+                 for i, t in hf.added_tokens_decoder.items()}
+        if getattr(hf, "backend_tokenizer", None) is not None:
+            core = json.loads(hf.backend_tokenizer.to_str())
+            model, normaliser = core["model"], {k: core.get(k) for k in ("normalizer", "pre_tokenizer",
+                                                                         "post_processor", "decoder")}
+        else:  # a slow tokenizer: its class and, for SentencePiece ones, the model file decide the rest
+            sp = getattr(hf, "sp_model", None)
+            model = None
+            normaliser = {"class": type(hf).__name__,
+                          "sentencepiece": hashlib.sha256(sp.serialized_model_proto()).hexdigest() if sp else None}
+        return {"vocabulary": _digest([vocab, model]), "special tokens": _digest([specials, named, added]),
+                "normaliser": _digest(normaliser)}
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        sp = tokenizer.sp
+        pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        control = sorted(i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i))
+        return {"vocabulary": _digest([pieces, [sp.get_score(i) for i in range(sp.get_piece_size())]]),
+                "special tokens": _digest([specials, control]),
+                "normaliser": hashlib.sha256(sp.serialized_model_proto()).hexdigest()}
+    raise TypeError(f"tokenizer_fingerprint: no fingerprint for {type(tokenizer).__name__} ({tokenizer.name})")
