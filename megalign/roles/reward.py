@@ -10,7 +10,13 @@ any batch size; the scores reach every rank of its pp group, which holds one bat
 
 - `kind: outcome`: an HF sequence-classification checkpoint loaded as `RewardModel`
   (`models.from_pretrained(kind="reward")`); it reads the last real token of prompt + response and its
-  linear score enters the total with its weight.
+  linear score enters the total with its weight. By default it reads the actor's token ids, so its checkpoint must
+  have been saved with the actor's tokenizer (`megalign.trainers.model_checks.check_tokenizer`). With
+  `tokenizer: own` it reads its own tokenizer (from its folder) and the reward re-tokenises the text for it, as
+  TRL and OpenRLHF do for an RM of another family (`OutcomeReward.encode_texts`): the actor's decoded prompt (with
+  the actor's chat template when prompts are templated) and response become [user, assistant] in the RM's chat
+  template when it has one, else the string-pair ids of megalign's RM data, `encode(prompt, add_bos=True) +
+  encode(response) + [eos]`; rows are right-padded, and one longer than the RM's positions is an error.
 - `kind: process`: a process reward model exported by `megalign.trainers.prm` (a causal LM with
   `prm.json` beside it: the reward tokens and the step separator). It scores every step of a response
   with p(correct) at the token where the step ends (`megalign.algos.reward_shaping.step_ends`), which
@@ -33,6 +39,7 @@ import torch
 
 from megalign.algos.reward_shaping import STEP_SCORES, gated_reward, place_step_scores, prm_inputs, step_ends
 from megalign.config import option
+from megalign.data import CharTokenizer, Tokenizer
 from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
@@ -59,6 +66,9 @@ class RewardModelConfig(ModelRoleConfig):
     weight: float = option(1.0, doc="multiplies its score (outcome) or each step's reward (process)")
     step_score: Literal["prob", "centered"] = option(
         "prob", doc=f"process: a step's reward from its p(correct): one of {STEP_SCORES} (p, or p - 1/2)")
+    tokenizer: Literal["actor", "own"] = option(
+        "actor", doc="actor: it reads the actor's token ids (its folder's tokenizer, if any, must be the actor's); "
+                     "own: outcome only, it reads its own folder's tokenizer and the text is re-tokenised for it")
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +80,9 @@ class RewardModelConfig(ModelRoleConfig):
             raise ValueError(f"name {self.name!r} is reserved; not one of {list(RESERVED_NAMES)}")
         if not math.isfinite(self.weight):
             raise ValueError(f"weight of reward model {self.name!r} must be finite, got {self.weight}")
+        if self.tokenizer == "own" and self.kind == "process":
+            raise ValueError(f"tokenizer='own' of reward model {self.name!r}: a process reward model scores each actor "
+                             f"token where a step ends, so it must read the actor's ids (tokenizer='actor')")
 
 
 @dataclasses.dataclass
@@ -201,7 +214,14 @@ class ModelReward(Role):
 
 
 class OutcomeReward(ModelReward):
-    """An outcome reward model: one linear score per response."""
+    """An outcome reward model: one linear score per response, read from the actor's ids or, with its own
+    `tokenizer` (`tokenizer: own`), from the text re-tokenised for it (module doc)."""
+
+    def __init__(self, cfg: RewardModelConfig, model: torch.nn.Module, layout: ParallelLayout,
+                 tokenizer: Optional[Tokenizer] = None):
+        super().__init__(cfg, model, layout)
+        self.tokenizer = tokenizer
+        self.max_length = model.config.max_position_embeddings
 
     @torch.no_grad()
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -210,6 +230,42 @@ class OutcomeReward(ModelReward):
         mask = attention_mask.to(device)
         return self.trunk_scores(sequences.to(device), mask, lambda hidden, rows: self.model.head(hidden, rows["mask"]),
                                  {"mask": mask}).cpu()
+
+    def encode_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask) [N, T] (right-padded with its pad id) of the N (prompt, response) texts in this
+        model's own tokenizer (module doc); ValueError naming the row when one is longer than its positions."""
+        tok = self.tokenizer
+        template = getattr(getattr(tok, "hf", None), "chat_template", None) or isinstance(tok, CharTokenizer)
+        rows = []
+        for i, (prompt, response) in enumerate(zip(prompts, responses)):
+            try:
+                if template:
+                    ids = tok.apply_chat_template([{"role": "user", "content": prompt},
+                                                   {"role": "assistant", "content": response}], add_generation_prompt=False)
+                else:
+                    ids = tok.encode(prompt, add_bos=True) + tok.encode(response) + [tok.eos_id]
+            except ValueError as exc:
+                raise ValueError(f"reward model {self.name!r} (tokenizer: own, {tok.name}): response {i}: {exc}") from None
+            if len(ids) > self.max_length:
+                raise ValueError(f"reward model {self.name!r}: response {i} is {len(ids)} tokens in its own tokenizer "
+                                 f"({tok.name}) but the model has max_position_embeddings={self.max_length}; lower "
+                                 f"rollout.max_response_length or the prompt length")
+            rows.append(ids)
+        width = max(len(ids) for ids in rows)
+        ids = torch.full((len(rows), width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        return ids, mask
+
+    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], sequences: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+        """[N] fp32 (host) scores: of the actor's `sequences` / `attention_mask` [N, P + R], or with its own tokenizer
+        of the texts re-tokenised (`encode_texts`)."""
+        if self.tokenizer is None:
+            return self.score(sequences, attention_mask)
+        return self.score(*self.encode_texts(prompts, responses))
 
 
 class ProcessReward(ModelReward):
@@ -276,7 +332,8 @@ class Reward:
         """Total rewards [N] fp32 and {term name: [N] values} for N responses.
 
         Text inputs feed the verifier terms; `sequences` / `attention_mask` [N, P + R] (prompt +
-        response token ids) feed the outcome reward models. The two gated models enter the total only
+        response token ids) feed the outcome reward models, except those with their own tokenizer, which read
+        the texts re-tokenised (module doc). The two gated models enter the total only
         through the gated term (module doc). Process models are scored by `step_rewards`.
         """
         total = torch.zeros(len(responses))
@@ -287,7 +344,7 @@ class Reward:
             terms = {name: torch.tensor(values) for name, values in breakdown.terms.items()}
         gated = {self.gated.safety, self.gated.helpful} if self.gated is not None else set()
         for m in self.outcome:
-            terms[m.name] = m.score(sequences, attention_mask)
+            terms[m.name] = m.score_batch(prompts, responses, sequences, attention_mask)
             if m.name not in gated:
                 total += m.weight * terms[m.name]
         if self.gated is not None:

@@ -3,15 +3,23 @@
 `ModelError` (a model that does not fit the run) and `ModelPathError` (a folder that is not an HF
 checkpoint) are printed by the launcher as one line, as config errors are. `check_model` compares a
 built model with the run's tokenizer and longest sequence; `check_stages` and `check_same_batch`
-check pipeline stages and how two roles' layouts share the batch.
+check pipeline stages and how two roles' layouts share the batch. `check_tokenizer` checks, before its weights
+load, that a role reading the actor's token ids was saved with the actor's tokenizer: equal sizes are not enough
+(Llama-2 and Mistral both have 32000 ids, and an RM of one scores the other's ids as noise), so the fingerprints
+(`megalign.data.tokenizer.tokenizer_fingerprint`) must be equal; a folder without tokenizer files keeps only the
+size check of `check_model`.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
-from megalign.data import Tokenizer, check_vocab
+from megalign.data import Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
+from megalign.data.tokenizer import FINGERPRINT_PARTS, _detect, tokenizer_fingerprint
 from megalign.parallel import ParallelLayout
+
+logger = logging.getLogger(__name__)
 
 
 class ModelError(ValueError):
@@ -87,3 +95,37 @@ def check_model(model, tokenizer: Tokenizer, accepted_vocab: set[int], key: str,
     if max_length > config.max_position_embeddings:
         raise ModelError(f"{length_what} is {max_length} tokens but {key} has max_position_embeddings="
                          f"{config.max_position_embeddings}; lower the length limits")
+
+
+def folder_tokenizer(path: str, key: str) -> Optional[Tokenizer]:
+    """The tokenizer saved in checkpoint folder `path` (config key `key`), or None when it holds no tokenizer files."""
+    if _detect(path) is None:
+        return None
+    try:
+        return build_tokenizer(TokenizerConfig(path=path))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{key}={path!r}: cannot read its tokenizer files: {exc}") from exc
+
+
+def check_tokenizer(tokenizer: Tokenizer, key: str, path: str, remedy: str = "") -> None:
+    """ModelError unless the tokenizer saved with the checkpoint at `path` (config key `key`) is the run's `tokenizer`.
+
+    For every role that reads the actor's token ids (reference, critic, reward models; module doc), before its
+    weights load. The message names both tokenizers (each with its folder), the differing parts (vocabulary, special
+    tokens, normaliser) and `remedy` (another way out than a checkpoint trained with the actor's tokenizer). A folder
+    without tokenizer files is logged and left to `check_model`'s vocabulary-size check."""
+    own_path = getattr(tokenizer, "path", None)
+    if own_path is not None and os.path.realpath(own_path) == os.path.realpath(path):
+        return
+    saved = folder_tokenizer(path, key)
+    if saved is None:
+        logger.info("%s=%r has no tokenizer files: only its vocabulary size is checked against the run's tokenizer "
+                    "(%s)", key, path, tokenizer.name)
+        return
+    ours, theirs = tokenizer_fingerprint(tokenizer), tokenizer_fingerprint(saved)
+    differ = [part for part in FINGERPRINT_PARTS if ours[part] != theirs[part]]
+    if differ:
+        raise ModelError(
+            f"{key}={path!r} was saved with another tokenizer ({saved.name}) than the run's ({tokenizer.name}: the "
+            f"actor's, or data.tokenizer.path): they differ in {', '.join(differ)}. This role reads the actor's token "
+            f"ids, which would be other text to it; use a checkpoint trained with the actor's tokenizer{remedy}")

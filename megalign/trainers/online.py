@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from megalign.algos.aggregation import aggregate_loss, loss_normalizer
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
-from megalign.data import PromptSampler
+from megalign.data import PromptSampler, check_vocab
 from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
 from megalign.parallel import MixedPrecision, ParallelLayout
 from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, Role, TrainableRole
@@ -60,6 +60,7 @@ from megalign.roles.reward_exports import load_prm_info
 from megalign.rollout import RolloutBatch, RolloutStats, SamplingParams
 from megalign.trainers.base import MetricSums, Trainer, check_model_path, check_same_batch, check_stages
 from megalign.trainers.evaluation import eval_count, evaluate_generation
+from megalign.trainers.model_checks import ModelError, check_tokenizer, folder_tokenizer
 from megalign.trainers.online_metrics import OnlineMetrics
 from megalign.trainers.online_config import OnlineConfig, check_microbatches, prompt_datasets
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
@@ -127,6 +128,14 @@ class OnlineTrainer(OnlineMetrics, Trainer):
                 raise ValueError(f"{key} ({model_cfg.name!r}) is a process reward model, whose step rewards need an "
                                  f"algorithm that trains on per-token rewards (PPO); {self.name} uses one score per response")
         self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.actor.path)
+        # the roles that read the actor's ids were saved with its tokenizer, checked before any weights load
+        if self.needs_reference() and cfg.reference.path is not None:
+            check_tokenizer(self.tokenizer, "reference.path", cfg.reference.path)
+        for key, model_cfg in cfg.reward.reward_models():
+            if model_cfg.tokenizer == "actor":
+                check_tokenizer(self.tokenizer, f"{key}.path", model_cfg.path,
+                                f", or {key}.tokenizer=own (an outcome model: the text is re-tokenised for it)"
+                                if model_cfg.kind == "outcome" else "")
         self.train_set, self.held_out = prompt_datasets(cfg.data, self.tokenizer, cfg.run_dir)
         if cfg.reward.gated is not None:
             check_safety_field(self.train_set.examples, cfg.reward.gated.safety_field)
@@ -192,8 +201,20 @@ class OnlineTrainer(OnlineMetrics, Trainer):
 
     def reward_model(self, key: str, cfg: RewardModelConfig, longest: int, what: str):
         """The reward-model role of config `key` on its own layout (its pipeline stage at pp > 1) and dtype, checked
-        against the run."""
+        against the run; with `tokenizer: own`, an outcome model with its folder's tokenizer, which then reads the
+        text re-tokenised (`megalign.roles.reward`)."""
         layout = self.role_layout(key, cfg)
+        if cfg.tokenizer == "own":
+            own = folder_tokenizer(cfg.path, f"{key}.path")
+            if own is None:
+                raise ModelError(f"{key}.tokenizer=own but {key}.path={cfg.path!r} holds no tokenizer files "
+                                 f"(tokenizer.json, tokenizer_config.json or tokenizer.model)")
+            model = self.load_role_model(key, cfg, layout, kind="reward", dtype=DTYPES[cfg.dtype])
+            try:
+                check_vocab(own, model.config.vocab_size, f"{key}.path {cfg.path!r}")
+            except ValueError as exc:
+                raise ModelError(str(exc)) from exc
+            return OutcomeReward(cfg, model, layout, own)
         if cfg.kind == "outcome":
             model = self.load_role_model(key, cfg, layout, kind="reward", dtype=DTYPES[cfg.dtype])
             self.check_model(model, f"{key}.path", cfg.path, longest, what)

@@ -46,6 +46,7 @@ from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConf
 from megalign.roles.reward_exports import reward_stats
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path, check_stages
+from megalign.trainers.model_checks import check_tokenizer
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.updates import RoleLoss
 from megalign.trainers.online_config import OnlineConfig, UpdateSchedule, check_pipeline_batch
@@ -151,6 +152,9 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         super().__init__(cfg)
         path = self.critic_path()
         check_model_path(path, "critic.path")
+        check_tokenizer(self.tokenizer, "critic.path", path, "" if self.cfg.critic.path else
+                        " (critic.path unset: the critic starts from the first outcome reward model, else the actor; "
+                        "set critic.path)")
         layout = self.role_layout("critic", cfg.critic)
         if layout.pp > 1:
             check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, "critic", f"critic.path {path!r}")

@@ -72,6 +72,7 @@ from megalign.roles.adapter_reference import AdapterOffReference
 from megalign.trainers.base import MetricSums, RunConfig, Trainer, check_model_path, check_same_batch, check_stages
 from megalign.trainers.evaluation import EvalConfig, eval_count, evaluate_generation
 from megalign.trainers.logging import memory_report
+from megalign.trainers.model_checks import check_tokenizer
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
 from megalign.trainers.scratch import scratch_config, scratch_model  # noqa: F401 (scratch_config: read from here)
 
@@ -298,6 +299,8 @@ class SupervisedTrainer(Trainer):
         if ref_path is None:
             raise ValueError("reference.path (or model.path) is required: the objective compares with a frozen reference")
         check_model_path(ref_path, "reference.path" if cfg.reference.path else "model.path")
+        if cfg.reference.path is not None:
+            check_tokenizer(self.tokenizer, "reference.path", cfg.reference.path)
         if cfg.reference.pp > 1:
             raise ValueError(f"reference.pp={cfg.reference.pp}: the supervised trainers score with a reference "
                              f"at pp=1 only (beside a model at any pp); set reference.pp=1")
