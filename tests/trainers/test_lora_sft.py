@@ -1,6 +1,7 @@
 """LoRA in the supervised trainers (`model.lora`): SFT and DPO train the adapters only (the base stays bit-identical,
 the optimizer holds adapter state only), DPO's reference is the policy with adapters off, checkpoints hold only
-the adapters and a LoRA SFT run resumes exactly, and the PEFT export loads in `peft`.
+the adapters and a LoRA SFT run resumes exactly (also at tp = 2, which equals tp = 1), and the PEFT export loads
+in `peft`.
 """
 import math
 import os
@@ -82,6 +83,21 @@ def _resume(policy, tmp):
 
 def test_lora_sft_resumes_exactly(policy, tmp_path):
     run_distributed(_resume, policy, str(tmp_path), world_size=1)
+
+
+def _sft(policy, run_dir, *overrides):
+    SupervisedTrainer(sft_config(policy, run_dir, *overrides), SFTObjective, "SFT").train()
+
+
+def test_lora_sft_tp2_equals_tp1_and_resumes(policy, tmp_path):
+    """Adapters sharded at tp = 2 (seeded whole, then sliced) train as at tp = 1; the sharded adapter checkpoint resumes."""
+    run_distributed(_sft, policy, f"{tmp_path}/tp1", world_size=1)
+    run_distributed(_sft, policy, f"{tmp_path}/tp2", "model.tp=2", "steps=2", world_size=2)
+    run_distributed(_sft, policy, f"{tmp_path}/tp2", "model.tp=2", world_size=2)
+    tp1, tp2 = metric_rows(f"{tmp_path}/tp1"), metric_rows(f"{tmp_path}/tp2")
+    assert [r["step"] for r in tp2] == [1, 2, 3]
+    for a, b in zip(tp1, tp2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
 def _dpo(policy, run_dir):
