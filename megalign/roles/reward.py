@@ -27,7 +27,13 @@ any batch size; the scores reach every rank of its pp group, which holds one bat
   weight; "gated_safety_branch" logs the fraction of responses that took the safety branch). The
   whitening of that term over the global batch is the algorithm's (PPO's `shape_rewards`).
 
-Only the reward models hold device memory ("weights" of each role, offloadable).
+- `reward.judges`: judge and rubric terms (`megalign.rewards.judge`), each read from its own judge role
+  (`megalign.roles.judge`: a causal LM with its own tokenizer, tp, dtype and offload switch) that the
+  trainer builds (`load_judge`) and places like a reward model; a term's score enters the total with its
+  weight, and when verifier / user-function terms are configured their total is the verifier its
+  agreement is measured against (`<name>_agreement`: 1 where judge >= 1/2 and verifier >= 1/2 agree).
+
+Only the reward models and judges hold device memory ("weights" of each role, offloadable).
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import DEFAULT_TIMEOUT_S, RewardTerm, build_reward
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
+from megalign.roles.judge import Judge, JudgeRewardConfig, judge_reward
 
 GATED_TERMS = ("gated", "gated_safety_branch")
 """Term names of the gated reward (module doc); no reward model may take them."""
@@ -119,6 +126,8 @@ class RewardConfig:
     models: list[RewardModelConfig] = option([], doc="reward-model roles, each with its name, path, tp, dtype, offload, "
                                                      "weight and kind (outcome or process)")
     gated: Optional[GatedRewardConfig] = option(None, doc="Llama 2's gate over two outcome models of `models`; null: off")
+    judges: list[JudgeRewardConfig] = option([], doc="judge / rubric terms, each read from its own judge role (name, "
+                                                     "weight, kind judge | rubric, judge: {path, tp, template, mode...})")
     max_failure_fraction: float = option(
         0.5, doc="stop the run when a term fails (raises, non-number, times out) on more than this fraction of a "
                  "step's samples")
@@ -131,11 +140,15 @@ class RewardConfig:
             raise ValueError("reward.model.path is required for a reward-model role")
         if not math.isfinite(self.model_weight):
             raise ValueError(f"model_weight must be finite, got {self.model_weight}")
-        if not self.terms and not self.reward_models():
-            raise ValueError("the reward needs at least one term or a reward model")
-        names = [m.name for _, m in self.reward_models()]
+        if not self.terms and not self.reward_models() and not self.judges:
+            raise ValueError("the reward needs at least one term, reward model or judge")
+        names = [m.name for _, m in self.reward_models()] + [j.name for j in self.judges]
         if len(set(names)) != len(names):
-            raise ValueError(f"reward model names must be unique (reward.model is named 'reward_model'), got {names}")
+            raise ValueError(f"reward model and judge names must be unique (reward.model is named 'reward_model'), "
+                             f"got {names}")
+        for i, j in enumerate(self.judges):
+            if j.name in RESERVED_NAMES:
+                raise ValueError(f"reward.judges[{i}].name {j.name!r} is reserved; not one of {list(RESERVED_NAMES)}")
         if self.gated is not None:
             kinds = {m.name: m.kind for _, m in self.reward_models()}
             for key in ("safety", "helpful"):
@@ -306,11 +319,19 @@ class ProcessReward(ModelReward):
 
 class Reward:
     """Scores a batch of responses: `score(...) -> (total [N] fp32, per-term values)`, `step_rewards(...)`
-    for the process models; `models` are the reward-model roles the trainer places."""
+    for the process models; `models` are the reward-model and judge roles the trainer places.
 
-    def __init__(self, cfg: RewardConfig, models: Sequence[ModelReward]):
+    `judges`: the judge roles of `cfg.judges`, in order (`megalign.roles.judge.load_judge` on each one's layout).
+    """
+
+    def __init__(self, cfg: RewardConfig, models: Sequence[ModelReward], judges: Sequence[Judge] = ()):
         self.functions = build_reward(cfg.terms, cfg.timeout_s) if cfg.terms else None
-        self.models = list(models)
+        if len(judges) != len(cfg.judges):
+            raise ValueError(f"reward.judges lists {len(cfg.judges)} judges but {len(judges)} judge roles were built; "
+                             f"the trainer builds one per entry (megalign.roles.judge.load_judge)")
+        self.judge_terms = [(j.weight, judge_reward(j, role)) for j, role in zip(cfg.judges, judges)]
+        self.judges = list(judges)
+        self.models = list(models) + self.judges
         self.outcome = [m for m in self.models if isinstance(m, OutcomeReward)]
         self.process = [m for m in self.models if isinstance(m, ProcessReward)]
         self.gated = cfg.gated
@@ -342,6 +363,14 @@ class Reward:
             breakdown = self.functions.score(prompts, responses, answers, metadata)
             total += torch.tensor(breakdown.total)
             terms = {name: torch.tensor(values) for name, values in breakdown.terms.items()}
+        for judge in self.judges:
+            judge.new_step()
+        for weight, fn in self.judge_terms:
+            verifier = breakdown.total if self.functions is not None else None
+            terms[fn.name] = torch.tensor(fn(prompts, responses, answers, metadata, verifier=verifier))
+            total += weight * terms[fn.name]
+            if verifier is not None:
+                terms[f"{fn.name}_agreement"] = ((terms[fn.name] >= 0.5) == (torch.tensor(verifier) >= 0.5)).float()
         gated = {self.gated.safety, self.gated.helpful} if self.gated is not None else set()
         for m in self.outcome:
             terms[m.name] = m.score_batch(prompts, responses, sequences, attention_mask)
@@ -377,8 +406,13 @@ class Reward:
         return total, terms
 
     def error_counts(self) -> dict[str, float]:
-        """Cumulative per-term error and sample counters (`SafeReward.metrics`)."""
-        return self.functions.metrics() if self.functions is not None else {}
+        """Cumulative per-term error and sample counters (`SafeReward.metrics`), and each judge term's verdicts,
+        unparsable verdicts and cache hits."""
+        out = self.functions.metrics() if self.functions is not None else {}
+        for _, fn in self.judge_terms:
+            out.update({f"reward/{fn.name}/{k}": fn.metrics()[f"reward/{fn.name}/{k}"]
+                        for k in ("verdicts", "unparsed", "cache_hits")})
+        return out
 
     def counters(self) -> dict[str, list[int]]:
         """{term name: [failed samples, scored samples]}, cumulative."""

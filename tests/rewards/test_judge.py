@@ -235,3 +235,32 @@ def test_pairwise_judge_and_reward_config():
     assert pair.metrics()["reward/pair/agreement"] == 0.0
     with pytest.raises(ValueError, match="kind must be"):
         JudgeRewardConfig(name="j", judge=_cfg("x"), kind="score")
+
+
+def _reward_role(logit_path):
+    from megalign.rewards import RewardTerm
+    from megalign.roles.reward import Reward, RewardConfig
+
+    judged = JudgeRewardConfig(name="j", judge=_cfg(logit_path), weight=0.5)
+    cfg = RewardConfig(terms=[RewardTerm("math_accuracy", 1.0)], judges=[judged])
+    with pytest.raises(ValueError, match="lists 1 judges but 0 judge roles"):
+        Reward(cfg, [])
+    judge = load_judge("j", judged.judge, ParallelLayout.build(tp=1))
+    reward = Reward(cfg, [], [judge])
+    assert reward.needs() == {"j": ("weights",)} and reward.models == [judge]
+    prompts, responses, answers = ["1+1", "2*3"], ["\\boxed{2}", "\\boxed{5}"], ["2", "6"]
+    total, terms = reward.score(prompts, responses, answers, [{}, {}], torch.zeros(2, 1), torch.ones(2, 1))
+    p = [hand_p_yes(f"Q:{q} A:{r}") for q, r in zip(prompts, responses)]
+    assert terms["math_accuracy"].tolist() == [1.0, 0.0]
+    assert terms["j"].tolist() == pytest.approx(p, abs=1e-5)
+    assert total.tolist() == pytest.approx([1.0 + 0.5 * p[0], 0.5 * p[1]], abs=1e-5)
+    assert terms["j_agreement"].tolist() == [float(p[0] >= 0.5), float(p[1] < 0.5)]
+    counts = reward.error_counts()
+    assert counts["reward/j/verdicts"] == 2 and counts["reward/j/unparsed"] == 0
+    reward.score(prompts, responses, answers, [{}, {}], torch.zeros(2, 1), torch.ones(2, 1))
+    assert reward.error_counts()["reward/j/cache_hits"] == 0  # a new step: the cache was cleared
+
+
+def test_reward_role_scores_judge_terms(tmp_path):
+    set_logit_judge(tmp_path / "logit")
+    run_distributed(_reward_role, tmp_path / "logit", world_size=1)
