@@ -15,6 +15,8 @@ clipped regression for the critic:
     value_loss      0.5 * max((V - R)^2, (V_clip - R)^2),  V_clip = V_old + clamp(V - V_old, +-eps_v)
     policy loss     `megalign.ops.policy_loss` (clip, clip-higher, dual clip, optional k3 term)
     KL control      fixed beta, or Ziegler et al.'s adaptive controller (`AdaptiveKL`)
+    diagnostics     the critic's explained variance 1 - Var(R - V) / Var(R), value error, the advantages'
+                    mean / std before whitening, from masked sums reduced over dp (`critic_diagnostics`)
 
 Conventions (and the peers'):
 
@@ -190,6 +192,52 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped = (clipped_v - ret) ** 2
     loss = 0.5 * torch.maximum(unclipped, clipped) * valid
     return loss, ValueLossStats(((clipped > unclipped).float() * valid).sum().detach(), valid.sum())
+
+
+def critic_diagnostic_sums(values: torch.Tensor, returns: torch.Tensor, advantages: torch.Tensor,
+                           mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """0-d fp64 masked sums over the valid tokens, to add to `MetricSums` and reduce over dp, from which
+    `critic_diagnostics` makes the critic's health metrics.
+
+    Args:
+        values: [N, R] the critic's values at rollout time (the ones GAE used); returns: [N, R] GAE's targets;
+        advantages: [N, R] GAE's advantages before whitening; mask: [N, R] nonzero = valid.
+
+    Sums of r, r^2, e = r - v, e^2, |e|, A, A^2 and the token count: every moment the metrics need is a
+    sum, so dp ranks add theirs and the result is the whole batch's (not a mean of per-rank ratios).
+    """
+    for name, t in (("values", values), ("returns", returns), ("advantages", advantages)):
+        _check_2d(name, t, mask)
+    valid = (mask != 0).double()
+    ret, adv = returns.detach().double() * valid, advantages.detach().double() * valid
+    error = ret - values.detach().double() * valid
+    return {"tokens": valid.sum(), "return": ret.sum(), "return_sq": (ret ** 2).sum(), "error": error.sum(),
+            "error_sq": (error ** 2).sum(), "error_abs": error.abs().sum(), "advantage": adv.sum(),
+            "advantage_sq": (adv ** 2).sum()}
+
+
+def critic_diagnostics(sums: dict[str, float]) -> dict[str, float]:
+    """The critic's metrics from `critic_diagnostic_sums` reduced over dp (verl's names where it has them):
+
+        critic/vf_explained_var   1 - Var(r - v) / Var(r)   (verl; 1: perfect, 0: no better than the mean
+                                  return, < 0: worse; population variances, so the (n - 1) factors cancel)
+        critic/vf_mse, vf_mae     mean (v - r)^2 and mean |v - r|
+        critic/advantages/mean    mean and unbiased std of GAE's advantages before whitening (verl logs
+        critic/advantages/std     them after; before is what shows a biased critic)
+
+    With fewer than 2 valid tokens or constant returns the explained variance is 0 (nothing to explain).
+    """
+    n = sums["tokens"]
+    if n < 1:
+        return {"critic/vf_explained_var": 0.0, "critic/vf_mse": 0.0, "critic/vf_mae": 0.0,
+                "critic/advantages/mean": 0.0, "critic/advantages/std": 0.0}
+    var_return = sums["return_sq"] / n - (sums["return"] / n) ** 2
+    var_error = sums["error_sq"] / n - (sums["error"] / n) ** 2
+    adv_mean = sums["advantage"] / n
+    adv_var = (sums["advantage_sq"] - n * adv_mean ** 2) / (n - 1) if n > 1 else 0.0
+    return {"critic/vf_explained_var": 1.0 - var_error / var_return if var_return > 1e-12 else 0.0,
+            "critic/vf_mse": sums["error_sq"] / n, "critic/vf_mae": sums["error_abs"] / n,
+            "critic/advantages/mean": adv_mean, "critic/advantages/std": math.sqrt(max(adv_var, 0.0))}
 
 
 def sequence_mean_kl(kl: torch.Tensor, mask: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:

@@ -11,7 +11,8 @@ exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the 
     update         the critic's clipped value loss, then the actor's policy loss (`PolicyGradient`: with the KL in
                    the loss when `algo.kl_in` says so, the entropy bonus; none during `algo.critic_warmup`) ->
                    the KL coefficient (fixed, or Ziegler et al.'s adaptive controller, checkpointed)
-    metrics        actor, critic and KL metrics
+    metrics        actor, critic and KL metrics, and the critic's health as PPO users watch it (verl's names):
+                   explained variance, value error, the advantages' mean / std before whitening
 
 Design choices:
 
@@ -32,8 +33,8 @@ from typing import Literal, Optional
 
 import torch
 
-from megalign.algos.ppo import (AdaptiveKL, advantages_and_returns, normalize_scores, sequence_mean_kl,
-                                token_rewards, value_loss, whiten)
+from megalign.algos.ppo import (AdaptiveKL, advantages_and_returns, critic_diagnostic_sums, critic_diagnostics,
+                                normalize_scores, sequence_mean_kl, token_rewards, value_loss, whiten)
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
@@ -208,6 +209,7 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
                                    batch.ref_logp if in_reward else None, self.kl.beta, algo.kl_kind,
                                    step_rewards=batch.token_rewards)
         advantages, batch.returns = advantages_and_returns(rewards, batch.values, mask, algo.gamma, algo.lam)
+        self.diagnostic_sums = critic_diagnostic_sums(batch.values, batch.returns, advantages, mask)
         batch.advantages = whiten(advantages, mask, self.layout.dp_group) if algo.whiten_advantages else advantages
 
     def critic_loss(self, batch: RolloutBatch) -> RoleLoss:
@@ -234,13 +236,18 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         for name, value in (("return", batch.returns), ("old_value", batch.values), ("kl_tokens", self.rollout_kl)):
             sums.add(name, (value.double() * valid).sum())
         sums.add("valid_tokens", valid.sum())
+        for name, value in self.diagnostic_sums.items():
+            sums.add(f"diagnostic/{name}", value)
         return norms
 
     def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
                 counts: dict[str, float]) -> dict[str, float]:
         cfg = self.cfg
         tokens, critic_tokens = max(total["valid_tokens"], 1.0), max(total["critic/tokens"], 1.0)
+        diagnostics = critic_diagnostics({k[len("diagnostic/"):]: v for k, v in total.items()
+                                          if k.startswith("diagnostic/")})
         return {
+            **diagnostics,
             **self.policy_metrics(total, norms["actor"], self.lr()),
             "actor/kl_coef": self.step_kl[0], "actor/rollout_kl": self.step_kl[1],
             "actor/token_kl": total["kl_tokens"] / tokens,
