@@ -11,7 +11,8 @@
 # them -> held-out best-of-16 reranked by each, ending with the PRM's change over greedy), or ppo (the
 # classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
 # (launch/sample_pairs.py) -> PPO whose only reward is that RM, the critic started from the RM; ends
-# with PPO's before/after held-out accuracy table).
+# with PPO's before/after held-out accuracy table), or ppo_verifier (SFT -> PPO whose only reward is the
+# verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's pair sampling in PAIRS_OVERRIDES and its RM stage
 # in RM_OVERRIDES.
@@ -19,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -64,6 +65,9 @@ case "$PIPELINE" in
     run launch/train_ppo.py --config examples/ppo_arith.yaml run_dir="$ROOT/ppo_arith" \
         actor.path="$ROOT/sft_arith/hf" critic.path="$ROOT/rm_self/hf" reward.model.path="$ROOT/rm_self/hf" \
         ${STAGE_OVERRIDES:-} ;;
+  ppo_verifier)
+    run launch/train_ppo.py --config examples/ppo_verifier_arith.yaml run_dir="$ROOT/ppo_verifier_arith" \
+        actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   dpo)
     run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/dpo_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;

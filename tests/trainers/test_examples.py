@@ -35,6 +35,7 @@ OVERRIDES = {
     "prm_chain": SUPERVISED + ["data.max_length=60"],  # the tiny policy has 64 positions
     "grpo_arith": ONLINE + DIGITS, "online_dpo_arith": ONLINE + DIGITS,
     "ppo_arith": ONLINE + ["algo.critic_warmup=0"], "ppo_chain_prm": ONLINE + ["algo.critic_warmup=0"],
+    "ppo_verifier_arith": ONLINE + DIGITS + ["algo.critic_warmup=0"],
 }
 
 
