@@ -62,36 +62,12 @@ from megalign.trainers.base import MetricSums, Trainer, check_model_path, check_
 from megalign.trainers.evaluation import eval_count, evaluate_generation
 from megalign.trainers.model_checks import ModelError, check_tokenizer, folder_tokenizer
 from megalign.trainers.online_metrics import OnlineMetrics
+from megalign.trainers.online_state import RankState
 from megalign.trainers.online_config import OnlineConfig, check_microbatches, prompt_datasets
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
 from megalign.trainers.updates import RoleLoss, accumulate
 
 logger = logging.getLogger(__name__)
-
-
-class _RankState:
-    """Per-rank trainer state for the checkpoint: the rollout generator and the reward error counters.
-
-    Resumed on another dp size, a rank that has no saved entry keeps its fresh generator (seeded by
-    seed and dp rank, as at step 0) and zero error counters; entries of ranks that no longer exist
-    are not read, so the cumulative error counts restart from the remaining ranks' counts.
-    """
-
-    def __init__(self, rank: int, generator: torch.Generator, reward: Reward):
-        self.key, self.generator, self.reward = f"rank{rank}", generator, reward
-
-    def state_dict(self) -> dict[str, Any]:
-        return {self.key: {"generator": self.generator.get_state(), "reward": self.reward.state_dict()}}
-
-    def load_target(self, name: str, saved) -> dict[str, Any]:
-        """What to read from checkpoint `saved` (`megalign.checkpoint.state.Reshardable`): this rank's entry, if any."""
-        return self.state_dict() if self.key in {k.split(".")[0] for k in saved.under(name)} else {}
-
-    def load_state_dict(self, state) -> None:
-        if not state:
-            return  # a rank new to this dp size (class doc)
-        self.generator.set_state(state[self.key]["generator"])
-        self.reward.load_state_dict(state[self.key]["reward"])
 
 
 class OnlineTrainer(OnlineMetrics, Trainer):
@@ -120,22 +96,8 @@ class OnlineTrainer(OnlineMetrics, Trainer):
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
         check_model_path(cfg.actor.path, "actor.path")
-        if self.needs_reference() and cfg.reference.path is not None:
-            check_model_path(cfg.reference.path, "reference.path")
-        for key, model_cfg in cfg.reward.reward_models():
-            check_model_path(model_cfg.path, f"{key}.path")
-            if model_cfg.kind == "process" and not self.token_level_rewards:
-                raise ValueError(f"{key} ({model_cfg.name!r}) is a process reward model, whose step rewards need an "
-                                 f"algorithm that trains on per-token rewards (PPO); {self.name} uses one score per response")
         self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.actor.path)
-        # the roles that read the actor's ids were saved with its tokenizer, checked before any weights load
-        if self.needs_reference() and cfg.reference.path is not None:
-            check_tokenizer(self.tokenizer, "reference.path", cfg.reference.path)
-        for key, model_cfg in cfg.reward.reward_models():
-            if model_cfg.tokenizer == "actor":
-                check_tokenizer(self.tokenizer, f"{key}.path", model_cfg.path,
-                                f", or {key}.tokenizer=own (an outcome model: the text is re-tokenised for it)"
-                                if model_cfg.kind == "outcome" else "")
+        self.check_role_folders()
         self.train_set, self.held_out = prompt_datasets(cfg.data, self.tokenizer, cfg.run_dir)
         if cfg.reward.gated is not None:
             check_safety_field(self.train_set.examples, cfg.reward.gated.safety_field)
@@ -174,12 +136,29 @@ class OnlineTrainer(OnlineMetrics, Trainer):
         self.register_state("actor", ModelState(model, self.layout))
         self.register_state("optim", OptimizerState(model, self.actor.optimizer, self.layout))
         self.register_state("sampler", self.sampler)
-        self.register_state("trainer", _RankState(self.rank, self.generator, self.reward))
+        self.register_state("trainer", RankState(self.rank, self.generator, self.reward))
         self.memory: dict[str, float] = {}
         self.rollout_stats, self.rollout_metrics = RolloutStats(), {}
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+
+    def check_role_folders(self) -> None:
+        """Before any weights load: every role's folder exists, process reward models only for algorithms with
+        per-token rewards, and the roles that read the actor's ids were saved with its tokenizer."""
+        cfg = self.cfg
+        if self.needs_reference() and cfg.reference.path is not None:
+            check_model_path(cfg.reference.path, "reference.path")
+            check_tokenizer(self.tokenizer, "reference.path", cfg.reference.path)
+        for key, model_cfg in cfg.reward.reward_models():
+            check_model_path(model_cfg.path, f"{key}.path")
+            if model_cfg.kind == "process" and not self.token_level_rewards:
+                raise ValueError(f"{key} ({model_cfg.name!r}) is a process reward model, whose step rewards need an "
+                                 f"algorithm that trains on per-token rewards (PPO); {self.name} uses one score per response")
+            if model_cfg.tokenizer == "actor":
+                check_tokenizer(self.tokenizer, f"{key}.path", model_cfg.path,
+                                f", or {key}.tokenizer=own (an outcome model: the text is re-tokenised for it)"
+                                if model_cfg.kind == "outcome" else "")
 
     def role_layout(self, key: str, cfg: ModelRoleConfig) -> ParallelLayout:
         """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a
