@@ -48,7 +48,8 @@ RUN_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
 EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "kto_arith": {"actor", "reference"},
                  "online_dpo_arith": {"actor", "reference"}, "ppo_arith": {"actor", "reference", "critic", "reward"},
                  "ppo_chain_prm": {"actor", "reference", "critic", "reward"}, "prm_chain": {"actor"},
-                 "rm_arith": {"actor"}, "sft_arith": {"actor"}, "sft_chain": {"actor"}}
+                 "rm_arith": {"actor"}, "sft_arith": {"actor"}, "sft_chain": {"actor"},
+                 "ppo_verifier_arith": {"actor", "critic"}}
 
 
 def test_every_registered_algorithm_has_a_phase_model():
