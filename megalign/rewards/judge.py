@@ -110,6 +110,17 @@ class VerdictSource(Protocol):
     def verdicts(self, template: JudgeTemplate, rows: Sequence[Mapping[str, str]]) -> Verdicts: ...
 
 
+class TemplateOnly:
+    """A `VerdictSource` with a template and no model: building a reward on it checks the template's fields against
+    what the reward supplies (`JudgeTemplate.check`) at config time, before any judge loads; asking it fails."""
+
+    def __init__(self, template: JudgeTemplate):
+        self.template = template
+
+    def verdicts(self, template: JudgeTemplate, rows: Sequence[Mapping[str, str]]) -> Verdicts:
+        raise RuntimeError(f"{template.key}: a template-only judge checks fields and gives no verdicts")
+
+
 def _text(value: Any) -> str:
     return "" if value is None else str(value)
 

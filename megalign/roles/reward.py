@@ -50,6 +50,7 @@ from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import DEFAULT_TIMEOUT_S, RewardTerm, build_reward
+from megalign.rewards.judge import JudgeTemplate, TemplateOnly
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 from megalign.roles.judge import Judge, JudgeRewardConfig, judge_reward
 
@@ -149,6 +150,8 @@ class RewardConfig:
         for i, j in enumerate(self.judges):
             if j.name in RESERVED_NAMES:
                 raise ValueError(f"reward.judges[{i}].name {j.name!r} is reserved; not one of {list(RESERVED_NAMES)}")
+            # the template against the fields its term supplies, now: a misspelt field fails before any model loads
+            judge_reward(j, TemplateOnly(JudgeTemplate(j.judge.template, f"reward.judges[{i}].judge.template")))
         if self.gated is not None:
             kinds = {m.name: m.kind for _, m in self.reward_models()}
             for key in ("safety", "helpful"):

@@ -1,11 +1,13 @@
 """The online (RL) family on the trainer skeleton: `OnlineTrainer`, a step template that GRPO, PPO and online DPO fill in.
 
 `OnlineTrainer` builds the actor (trained, and generating with its own tp x pp weights), the frozen reference
-(only when the algorithm needs one), the reward role, the prompts and the rollout generator. One step:
+(only when the algorithm needs one), the reward role with its reward models and judges (`megalign.trainers.online_roles`),
+the prompts and the rollout generator. One step:
 
     collect    prompts -> the actor generates G responses each -> the reward scores them (verifiers behind
                SafeReward: a term failing on more than `reward.max_failure_fraction` of the step's samples
-               stops the run; reward models; process reward models' step rewards for algorithms that set
+               stops the run; reward models; judge and rubric terms (`reward.judges`, each read from its own
+               judge role); process reward models' step rewards for algorithms that set
                `token_level_rewards`) -> `shape_rewards` -> `keep_groups` (e.g. dynamic sampling: more
                rounds) -> a `RolloutBatch` of whole groups (`megalign.rollout.batch`)
     score      old log-probs (the rollout's, or recomputed) and the reference's
@@ -51,17 +53,15 @@ import torch.distributed as dist
 
 from megalign.algos.aggregation import aggregate_loss, loss_normalizer
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
-from megalign.data import PromptSampler, check_vocab
-from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
+from megalign.data import PromptSampler
 from megalign.parallel import MixedPrecision, ParallelLayout
-from megalign.roles import DTYPES, Actor, ModelRoleConfig, Reference, Reward, Role, TrainableRole
-from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig, check_safety_field
-from megalign.roles.reward_exports import load_prm_info
+from megalign.roles import DTYPES, Actor, Reference, Reward, Role, TrainableRole
+from megalign.roles.reward import check_safety_field
 from megalign.rollout import RolloutBatch, RolloutStats, SamplingParams
-from megalign.trainers.base import MetricSums, Trainer, check_model_path, check_same_batch, check_stages
+from megalign.trainers.base import MetricSums, Trainer, check_model_path
 from megalign.trainers.evaluation import eval_count, evaluate_generation
-from megalign.trainers.model_checks import ModelError, check_tokenizer, folder_tokenizer
 from megalign.trainers.online_metrics import OnlineMetrics
+from megalign.trainers.online_roles import OnlineRoles
 from megalign.trainers.online_state import RankState
 from megalign.trainers.online_config import OnlineConfig, check_microbatches, prompt_datasets
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
@@ -70,7 +70,7 @@ from megalign.trainers.updates import RoleLoss, accumulate
 logger = logging.getLogger(__name__)
 
 
-class OnlineTrainer(OnlineMetrics, Trainer):
+class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
     """Roles, prompts and rollouts of an RL run (module doc); subclasses implement `train_step`."""
 
     eval_before = True
@@ -127,7 +127,7 @@ class OnlineTrainer(OnlineMetrics, Trainer):
             self.reference = Reference(ref_model, ref_layout, cfg.reference.offload_weights,
                                        **self.packing("reference", ref_layout))
         self.reward = Reward(cfg.reward, [self.reward_model(key, model_cfg, longest, what)
-                                          for key, model_cfg in cfg.reward.reward_models()])
+                                          for key, model_cfg in cfg.reward.reward_models()], self.judge_roles())
         self.roles: list[Role] = [r for r in (self.actor, self.reference) if r is not None] + self.reward.models
 
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
@@ -142,79 +142,6 @@ class OnlineTrainer(OnlineMetrics, Trainer):
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
-
-    def check_role_folders(self) -> None:
-        """Before any weights load: every role's folder exists, process reward models only for algorithms with
-        per-token rewards, and the roles that read the actor's ids were saved with its tokenizer."""
-        cfg = self.cfg
-        if self.needs_reference() and cfg.reference.path is not None:
-            check_model_path(cfg.reference.path, "reference.path")
-            check_tokenizer(self.tokenizer, "reference.path", cfg.reference.path)
-        for key, model_cfg in cfg.reward.reward_models():
-            check_model_path(model_cfg.path, f"{key}.path")
-            if model_cfg.kind == "process" and not self.token_level_rewards:
-                raise ValueError(f"{key} ({model_cfg.name!r}) is a process reward model, whose step rewards need an "
-                                 f"algorithm that trains on per-token rewards (PPO); {self.name} uses one score per response")
-            if model_cfg.tokenizer == "actor":
-                check_tokenizer(self.tokenizer, f"{key}.path", model_cfg.path,
-                                f", or {key}.tokenizer=own (an outcome model: the text is re-tokenised for it)"
-                                if model_cfg.kind == "outcome" else "")
-
-    def role_layout(self, key: str, cfg: ModelRoleConfig) -> ParallelLayout:
-        """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a
-        role at pp = 1 beside a pp > 1 actor scores the batch on every rank of the actor's pp group)."""
-        check_microbatches(key, cfg)
-        layout = self.layout_for(cfg.tp, cfg.pp, key)
-        check_same_batch(layout, key, self.layout, "actor")
-        return layout
-
-    def load_role_model(self, key: str, cfg: ModelRoleConfig, layout: ParallelLayout, path: Optional[str] = None,
-                        **kwargs):
-        """Role `key`'s model from `path` (default `cfg.path`) on `layout`: this rank's pipeline stage when pp > 1
-        (layers split evenly, checked naming the key), else the whole (tp-sharded) model."""
-        path = path or cfg.path
-        if layout.pp == 1:
-            return from_pretrained(path, layout=layout, **kwargs)
-        check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, key, f"{key} {path!r}")
-        return stage_from_pretrained(path, layout, **kwargs)
-
-    def reward_model(self, key: str, cfg: RewardModelConfig, longest: int, what: str):
-        """The reward-model role of config `key` on its own layout (its pipeline stage at pp > 1) and dtype, checked
-        against the run; with `tokenizer: own`, an outcome model with its folder's tokenizer, which then reads the
-        text re-tokenised (`megalign.roles.reward`)."""
-        layout = self.role_layout(key, cfg)
-        if cfg.tokenizer == "own":
-            own = folder_tokenizer(cfg.path, f"{key}.path")
-            if own is None:
-                raise ModelError(f"{key}.tokenizer=own but {key}.path={cfg.path!r} holds no tokenizer files "
-                                 f"(tokenizer.json, tokenizer_config.json or tokenizer.model)")
-            model = self.load_role_model(key, cfg, layout, kind="reward", dtype=DTYPES[cfg.dtype])
-            try:
-                check_vocab(own, model.config.vocab_size, f"{key}.path {cfg.path!r}")
-            except ValueError as exc:
-                raise ModelError(str(exc)) from exc
-            return OutcomeReward(cfg, model, layout, own)
-        if cfg.kind == "outcome":
-            model = self.load_role_model(key, cfg, layout, kind="reward", dtype=DTYPES[cfg.dtype])
-            self.check_model(model, f"{key}.path", cfg.path, longest, what)
-            return OutcomeReward(cfg, model, layout)
-        info = load_prm_info(cfg.path)
-        tokens = {}
-        for side in ("negative", "positive"):
-            encoded = self.tokenizer.encode(info[f"{side}_token"])
-            if encoded != [info[f"{side}_token_id"]]:
-                raise ValueError(f"{key}.path={cfg.path!r}: its prm.json {side}_token {info[f'{side}_token']!r} is id "
-                                 f"{info[f'{side}_token_id']} but the run's tokenizer encodes it as {encoded}: the PRM "
-                                 f"was trained with another tokenizer")
-            tokens[side] = encoded[0]
-        separator = self.tokenizer.encode(info["separator"])
-        if not separator:
-            raise ValueError(f"{key}.path={cfg.path!r}: its step separator {info['separator']!r} encodes to no token")
-        model = self.load_role_model(key, cfg, layout, dtype=DTYPES[cfg.dtype])
-        # a finished response's last step is read with the separator in place of its EOS (`prm_inputs`)
-        self.check_model(model, f"{key}.path", cfg.path, longest + len(separator) - 1, what + " and the step separator")
-        return ProcessReward(cfg, model, layout, (tokens["negative"], tokens["positive"]), separator,
-                             self.tokenizer.eos_id)
 
     def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
         """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
