@@ -3,8 +3,8 @@
 
     collect     G samples a prompt (default 2, the paper's), scored by the reward role [- algo.missing_eos_penalty
                 for responses without EOS]
-    score       one pair a prompt (`preference_pairs`: the best against the worst; a prompt whose rewards all tie
-                gives none, counted as `pairs/tied`) and, for a loss against the reference, the reference's summed
+    score       one pair a prompt (`preference_pairs`: the best against the worst, or the pairwise judge's pick; a
+                prompt whose rewards all tie gives none, counted as `pairs/tied`) and, for a loss against the reference, the reference's summed
                 log-probs of both
     update      `ppo_epochs` x `mini_batches` updates of the offline trainer's pairwise loss (`algo` is its
                 `PreferenceAlgoConfig`: any `PAIR_LOSSES` entry), one unit a pair (the mean over the global pairs)
@@ -20,12 +20,24 @@ Design choices:
 - Ties are dropped where TRL makes the first sample the chosen one. At actor.pp > 1 a 1F1B micro-batch holds
   whole pairs (chosen and rejected rows interleaved) of one fixed shape, so every prompt keeps its pair, a tied
   one with weight 0 (no loss, no gradient, not in the metrics).
+- A pairwise judge (`judge:`, TRL's `OnlineDPOTrainer(judge=...)` in place of its reward model) ranks each prompt's
+  two samples instead of the reward: a judge role (`megalign.roles.judge`, its own tokenizer, tp, dtype and offload
+  switch, placed in its own "judge" phase) reads p(A better than B) from its template ({prompt}, {response_a},
+  {response_b}), asked in both orders and averaged, p = (p_AB + 1 - p_BA) / 2, so a judge that favours the first
+  (or second) position cancels out and a pair of identical responses scores exactly 1/2; the cache makes a repeated
+  pair cost nothing, and logprob mode makes each verdict one forward. The first sample is chosen when p > 1/2, the
+  second when p < 1/2; |p - 1/2| <= `judge.tie_tolerance` is a tie (no pair, `pairs/tied`). The reward role still
+  scores every sample (reward/mean, the terms); `reward/<judge name>/mean` is the mean p(first sample), with its
+  verdict, unparsable-verdict and cache-hit counts, and with verifier terms `reward/<name>/agreement` is the
+  fraction of the pairs the verifier total orders (and the judge does not tie) on which the judge picks the same
+  sample. `objective/scores_margin` is then the judge's |2p - 1|.
 - Differences from TRL 1.16: its "ipo" takes the margin on summed log-probs, megalign's on token averages (as
   TRL's offline DPOTrainer and IPO's eq. 17); its temperature default is 0.9, the online family's 1.0.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, Optional
 
 import torch
@@ -35,7 +47,9 @@ from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
 from megalign.data import IGNORE_INDEX
 from megalign.parallel import Pipeline
-from megalign.parallel.collectives import all_reduce_count
+from megalign.parallel.collectives import all_reduce, all_reduce_count
+from megalign.rewards.judge import JudgeTemplate, PairwiseJudge, TemplateOnly
+from megalign.roles.judge import JudgeConfig, load_judge
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult
 from megalign.trainers.online import OnlineTrainer
@@ -68,6 +82,27 @@ class OnlineDPOAlgoConfig(PreferenceAlgoConfig, UpdateSchedule):
 
 
 @dataclasses.dataclass
+class PairJudgeConfig:
+    """A pairwise judge that ranks each prompt's two samples in place of the reward (TRL's `OnlineDPOTrainer(judge=)`)."""
+
+    judge: JudgeConfig = option(doc="the judge model; its template names {prompt}, {response_a}, {response_b} "
+                                    "[{criterion} / {principle}], its answers the labels of A and B (e.g. [A, B])")
+    name: str = option("pair_judge", doc="its role name and metrics reward/<name>/...")
+    criterion: Optional[str] = option(None, doc="the {criterion} / {principle} the pair is judged on; null: none")
+    both_orders: bool = option(True, doc="ask (A, B) and (B, A) and average p(A) = (p_AB + 1 - p_BA) / 2 against the "
+                                         "judge's position bias; false: (A, B) only")
+    tie_tolerance: float = option(1e-6, doc="a pair with |p(A) - 1/2| <= this is a tie: no pair, counted (pairs/tied)")
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name or ":" in self.name or self.name in ("actor", "reference", "reward"):
+            raise ValueError(f"judge.name {self.name!r} must be non-empty without '/' or ':' and not a role's name")
+        if not (math.isfinite(self.tie_tolerance) and 0 <= self.tie_tolerance < 0.5):
+            raise ValueError(f"judge.tie_tolerance must be in [0, 1/2), got {self.tie_tolerance}")
+        # the template against the fields a pair supplies, before any model loads
+        PairwiseJudge(self.name, TemplateOnly(JudgeTemplate(self.judge.template, "judge.judge.template")), self.criterion)
+
+
+@dataclasses.dataclass
 @set_defaults(run_dir="runs/online_dpo_arith", steps=200, save_every=50)
 class OnlineDPOConfig(OnlineConfig):
     """One online DPO run (`launch/train_online_dpo.py --config ... key.sub=value`)."""
@@ -75,10 +110,19 @@ class OnlineDPOConfig(OnlineConfig):
     algorithm: Literal["online_dpo"] = algorithm_option("online_dpo")
     rollout: RolloutConfig = option(RolloutConfig(group_size=2), doc="sampling (G = 2 samples per prompt: one pair)")
     algo: OnlineDPOAlgoConfig = option(OnlineDPOAlgoConfig(), doc="objective")
+    judge: Optional[PairJudgeConfig] = option(
+        None, doc="a pairwise judge that picks chosen / rejected in place of the reward (the reward is still computed, "
+                  "logged and, with verifier terms, the judge's agreement is measured against it); null: the reward ranks")
 
     def __post_init__(self):
         super().__post_init__()
         check_reference_used(self.reference, self.algo)
+        if self.judge is not None:
+            if self.rollout.group_size != 2:
+                raise ValueError(f"judge: a pairwise judge ranks two samples a prompt; rollout.group_size must be 2, got "
+                                 f"{self.rollout.group_size}")
+            if self.judge.name in [m.name for _, m in self.reward.reward_models()] + [j.name for j in self.reward.judges]:
+                raise ValueError(f"judge.name {self.judge.name!r} is also a reward model's or judge's name; rename one")
 
 
 def preference_pairs(rewards: torch.Tensor, group_size: int,
@@ -127,6 +171,77 @@ class OnlineDPOTrainer(OnlineTrainer):
     def __init__(self, cfg: OnlineDPOConfig):
         super().__init__(cfg)
         check_pipeline_batch(self.cfg, self.layout.dp, "actor", self.layout, trained=True, per_prompt=1, unit="pairs")
+        self.ranker: Optional[PairwiseJudge] = None
+        if cfg.judge is not None:
+            role = load_judge(cfg.judge.name, cfg.judge.judge, self.role_layout("judge.judge", cfg.judge.judge),
+                              "judge.judge")
+            self.roles.append(role)
+            self.ranker = PairwiseJudge(cfg.judge.name, role, cfg.judge.criterion)
+
+    def free_keys(self) -> tuple[str, ...]:
+        return super().free_keys() + (("judge.judge.offload_weights",) if self.cfg.judge is not None else ())
+
+    def check_role_folders(self) -> None:
+        super().check_role_folders()
+        if self.cfg.judge is not None:
+            self.check_judge_folder("judge.judge", self.cfg.judge.judge.path)
+
+    # ----- the pairwise judge (module doc)
+
+    def row_texts(self, batch: RolloutBatch) -> tuple[list[str], list[str]]:
+        """(prompt, response) texts of the batch's N rows, decoded as the reward role read them (`rollout`)."""
+        tok, width = self.tokenizer, self.prompt_width
+        ids, mask = batch.sequences.cpu(), batch.attention_mask.cpu().bool()
+        prompts = [tok.decode(row[keep].tolist()) for row, keep in zip(ids[:, :width], mask[:, :width])]
+        responses = [tok.decode(row[:n].tolist()) for row, n in zip(ids[:, width:], batch.lengths.long().tolist())]
+        return prompts, responses
+
+    def judge_preferences(self, prompts: list[str], responses_a: list[str], responses_b: list[str]) -> torch.Tensor:
+        """[K] fp64 p(A better than B) of K pairs: with `judge.both_orders` the mean of the judge's p(A) on (A, B) and
+        1 - its p(A) on (B, A) (one batch of 2K verdicts), so a judge that favours a position cancels out and a pair
+        of identical responses is exactly 1/2; a p within `judge.tie_tolerance` of 1/2 is set to 1/2 (a tie)."""
+        judge, k = self.cfg.judge, len(prompts)
+        if judge.both_orders:
+            s = self.ranker.rank(prompts * 2, responses_a + responses_b, responses_b + responses_a)
+            p = torch.tensor([(s[i] + 1.0 - s[k + i]) / 2 for i in range(k)], dtype=torch.float64)
+        else:
+            p = torch.tensor(self.ranker.rank(prompts, responses_a, responses_b), dtype=torch.float64)
+        return torch.where((p - 0.5).abs() <= judge.tie_tolerance, torch.full_like(p, 0.5), p)
+
+    def pair_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N] what ranks each prompt's samples: the rewards, or with a judge p(A) and 1 - p(A) of its two samples
+        (A the first; a tie gives 1/2 to both), the judge placed for its phase."""
+        if self.ranker is None:
+            return batch.rewards
+        with self.phase("judge", **{self.cfg.judge.name: ("weights",)}):
+            prompts, responses = self.row_texts(batch)
+            self.judged = self.judge_preferences(prompts[0::2], responses[0::2], responses[1::2])
+        return torch.stack([self.judged, 1.0 - self.judged], 1).view(-1).to(batch.rewards.device)
+
+    def judge_sums(self, batch: RolloutBatch, sums: MetricSums) -> None:
+        """The judge's sums over this rank's prompts: p(A), and with verifier terms (`reward.terms`) the pairs their
+        weighted sum orders and the judge does not tie, and those of them on which the judge picks the same sample."""
+        p = self.judged.to(self.layout.device)
+        sums.add("judge/p", p.sum())
+        sums.add("judge/prompts", p.numel())
+        if self.reward.functions is not None:
+            verifier = sum(w * batch.terms[name].double() for name, _, w in self.reward.functions.terms).view(-1, 2)
+            decided = (verifier[:, 0] != verifier[:, 1]) & (p != 0.5)
+            sums.add("judge/decided", decided.sum())
+            sums.add("judge/agree", (decided & ((p > 0.5) == (verifier[:, 0] > verifier[:, 1]))).sum())
+
+    def judge_metrics(self, total: dict[str, float]) -> dict[str, float]:
+        """reward/<name>/mean (p(A), the first sample's), agreement with the verifier, and the verdicts, unparsable
+        verdicts and cache hits so far summed over dp."""
+        name = self.cfg.judge.name
+        out = {f"reward/{name}/mean": total["judge/p"] / max(total["judge/prompts"], 1.0)}
+        if "judge/decided" in total:
+            out[f"reward/{name}/agreement"] = total["judge/agree"] / max(total["judge/decided"], 1.0)
+        counts = {k: v for k, v in self.ranker.metrics().items() if k.rsplit("/", 1)[1] in ("verdicts", "unparsed",
+                                                                                               "cache_hits")}
+        reduced = all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=self.layout.device),
+                             self.layout.dp_group).cpu()
+        return {**out, **dict(zip(counts, reduced.tolist()))}
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         if self.cfg.algo.missing_eos_penalty is not None:
@@ -166,7 +281,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         """The step's pairs and, for a loss against the reference, the reference's summed log-probs [K, 2] of each
         (`self.pairs`); the old log-probs are not read (the loss has no importance ratio)."""
         algo, pipelined = self.cfg.algo, self.layout.pp > 1
-        chosen, rejected, tied = preference_pairs(batch.rewards, batch.group_size, keep_tied=pipelined)
+        self.scores = self.pair_scores(batch)
+        chosen, rejected, tied = preference_pairs(self.scores, batch.group_size, keep_tied=pipelined)
         weights = (~tied).float() if pipelined else torch.ones(chosen.numel(), device=self.layout.device)
         ref = None
         if self.reference is not None:
@@ -205,7 +321,9 @@ class OnlineDPOTrainer(OnlineTrainer):
     def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
         chosen, rejected, tied, _, _ = self.pairs
         sums.add("tied", tied.sum())
-        sums.add("score_margin", (batch.rewards[chosen] - batch.rewards[rejected]).double().sum())
+        sums.add("score_margin", (self.scores[chosen] - self.scores[rejected]).double().sum())
+        if self.ranker is not None:
+            self.judge_sums(batch, sums)
         empty = all_reduce_count(int((~tied).sum()), self.layout.dp_group, self.layout.device) == 0
         return {"actor": self.update_actor(batch, sums, self.actor_loss(batch),
                                            "every prompt's responses have equal rewards on every rank: no pair"
@@ -223,6 +341,7 @@ class OnlineDPOTrainer(OnlineTrainer):
             "actor/loss": total["actor/loss"] / algo.updates,
             **{name: total[f"actor/{stat}"] / pairs for name, stat in zip(self.TRL_NAMES, self.STATS)},
             "actor/grad_norm": torch.stack(norms["actor"]).mean(), "actor/lr": self.lr(), "beta": algo.beta_value,
+            **(self.judge_metrics(total) if self.ranker is not None else {}),
         }
 
 

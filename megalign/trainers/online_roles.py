@@ -49,12 +49,15 @@ class OnlineRoles:
                                 f", or {key}.tokenizer=own (an outcome model: the text is re-tokenised for it)"
                                 if model_cfg.kind == "outcome" else "")
         for i, judged in enumerate(cfg.reward.judges):
-            key = f"reward.judges[{i}].judge"
-            check_model_path(judged.judge.path, f"{key}.path")
-            if folder_tokenizer(judged.judge.path, f"{key}.path") is None:
-                raise ModelError(f"{key}.path={judged.judge.path!r} holds no tokenizer files (tokenizer.json, "
-                                 f"tokenizer_config.json or tokenizer.model): a judge reads its own tokenizer and chat "
-                                 f"template from its folder")
+            self.check_judge_folder(f"reward.judges[{i}].judge", judged.judge.path)
+
+    @staticmethod
+    def check_judge_folder(key: str, path: str) -> None:
+        """A judge's folder (config `key`) is an HF checkpoint with its own tokenizer files (module doc)."""
+        check_model_path(path, f"{key}.path")
+        if folder_tokenizer(path, f"{key}.path") is None:
+            raise ModelError(f"{key}.path={path!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json or "
+                             f"tokenizer.model): a judge reads its own tokenizer and chat template from its folder")
 
     def role_layout(self, key: str, cfg: ModelRoleConfig) -> ParallelLayout:
         """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a

@@ -1,6 +1,10 @@
 """Judges in the online trainers (issue 27): the judge and rubric terms of `reward.judges` in GRPO, the judge role at
 dp = 2 and offloaded, start-up checks, and online DPO ranking its pairs with a pairwise judge.
 
+The pairwise judge's reference is worked by hand: its logits are set (`tests/rewards/test_judge.py`'s
+`set_logit_judge`, p(Y) a closed form of the last token) and its template ends with response A, so the verdict on
+each order and their average are computed from the decoded texts alone.
+
 References: each reward the trainer logged is recomputed from the rows the reward role was given by a separately
 loaded `Judge` (`load_judge`): its raw verdicts on the templates filled by hand, combined by the formulas written
 out here (RaR's sum_j w_j c_j / sum_j w_j; the total as verifier + sum of weight x score), not by the reward classes
@@ -12,14 +16,17 @@ import os
 import pytest
 import torch
 from parallel.dist_utils import run_distributed
-from trainers.grpo_helpers import digit_fraction, tiny_config, tiny_policy, write_rows
+from rewards.test_judge import CHAR, hand_p_yes, set_logit_judge
+from trainers.grpo_helpers import digit_fraction, tiny_config, tiny_overrides, tiny_policy, write_rows
 from trainers.helpers import metric_rows
 
+from megalign.config import load_config
 from megalign.data import CharTokenizer
 from megalign.parallel import ParallelLayout
 from megalign.rewards.judge import JudgeTemplate
 from megalign.roles.judge import JudgeConfig, load_judge
 from megalign.trainers.grpo import GRPOTrainer
+from megalign.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
 JUDGE_TEMPLATE = "Q:{prompt} A:{response} ok?"
 RUBRIC_TEMPLATE = "{response} meets {criterion}?"
@@ -190,3 +197,84 @@ def test_start_up_errors_name_the_judge_key(folders, tmp_path):
     no_tokenizer = tiny_policy(tmp_path / "bare")
     with pytest.raises(Exception, match=r"reward\.judges\[0\]\.judge\.path=.*bare.* holds no tokenizer files"):
         run_distributed(start, no_tokenizer, world_size=1)
+
+
+# ----- online DPO with a pairwise judge
+
+PAIR_TEMPLATE = "{prompt}>{response_b}<{response_a}"
+"""The last token of the filled template is the last character of response A, so the hand-set judge's verdict on
+(A, B) is a function of A's last character and on (B, A) of B's (`hand_p_yes`)."""
+
+
+def hand_preference(prompt, a, b):
+    """p(A better than B) by hand: the mean of p(Y) on (A, B) and 1 - p(Y) on (B, A) (online_dpo's module doc)."""
+    return (hand_p_yes(f"{prompt}>{b}<{a}") + 1.0 - hand_p_yes(f"{prompt}>{a}<{b}")) / 2
+
+
+def _dpo_config(policy, run_dir, *overrides):
+    base = [o for o in tiny_overrides(policy, run_dir) if not o.startswith(("algo.", "rollout.group_size"))]
+    return load_config(OnlineDPOConfig, None, [*base, "rollout.group_size=2", "export_hf=false", *overrides])
+
+
+def pair_judge(path, template=PAIR_TEMPLATE):
+    return (f"judge={{judge: {{path: '{path}', template: '{template}', answers: [Y, N], chat_template: false, "
+            f"micro_batch_size: 4}}}}")
+
+
+def _dpo_step(policy, judge, run_dir, out):
+    trainer = OnlineDPOTrainer(_dpo_config(policy, run_dir, pair_judge(judge), "rollout.prompts_per_step=8"))
+    seen = {}
+    score = trainer.score
+
+    def recording(batch):
+        score(batch)
+        seen["batch"], seen["pairs"] = batch, [t.cpu() for t in trainer.pairs[:3]]
+    trainer.score = recording
+    seen["metrics"] = trainer.train_step()
+    seen["constructed"] = trainer.judge_preferences(["1+1="] * 4, ["5", "x", "27", "3"], ["5", "3", "2", "x"]).tolist()
+    torch.save(seen, out)
+
+
+def decoded(batch, response_len):
+    """(prompt, response) texts of the batch's rows, decoded here with the char tokenizer."""
+    width = batch.sequences.shape[1] - response_len
+    prompts = [CHAR.decode(row[:width][m[:width].bool()].tolist()) for row, m in zip(batch.sequences, batch.attention_mask)]
+    responses = [CHAR.decode(row[width:width + int(n)].tolist()) for row, n in zip(batch.sequences, batch.lengths)]
+    return prompts, responses
+
+
+def test_online_dpo_pairs_follow_the_pairwise_judge(folders, tmp_path):
+    set_logit_judge(tmp_path / "pair_judge")
+    out = str(tmp_path / "step.pt")
+    run_distributed(_dpo_step, folders[0], str(tmp_path / "pair_judge"), str(tmp_path / "run"), out, world_size=1)
+    seen = torch.load(out, weights_only=False)
+    prompts, responses = decoded(seen["batch"], 8)
+    p = [hand_preference(prompts[i], responses[i], responses[i + 1]) for i in range(0, len(prompts), 2)]
+    first = [x > 0.5 + 1e-6 for x in p]
+    tied = [abs(x - 0.5) <= 1e-6 for x in p]
+    chosen, rejected, got_tied = seen["pairs"]
+    assert got_tied.tolist() == tied and 0 < sum(first) < len(p)  # both positions win somewhere
+    assert chosen.tolist() == [2 * i + (0 if first[i] else 1) for i in range(len(p)) if not tied[i]]
+    assert rejected.tolist() == [2 * i + (1 if first[i] else 0) for i in range(len(p)) if not tied[i]]
+    m = seen["metrics"]
+    assert m["pairs/trained"] == len(p) - sum(tied) and m["pairs/tied"] == sum(tied)
+    assert m["reward/pair_judge/mean"] == pytest.approx(sum(p) / len(p), abs=1e-5)
+    assert m["reward/pair_judge/verdicts"] == 2 * len(p) and m["reward/pair_judge/unparsed"] == 0
+    verifier = [digit_fraction(None, r, None, None) for r in responses]
+    decided = [i for i in range(len(p)) if verifier[2 * i] != verifier[2 * i + 1] and not tied[i]]
+    agree = sum(first[i] == (verifier[2 * i] > verifier[2 * i + 1]) for i in decided) / max(len(decided), 1)
+    assert m["reward/pair_judge/agreement"] == pytest.approx(agree)
+    assert m["objective/scores_margin"] == pytest.approx(
+        sum(abs(2 * x - 1) for x, t in zip(p, tied) if not t) / max(len(p) - sum(tied), 1), abs=1e-5)
+    # constructed pairs: identical responses tie exactly (1/2), swapping A and B gives 1 - p
+    want = [hand_preference("1+1=", a, b) for a, b in [("5", "5"), ("x", "3"), ("27", "2"), ("3", "x")]]
+    assert seen["constructed"] == pytest.approx(want, abs=1e-6) and seen["constructed"][0] == 0.5
+    assert seen["constructed"][1] + seen["constructed"][3] == pytest.approx(1.0)
+
+
+def test_pair_judge_config_checks():
+    policy = "/nowhere"  # the config fails before any folder is read
+    with pytest.raises(ValueError, match=r"judge\.judge\.template: field \{respons_b\}.*did you mean \{response_b\}"):
+        _dpo_config(policy, "/tmp/x", pair_judge("/nowhere", "{prompt} {response_a} {respons_b}"))
+    with pytest.raises(ValueError, match=r"group_size must be 2"):
+        _dpo_config(policy, "/tmp/x", pair_judge("/nowhere"), "rollout.group_size=4")
