@@ -1,8 +1,10 @@
-"""Decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral), its heads, and HF checkpoint interop.
+"""Decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE and Mixtral), its heads, and HF checkpoint interop.
 
 `from_pretrained(path, kind)` builds a policy ('causal_lm'), critic ('value') or reward model ('reward')
 from an HF folder; `save_hf_checkpoint` writes one back. `apply_lora` (lora.py) adds LoRA adapters. `LayerFactory` is where tensor parallelism plugs in;
 `TensorParallelFactory` (parallelize.py) is the tensor-parallel one (`from_pretrained(path, layout=...)`).
+MoE layers (moe.py): `moe_routing(model, record=..., replay=..., aux=...)` records or forces the experts of
+a forward and collects the statistics of `load_balancing_loss`.
 """
 from .config import ModelConfig, RopeScaling, hf_architecture
 from .decoder import Decoder, KVCache, LayerFactory, SlotKVCache
@@ -11,6 +13,7 @@ from .hf_adapter import (from_pretrained, load_hf_weights, save_hf_checkpoint, s
                          stage_from_pretrained)
 from .lora import (LoRAConfig, adapters_disabled, apply_lora, lora_modules, lora_state_dict, merge_adapters,
                    unmerge_adapters)
+from .moe import Routing, load_balancing_loss, moe_routing
 from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 __all__ = [
@@ -18,5 +21,6 @@ __all__ = [
     "RewardHead", "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
     "scalar_head_from_pretrained", "stage_from_pretrained",
     "TensorParallelFactory", "tensor_parallel_config",
+    "Routing", "load_balancing_loss", "moe_routing",
     "LoRAConfig", "apply_lora", "adapters_disabled", "lora_modules", "lora_state_dict", "merge_adapters", "unmerge_adapters",
 ]

@@ -1,4 +1,4 @@
-"""Typed model configuration for the decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral).
+"""Typed model configuration for the decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE, Mixtral).
 
 `ModelConfig.from_hf(config_json)` reads a Hugging Face `config.json` (a dict or a path to the file or
 its folder) and `to_hf()` writes one back, so a checkpoint can travel HF -> megalign -> HF.
@@ -13,6 +13,14 @@ Design choices:
 - Sliding window (Mistral): supported exactly as transformers does it, as a mask on the index
   distance between query and key, `q_idx - kv_idx < sliding_window` (padding included, as in HF).
   Qwen2's and Qwen3's per-layer windows (`use_sliding_window: true` with `max_window_layers`) are rejected.
+- Mixture of experts (Qwen3-MoE, Mixtral; `megalign.models.moe`): `num_experts > 0` replaces the SwiGLU
+  of the layers `is_moe_layer` names by `num_experts` SwiGLU experts of width `moe_intermediate_size`,
+  `num_experts_per_tok` of them per token. Qwen3-MoE is Qwen3's attention (q/k norms) with HF's
+  `num_experts` (transformers 5 also writes `num_local_experts`), `moe_intermediate_size`,
+  `norm_topk_prob`, `decoder_sparse_step` and `mlp_only_layers` (dense layers of width
+  `intermediate_size`); Mixtral is Mistral's attention with `num_local_experts` experts of width
+  `intermediate_size` and always-renormalised top-k weights. Mixtral's `router_jitter_noise` (a random
+  training-time input scaling) is rejected when non-zero.
 - Vocab padding: `vocab_pad_multiple` rounds the embedding / LM-head rows up (Megatron-style, so a
   vocab splits evenly over tensor-parallel ranks). `vocab_size` stays the real vocabulary; the padded
   rows never receive probability (see `heads.LMHead`) and are dropped when saving.
@@ -24,9 +32,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
-_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+                    "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+# families that share another's attention: Qwen3-MoE is Qwen3's, Mixtral is Mistral's
+_ATTENTION_FAMILY = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 
 def hf_architecture(model_type: str, task: str = "CausalLM") -> str:
@@ -78,7 +90,7 @@ class ModelConfig:
     """Shape and numerics of one decoder-only transformer; validated on construction."""
 
     model_type: str
-    """HF family: one of 'llama', 'qwen2', 'qwen3', 'mistral' (chooses the architecture written by `to_hf`)."""
+    """HF family: one of SUPPORTED_MODEL_TYPES (chooses the architecture written by `to_hf`)."""
     vocab_size: int
     """Real vocabulary size V (rows of the HF embedding)."""
     hidden_size: int
@@ -115,6 +127,20 @@ class ModelConfig:
     """Embedding / LM-head rows are rounded up to a multiple of this (e.g. 128 * tp); 1 = no padding."""
     pad_token_id: Optional[int] = None
     """Padding token (read by reward models' HF config; megalign itself pools with the attention mask)."""
+    num_experts: int = 0
+    """MoE: experts per MoE layer E (0 = a dense model)."""
+    num_experts_per_tok: int = 0
+    """MoE: experts each token is routed to, k (top-k of the router's softmax)."""
+    moe_intermediate_size: int = 0
+    """MoE: SwiGLU width of one expert (Mixtral: its `intermediate_size`)."""
+    norm_topk_prob: bool = True
+    """MoE: renormalise the k chosen probabilities to sum to 1 (Mixtral always; Qwen3-MoE per its config)."""
+    decoder_sparse_step: int = 1
+    """MoE: layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
+    mlp_only_layers: tuple = ()
+    """MoE: layers that keep a dense SwiGLU of width intermediate_size (Qwen3-MoE)."""
+    router_aux_loss_coef: float = 0.001
+    """MoE: weight of the load-balancing loss (`moe.load_balancing_loss`) when training uses it."""
     extra_hf: dict = field(default_factory=dict, repr=False)
     """HF keys megalign does not use (bos/eos ids, id2label, ...), written back unchanged by `to_hf`."""
 
@@ -139,9 +165,31 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
-        if self.model_type in ("llama", "qwen3") and self.qkv_bias != self.o_bias:
+        self._check_moe()
+        if self.model_type in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
             raise ValueError(f"{self.model_type}'s one attention_bias switch biases q, k, v and o together; got "
                              f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}")
+
+    def _check_moe(self) -> None:
+        if (self.num_experts > 0) != (self.model_type in MOE_MODEL_TYPES):
+            raise ValueError(f"num_experts must be > 0 exactly for the MoE families {MOE_MODEL_TYPES}; got "
+                             f"{self.num_experts} for model_type {self.model_type!r}")
+        if self.num_experts == 0:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+            raise ValueError(f"moe_intermediate_size ({self.moe_intermediate_size}) and decoder_sparse_step "
+                             f"({self.decoder_sparse_step}) must be > 0")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has an MoE MLP (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def qk_norm(self) -> bool:
@@ -149,7 +197,7 @@ class ModelConfig:
 
         A property of the family (every Qwen3 checkpoint has it, no other family does), so a config
         cannot disagree with the architecture `to_hf` names."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -162,10 +210,11 @@ class ModelConfig:
 
         Tensor parallelism gives each rank whole heads (num_attention_heads / tp query heads and
         num_key_value_heads / tp kv heads, so a query head stays on the rank of its kv head), a slice
-        of the SwiGLU width and of the padded vocabulary; all four must divide evenly.
+        of the SwiGLU width (every expert's too) and of the padded vocabulary; all must divide evenly.
         """
         sizes = (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_key_value_heads),
-                 ("intermediate_size", self.intermediate_size), ("padded_vocab_size", self.padded_vocab_size))
+                 ("intermediate_size", self.intermediate_size), ("moe_intermediate_size", self.moe_intermediate_size),
+                 ("padded_vocab_size", self.padded_vocab_size))
         bad = [f"{name} ({value})" for name, value in sizes if value % tp]
         if bad:
             hint = (f"; pad the vocabulary with vocab_pad_multiple a multiple of {tp}"
@@ -207,14 +256,14 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; the SwiGLU MLP needs 'silu'")
-        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=true (per-layer windows) is not supported")
 
         rope_theta, rope_scaling = _read_rope(hf)
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         # Qwen2 hard-codes q/k/v bias and no o bias; Mistral hard-codes none; Llama and Qwen3 follow attention_bias.
-        attention_bias = model_type in ("llama", "qwen3") and bool(hf.get("attention_bias", False))
+        attention_bias = model_type in ("llama", "qwen3", "qwen3_moe") and bool(hf.get("attention_bias", False))
         qkv_bias = model_type == "qwen2" or attention_bias
         o_bias = attention_bias
         used = {
@@ -223,7 +272,7 @@ class ModelConfig:
             "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings",
             "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
             "max_position_embeddings", "hidden_act", "architectures", "pad_token_id", "transformers_version",
-        }
+        } | set(_MOE_KEYS)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -240,11 +289,12 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
+            sliding_window=hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             vocab_pad_multiple=vocab_pad_multiple,
             pad_token_id=hf.get("pad_token_id"),
             extra_hf={k: v for k, v in hf.items() if k not in used},
+            **_read_moe(hf, model_type),
         )
 
     def to_hf(self, architecture: Optional[str] = None) -> dict:
@@ -273,15 +323,51 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             pad_token_id=self.pad_token_id,
         )
-        if self.model_type in ("qwen2", "qwen3"):
+        family = _ATTENTION_FAMILY.get(self.model_type, self.model_type)
+        if family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
-        if self.model_type != "qwen2":
+        if family != "qwen2":
             out["attention_bias"] = self.qkv_bias
         if self.model_type in ("llama", "mistral"):
             out["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral":
+        if family == "mistral":
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == "mixtral":
+            out.update(num_local_experts=self.num_experts, router_jitter_noise=0.0)
+        if self.num_experts:
+            out.update(num_experts_per_tok=self.num_experts_per_tok, router_aux_loss_coef=self.router_aux_loss_coef)
         return out
+
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "router_jitter_noise",
+             "output_router_logits")
+
+
+def _read_moe(hf: dict, model_type: str) -> dict:
+    """The MoE fields of `ModelConfig` from an HF Qwen3-MoE / Mixtral config (none for a dense family)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    if hf.get("router_jitter_noise", 0.0):
+        raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported (only 0)")
+    # Qwen3-MoE's hub configs say num_experts; transformers 5 writes it as num_local_experts (Mixtral's key)
+    experts = hf.get("num_experts", hf.get("num_local_experts")) if model_type == "qwen3_moe" else hf["num_local_experts"]
+    if experts is None:
+        raise KeyError("num_experts")
+    qwen = model_type == "qwen3_moe"
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if qwen else True,
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1) if qwen else 1,
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()) if qwen else (),
+        router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+    )
 
 
 def _read_rope(hf: dict) -> tuple[float, Optional[RopeScaling]]:

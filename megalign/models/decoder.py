@@ -1,5 +1,9 @@
 """The decoder trunk shared by Llama 2/3, Qwen2/2.5, Qwen3 and Mistral: embeddings -> L x (attention + SwiGLU) -> RMSNorm.
 
+Qwen3-MoE and Mixtral are the same trunk with a mixture-of-experts MLP (`moe.MoEMLP`) in the layers
+`ModelConfig.is_moe_layer` names; a `moe.Routing` attached to the decoder (`moe.moe_routing`) records,
+replays and collects the load-balancing statistics of the routing for one forward.
+
 Design choices:
 - Every projection and the embedding are built by one `LayerFactory`. `LayerFactory` builds plain
   `nn.Linear` and `megalign.parallel.Embedding` (an `nn.Embedding` whose backward adds its rows into
@@ -37,6 +41,7 @@ from megalign.parallel.collectives import Group, copy_to_group
 
 from .attention import AttentionBatch, causal_attention
 from .config import ModelConfig, RopeScaling
+from .moe import MoEMLP, Routing
 
 
 class LayerFactory:
@@ -313,17 +318,23 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `[B, T, H]` -> `[B, T, H]`."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `[B, T, H]` -> `[B, T, H]`.
 
-    def __init__(self, config: ModelConfig, factory: LayerFactory, layer_idx: int):
+    `layer_idx` is the layer's index in its module (the KV cache's), `global_idx` in the whole model (which
+    layers are MoE layers, the `Routing` keys); they differ in later pipeline stages."""
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory, layer_idx: int, global_idx: Optional[int] = None):
         super().__init__()
+        global_idx = layer_idx if global_idx is None else global_idx
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, factory, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config, factory)
+        self.mlp = MoEMLP(config, factory, global_idx) if config.is_moe_layer(global_idx) else SwiGLU(config, factory)
 
-    def forward(self, x, cos, sin, batch, kv_cache):
+    def forward(self, x, cos, sin, batch, kv_cache, routing: Optional[Routing] = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, batch, kv_cache)
+        if isinstance(self.mlp, MoEMLP):
+            return x + self.mlp(self.mlp_norm(x), routing)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -374,9 +385,10 @@ class Decoder(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.layer_range = (start, end)
         self.embed = factory.embedding(config.padded_vocab_size, config.hidden_size) if start == 0 else None
-        self.layers = nn.ModuleList(DecoderLayer(config, factory, i) for i in range(end - start))
+        self.layers = nn.ModuleList(DecoderLayer(config, factory, i, start + i) for i in range(end - start))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if end == config.num_hidden_layers else None
         self.rope = RotaryEmbedding(config)
+        self.routing: Optional[Routing] = None  # MoE routing of the current forward (`moe.moe_routing`)
 
     def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                      slotted: bool = False) -> KVCache | SlotKVCache:
@@ -440,13 +452,16 @@ class Decoder(nn.Module):
         batch = AttentionBatch(t, offset + t, key_valid, doc_ids, cu_seqlens, self.config.sliding_window,
                                kv_cache is not None, input_ids.device, query_slots)
 
+        routing = self.routing
+        if routing is not None:  # the load-balancing statistics count real tokens only, as transformers' do
+            routing.token_mask = key_valid[:, offset:].reshape(-1) if key_valid is not None else None
         x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
             if self.activation_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, batch, None, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, batch, None, routing, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, batch, kv_cache)
+                x = layer(x, cos, sin, batch, kv_cache, routing)
         if kv_cache is not None:
             kv_cache.advance(t)
         return self.norm(x) if self.norm is not None else x

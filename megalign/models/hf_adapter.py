@@ -2,7 +2,11 @@
 
 The adapter is two things per tensor: a name mapping (megalign name <-> HF name, a small regex table
 shared by Llama, Qwen2, Qwen3 and Mistral, which name their tensors alike) and a transform applied while
-reading one tensor through `safetensors.safe_open(...).get_slice`:
+reading one tensor through `safetensors.safe_open(...).get_slice`.
+MoE layers (Qwen3-MoE, Mixtral) add a per-family table (`_MOE_RULES`): a stacked expert parameter
+`[E, ...]` is E file tensors, one per expert, in the hub layout transformers reads and writes
+(`mlp.experts.{e}.gate_proj` / `block_sparse_moe.experts.{e}.w1`, ...); expert e is read into slice e
+and written from it (`hf_entries`). The transforms:
 - tensor-parallel slicing: each parameter is split along `shard_dim` (0 for column-parallel weights,
   biases and the vocabulary, 1 for row-parallel weights, None = replicated); a rank reads only rows /
   columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor; on save the shards are
@@ -60,6 +64,18 @@ _RULES = [
 ]
 _VOCAB_PARAMS = ("model.embed.weight", "lm_head.proj.weight")
 
+# megalign MoE parameter (after `model.layers.{i}.mlp.`) -> ({family: HF name after `model.layers.{i}.`,
+# `{e}` the expert}, shard_dim of one HF tensor). Mixtral: w1 gate, w3 up, w2 down.
+_MOE_RULES = {
+    "router.weight": ({"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}, None),
+    "experts.gate_proj": ({"qwen3_moe": "mlp.experts.{e}.gate_proj.weight",
+                           "mixtral": "block_sparse_moe.experts.{e}.w1.weight"}, 0),
+    "experts.up_proj": ({"qwen3_moe": "mlp.experts.{e}.up_proj.weight",
+                         "mixtral": "block_sparse_moe.experts.{e}.w3.weight"}, 0),
+    "experts.down_proj": ({"qwen3_moe": "mlp.experts.{e}.down_proj.weight",
+                           "mixtral": "block_sparse_moe.experts.{e}.w2.weight"}, 1),
+}
+
 
 def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:
     """(HF name, shard_dim) of a megalign parameter name; `layer_offset` is a pipeline stage's first layer."""
@@ -71,6 +87,23 @@ def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:
                 groups = (str(int(groups[0]) + layer_offset),) + groups[1:]
             return template.format(*groups), shard_dim
     raise KeyError(f"no HF name for megalign parameter {name!r}")
+
+
+def hf_entries(name: str, config: ModelConfig, layer_offset: int = 0) -> list[tuple[str, Optional[int], Optional[int]]]:
+    """[(HF name, expert index or None, shard_dim of the HF tensor)] of megalign parameter `name`.
+
+    One entry for every parameter but a stacked expert weight, which has one per expert (its slice
+    `[e]` is the HF tensor); `layer_offset` is a pipeline stage's first layer."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(router\.weight|experts\.\w+)", name)
+    if m is None:
+        hf_name, shard_dim = hf_rule(name, layer_offset)
+        return [(hf_name, None, shard_dim)]
+    templates, shard_dim = _MOE_RULES[m.group(2)]
+    prefix = f"model.layers.{int(m.group(1)) + layer_offset}."
+    template = templates[config.model_type]
+    if "{e}" not in template:
+        return [(prefix + template, None, shard_dim)]
+    return [(prefix + template.format(e=e), e, shard_dim) for e in range(config.num_experts)]
 
 
 def _tied_copies(model: "_Model") -> set[int]:
@@ -146,12 +179,13 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool
     params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
     layer_range = model.model.layer_range
     copies = _tied_copies(model)
-    wanted = {}  # HF name -> (megalign name, shard_dim)
+    wanted = {}  # HF name -> (megalign name, expert index or None, shard_dim)
     for name, param in params.items():
         if new_head and name.startswith("head."):
             continue
-        hf_name, shard_dim = hf_rule("model.embed.weight" if id(param) in copies else name, layer_range[0])
-        wanted[hf_name] = (name, shard_dim)
+        for hf_name, expert, shard_dim in hf_entries("model.embed.weight" if id(param) in copies else name, config,
+                                                     layer_range[0]):
+            wanted[hf_name] = (name, expert, shard_dim)
     files = _checkpoint_index(path)
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings or new_head else set()
     ignorable |= {n for n in files if _other_stage(n, layer_range, config.num_hidden_layers)}
@@ -167,8 +201,8 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for hf_name in names:
-                    name, shard_dim = wanted[hf_name]
-                    param = params[name]
+                    name, expert, shard_dim = wanted[hf_name]
+                    param = params[name] if expert is None else params[name][expert]
                     tensor_slice = f.get_slice(hf_name)
                     global_shape = list(tensor_slice.get_shape())
                     expected = list(param.shape)
@@ -208,15 +242,18 @@ def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
         if id(param) in copies:  # the first stage writes the matrix
             continue
-        hf_name, shard_dim = hf_rule(name, offset)
+        entries = hf_entries(name, config, offset)
+        stacked = entries[0][1] is not None  # experts [E, ...]: the HF tensor's dim d is the parameter's d + 1
+        shard_dim = entries[0][2]
         tensor = param.detach()
         if shard_dim is not None:
-            tensor = factory.gather_to_first(tensor, shard_dim)
+            tensor = factory.gather_to_first(tensor, shard_dim + stacked)
         if tensor is None:  # not tp rank 0: this rank only sends
             continue
         if name in _VOCAB_PARAMS:
             tensor = tensor[: config.vocab_size]
-        tensors[hf_name] = tensor.contiguous().cpu()
+        for hf_name, expert, _ in entries:
+            tensors[hf_name] = (tensor if expert is None else tensor[expert]).contiguous().cpu()
     return tensors if factory.tp_rank == 0 else None
 
 

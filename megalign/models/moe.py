@@ -1,0 +1,207 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): top-k softmax router, grouped expert matmuls, routing record/replay.
+
+Semantics are transformers' (5.x) `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`: router logits
+`x @ W_r^T` in the activation dtype, softmax in fp32, top-k of the probabilities, the k weights
+renormalised to sum to 1 when `norm_topk_prob` (Mixtral always), and the token's output
+`sum_j w_j * down_j(silu(gate_j(x)) * up_j(x))` over its k experts. Design choices:
+
+- Experts are stacked: `gate_proj`, `up_proj` `[E, F, H]` and `down_proj` `[E, H, F]` (one parameter per
+  kind, HF's per-expert `nn.Linear` weights stacked along dim 0 by the adapter). The N * k (token, expert)
+  pairs are sorted by expert once; each projection is then one grouped matmul over the expert
+  segments (`torch._grouped_mm`, which runs fp32 / bf16 / fp16 on CPU in torch 2.13 when the rows are
+  16-byte aligned). Where it cannot run (other dtypes, unaligned widths, a torch without it) the same
+  segments go through a loop over experts, which is the reference the grouped path is tested against.
+  Outputs are unsorted and the k expert outputs of a token summed with their weights in fp32.
+- Tensor parallelism slices every expert like the dense SwiGLU: each rank holds `F / tp` of every
+  expert's gate/up rows and down columns (`tp_shard_dims`), the router is replicated (its input is).
+  The expert input enters through `copy_to_group` (its gradient summed over ranks), the combined output
+  leaves through `reduce_from_group` (one all-reduce of `[N, H]` per layer), and the routing weights pass
+  `copy_to_group` too: each rank's output is a partial sum over its slice, so a weight's gradient is too.
+- Routing state lives in a `Routing` object the caller attaches for one forward (`moe_routing`): it
+  records the chosen experts `[N, k]` per layer (`record`), forces given ones (`replay`: the
+  probabilities are the current router's, gathered at the given experts and renormalised alike, so the
+  router still gets a gradient: routing replay as verl / Megatron do it), and collects what the
+  load-balancing loss needs. Layers are keyed by their global index, so pipeline stages and activation
+  checkpointing's recomputation (which rewrites the same entry) keep one entry per layer.
+- `load_balancing_loss` is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6 pooled over
+  the MoE layers): `E * sum_e f_e * P_e` with f_e the fraction of (token, layer) rows that chose e among
+  their k (so sum_e f_e = k) and P_e the mean router probability of e, padding excluded. It counts the
+  experts actually used, which are the router's top-k except under replay.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalign.parallel.collectives import Group, copy_to_group, reduce_from_group
+
+
+@dataclass
+class Routing:
+    """MoE routing state of one forward, shared by every MoE layer of a model (attach with `moe_routing`).
+
+    `N` below is the number of tokens of the forward, `B * T` flattened row-major (padding included).
+    """
+
+    record: bool = False
+    """Fill `chosen` with each MoE layer's expert ids."""
+    replay: Optional[dict[int, torch.Tensor]] = None
+    """Global layer index -> `[N, k]` int64 expert ids to use instead of the router's top-k."""
+    aux: bool = False
+    """Collect the load-balancing statistics (`load_balancing_loss`)."""
+    chosen: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Global layer index -> `[N, k]` int64 chosen experts (filled when `record`)."""
+    stats: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Global layer index -> (`[E]` fp32 counts of chosen experts, `[E]` fp32 summed probabilities, token count),
+    padding excluded (filled when `aux`)."""
+    token_mask: Optional[torch.Tensor] = None
+    """`[N]` bool: real tokens (set by the decoder from its attention mask; None = all)."""
+
+
+@contextmanager
+def moe_routing(model: nn.Module, record: bool = False, replay: Optional[dict[int, torch.Tensor]] = None,
+                aux: bool = False) -> Iterator[Routing]:
+    """Attach a fresh `Routing` to every `Decoder` in `model` for the forwards inside the block; yields it.
+
+    A forward outside any block routes by the router alone and records nothing."""
+    from .decoder import Decoder
+
+    decoders = [m for m in model.modules() if isinstance(m, Decoder)]
+    if not decoders:
+        raise ValueError(f"moe_routing: {type(model).__name__} holds no Decoder")
+    routing = Routing(record=record, replay=replay, aux=aux)
+    for d in decoders:
+        d.routing = routing
+    try:
+        yield routing
+    finally:
+        for d in decoders:
+            d.routing = None
+
+
+def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` from the statistics of every MoE layer in `routing` (module doc).
+
+    Scalar fp32; multiply by `ModelConfig.router_aux_loss_coef` to add it to the loss (as
+    `Qwen3MoeForCausalLM` / `MixtralForCausalLM` do). Raises when the forward collected no statistics."""
+    if not routing.stats:
+        raise ValueError("load_balancing_loss: no MoE statistics; run the forward inside moe_routing(model, aux=True)")
+    counts = sum(s[0] for s in routing.stats.values())
+    probs = sum(s[1] for s in routing.stats.values())
+    rows = sum(s[2] for s in routing.stats.values())
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: its dtypes, and rows of both a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16, torch.float16)
+    return x.dtype in dtypes and all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
+
+
+def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
+    if y.requires_grad:  # _grouped_mm's backward refuses stride-0 gradients (e.g. of a `.sum()`)
+        y.register_hook(lambda g: g.contiguous())
+    return y
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` `[M, in]` sorted by expert times their expert's `weight` `[E, out, in]`^T -> `[M, out]`.
+
+    `counts` `[E]` rows per expert, `ends` `[E]` int32 their cumulative sum (segment ends)."""
+    if _grouped_mm_ok(x, weight):
+        return _contiguous_grad(torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends))
+    parts = x.split(counts.tolist())
+    return torch.cat([p @ w.T for p, w in zip(parts, weight)]) if parts else x.new_zeros(0, weight.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights; this rank holds `F / tp` of each expert's width (`tp_shard_dims`).
+
+    forward: tokens `[N, H]`, chosen experts `[N, k]`, their weights `[N, k]` fp32 -> `[N, H]` (partial over
+    tp ranks: the caller all-reduces)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, tp_size: int):
+        super().__init__()
+        local = width // tp_size
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, std=0.02)
+        self.tp_shard_dims = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        ends = counts.cumsum(0).to(torch.int32)
+        xs = x[order // k]
+        h = F.silu(grouped_linear(xs, self.gate_proj, counts, ends)) * grouped_linear(xs, self.up_proj, counts, ends)
+        ys = grouped_linear(h, self.down_proj, counts, ends)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = ys[inverse].view(n, k, -1)
+        return (y.float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+class MoEMLP(nn.Module):
+    """Router + `GroupedExperts` in place of a dense SwiGLU (module doc). `[B, T, H]` -> `[B, T, H]`.
+
+    `layer` is the global layer index (the key of this layer's `Routing` entries); `group` the
+    tensor-parallel group (None at tp = 1)."""
+
+    def __init__(self, config, factory, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.group: Group = factory.group if factory.tp_size > 1 else None
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                      factory.tp_size)
+
+    def route(self, x: torch.Tensor, routing: Optional[Routing]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, H]` -> (expert ids `[N, k]` int64, weights `[N, k]` fp32); records / replays / collects per `routing`."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        replay = routing.replay.get(self.layer) if routing is not None and routing.replay is not None else None
+        if replay is not None:
+            if replay.shape != (x.shape[0], self.top_k):
+                raise ValueError(f"routing replay for layer {self.layer} has shape {tuple(replay.shape)}, "
+                                 f"expected {(x.shape[0], self.top_k)} (tokens, experts per token)")
+            experts = replay.to(device=x.device, dtype=torch.long)
+            weights = probs.gather(1, experts)
+        else:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if routing is not None:
+            if routing.record:
+                routing.chosen[self.layer] = experts.detach()
+            if routing.aux:
+                routing.stats[self.layer] = self._stats(probs, experts, routing.token_mask)
+        return experts, weights
+
+    def _stats(self, probs: torch.Tensor, experts: torch.Tensor, mask: Optional[torch.Tensor]):
+        """(`[E]` counts of chosen experts, `[E]` summed probabilities, token count) over real tokens."""
+        m = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask.to(probs.device, torch.float32)
+        counts = torch.zeros(probs.shape[1], device=probs.device).index_add_(
+            0, experts.reshape(-1), m.repeat_interleave(experts.shape[1]))
+        return counts, (probs * m[:, None]).sum(0), m.sum()
+
+    def forward(self, x: torch.Tensor, routing: Optional[Routing] = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        experts, weights = self.route(x, routing)
+        if self.group is None:
+            return self.experts(x, experts, weights).view(shape)
+        out = self.experts(copy_to_group(x, self.group), experts, copy_to_group(weights, self.group))
+        return reduce_from_group(out, self.group).view(shape)
