@@ -1,0 +1,147 @@
+"""Constitutional AI / RLAIF tools (megalign.tools.cai, megalign.tools.cai_revise) on tiny random models.
+
+References: the judge's label probability against `transformers` forwards of the same judge prompts in both orders
+(p(A) = softmax over the two answer logits at the last prompt token, averaged as (p_ab + 1 - p_ba) / 2); the
+verifier preference against the verifier called again here; principles against `random.Random(f"{seed}/{split}/{i}")`
+drawn by hand; one process against two, an interrupted-then-resumed run against an uninterrupted one (byte for byte);
+the rows loaded and trained on (one step) by megalign's DPO and SFT trainers.
+"""
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+from parallel.dist_utils import RankFailure, run_distributed
+from rewards.test_judge import CHAR, random_judge
+from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
+from trainers.test_dpo import dpo_config
+
+from megalign.config import ConfigError, load_config
+from megalign.tools.cai import STOP_ENV, LabelConfig, label, load_constitution
+from megalign.trainers.preference import train_dpo
+
+VERIFIER = f"{HERE}/grpo_helpers.py:digit_fraction"
+JUDGE_TEMPLATE = "{prompt}|{response_a}|{response_b}|{principle}>"
+PRINCIPLES = ["be brief", "be right", "use digits"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cai_models")
+    constitution = root / "constitution.txt"
+    constitution.write_text("".join(p + "\n" for p in PRINCIPLES))
+    random_judge(root / "judge")
+    return {"policy": tiny_policy(root / "policy"), "judge": str(root / "judge"), "constitution": str(constitution)}
+
+
+def _label_overrides(models, out, *extra):
+    return [f"policy={models['policy']}", f"out_dir={out}", "device=cpu", "data.arith.max_operand=4",
+            "data.arith.ops=['+']", "max_new_tokens=6", "chunk_size=3", "drop_unfinished=false", "held_out=true",
+            f"constitution={models['constitution']}", f"verifier={VERIFIER}", f"judge.path={models['judge']}",
+            f"judge.template={JUDGE_TEMPLATE}", "judge.answers=[A, B]", "judge.chat_template=false", *extra]
+
+
+def _label(overrides, stop_after=0):
+    if stop_after:
+        os.environ[STOP_ENV] = str(stop_after)
+    try:
+        report = label(load_config(LabelConfig, None, overrides))
+    finally:
+        os.environ.pop(STOP_ENV, None)
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(load_config(LabelConfig, None, overrides).out_dir, "report.json"), "w") as f:
+            json.dump(report, f)
+
+
+def _files(out):
+    return {name: (out / name).read_bytes() for name in ("pairs.jsonl", "pairs_verifier.jsonl",
+                                                         "pairs_held_out.jsonl", "pairs_verifier_held_out.jsonl")}
+
+
+def _hf_p_a(judge, text):
+    """p(A) / (p(A) + p(B)) after BOS + `text` from a transformers forward of the judge."""
+    ids = torch.tensor([CHAR.encode(text, add_bos=True)])
+    with torch.no_grad():
+        logits = judge(ids).logits[0, -1]
+    pair = logits[[CHAR.encode("A")[0], CHAR.encode("B")[0]]].double()
+    return torch.softmax(pair, -1)[0].item()
+
+
+def test_label_rows_resume_and_two_processes(models, tmp_path):
+    straight, resumed, two = tmp_path / "straight", tmp_path / "resumed", tmp_path / "two"
+    run_distributed(_label, _label_overrides(models, straight), world_size=1)
+    with pytest.raises(RankFailure, match="stopped after 2 chunks"):  # a crash after 2 of the 7 train chunks
+        run_distributed(_label, _label_overrides(models, resumed), 2, world_size=1)
+    assert not (resumed / "pairs.jsonl").exists()
+    assert len(os.listdir(resumed / "chunks" / "label-train")) == 2
+    run_distributed(_label, _label_overrides(models, resumed))  # resumed on 2 processes
+    run_distributed(_label, _label_overrides(models, two))
+    assert _files(straight) == _files(resumed) == _files(two)
+    with pytest.raises(RankFailure, match="other values of tie_threshold"):  # chunks of another config are not mixed in
+        run_distributed(_label, _label_overrides(models, straight, "tie_threshold=0.1"), world_size=1)
+
+    report = json.loads((straight / "report.json").read_text())
+    rows = [json.loads(line) for line in (straight / "pairs.jsonl").read_text().splitlines()]
+    train = report["train"]
+    assert train["prompts"] == 20 and train["responses"] == 40
+    left_out = sum(train.get(k, 0) for k in ("unfinished", "empty", "identical", "unparsed", "ties"))
+    assert train["pairs"] == len(rows) == 20 - left_out and len(rows) >= 10
+    assert len({r["prompt"] for r in rows}) == len(rows)  # one pair a prompt: no duplicate
+
+    from transformers import AutoModelForCausalLM
+    judge = AutoModelForCausalLM.from_pretrained(models["judge"]).eval()
+    prompts = [json.loads(line)["prompt"] for line in (straight / "data" / "arith_train.jsonl").read_text().splitlines()]
+    agree = decided = 0
+    for row in rows:
+        i = prompts.index(row["prompt"])
+        assert row["principle"] == random.Random(f"0/train/{i}").choice(PRINCIPLES)
+        c, r = row["chosen"], row["rejected"]
+        p_cr = _hf_p_a(judge, JUDGE_TEMPLATE.format(prompt=row["prompt"], response_a=c, response_b=r,
+                                                    principle=row["principle"]))
+        p_rc = _hf_p_a(judge, JUDGE_TEMPLATE.format(prompt=row["prompt"], response_a=r, response_b=c,
+                                                    principle=row["principle"]))
+        q = (p_cr + 1 - p_rc) / 2
+        assert row["label_probability"] == pytest.approx(q, abs=1e-5) and q > 0.5
+        assert row["margin"] == pytest.approx(math.log(q / (1 - q)), abs=1e-4)
+        v_c, v_r = (digit_fraction(row["prompt"], t, None, {}) for t in (c, r))
+        assert row["verifier_preference"] == (None if v_c == v_r else int(v_c > v_r))
+        decided += v_c != v_r
+        agree += v_c > v_r
+    assert train["verifier_decided"] == decided and train["verifier_agreement"] == pytest.approx(agree / decided)
+    control = [json.loads(line) for line in (straight / "pairs_verifier.jsonl").read_text().splitlines()]
+    assert all(digit_fraction(x["prompt"], x["chosen"], None, {}) > digit_fraction(x["prompt"], x["rejected"], None, {})
+               for x in control) and len(control) >= decided
+
+    # the rows train megalign's DPO trainer for a step
+    run_distributed(lambda: train_dpo(dpo_config(models["policy"], str(tmp_path / "dpo"), "steps=1", "batch_size=4",
+                                                 f"data.path={straight}/pairs.jsonl", "save_every=0")), world_size=1)
+    assert json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_constitution_and_template_errors(models, tmp_path):
+    def fails(text, name, match):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_constitution(str(path))
+
+    fails("", "empty.txt", "empty.txt is empty")
+    fails("be brief\n\nbe right\n", "gap.txt", r"gap.txt:2 is an empty line")
+    fails("be brief\n  \n", "blank.txt", r"blank.txt:2 is an empty line")
+    fails('{"a": 1}', "c.json", "non-empty list")
+    fails("- be brief\n- ''\n", "c.yaml", "item 1 must be a non-empty string")
+    assert load_constitution(models["constitution"]) == PRINCIPLES
+    (tmp_path / "ok.json").write_text(json.dumps(PRINCIPLES))
+    assert load_constitution(str(tmp_path / "ok.json")) == PRINCIPLES
+
+    base = _label_overrides(models, tmp_path / "x")
+    with pytest.raises(ConfigError, match=r"\{respnse_a\}.*did you mean \{response_a\}"):
+        load_config(LabelConfig, None, base + ["judge.template={prompt} {respnse_a} {response_b}"])
+    with pytest.raises(ConfigError, match=r"\{principle\} is not one that label without a constitution supplies"):
+        load_config(LabelConfig, None, [o for o in base if not o.startswith("constitution=")])
+    with pytest.raises(ConfigError, match="needs the field {response_b}"):
+        load_config(LabelConfig, None, base + ["judge.template={prompt} {response_a}"])
+    with pytest.raises(ConfigError, match=r"gap.txt:2"):
+        load_config(LabelConfig, None, base + [f"constitution={tmp_path / 'gap.txt'}"])
