@@ -12,7 +12,9 @@ same samples (`algo.supervise: outcome`, the last label only).
 `best_of_n` (`launch/prm_tools.py best_of_n`) measures what a verifier buys at test time: on held-out prompts,
 greedy accuracy, then `n` samples per prompt reranked by the PRM (the solution whose *weakest* step
 scores highest, min aggregation as in Lightman et al. 2023 and Math-Shepherd; `prm_aggregate`) and by
-the ORM (its score at the final step), against majority voting and the oracle pass@n.
+the ORM (its score at the final step), against majority voting and the oracle pass@n. Judges rerank too
+(`judges`: `reward.judges` entries of kind `judge`, `megalign.roles.judge`): each sample's judge score, the
+highest picked, beside the PRM and ORM.
 
 Design choices:
 
@@ -44,12 +46,15 @@ from megalign.data.preference import encode_prompt
 from megalign.data.tokenizer import Tokenizer, TokenizerConfig
 from megalign.models import from_pretrained
 from megalign.parallel import ParallelLayout
+from megalign.rewards.judge import JudgeTemplate, TemplateOnly
 from megalign.rewards.math import extract_answer, math_accuracy, normalize_answer
+from megalign.roles.judge import JudgeRewardConfig, judge_reward, load_judge
 from megalign.roles.reward import step_probs
 from megalign.roles.reward_exports import load_prm_info
 from megalign.rollout.generate import SamplingParams, generate
 from megalign.trainers.base import check_model_path
 from megalign.trainers.evaluation import left_pad
+from megalign.trainers.online_roles import OnlineRoles
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +124,21 @@ class BestOfNConfig(PolicySamplesConfig):
     prm_aggregate: Literal["min", "prod", "last"] = option("min", doc="a solution's PRM score from its step scores")
     out: str = option("runs/best_of_n.json", doc="the results written (JSON)")
     n: int = option(16, doc="samples per prompt")
+    judges: list[JudgeRewardConfig] = option([], doc="judges that rerank too, as reward.judges entries of kind judge "
+                                                     "(template fields {prompt}, {response}, {reference}, [{criterion}])")
 
     def __post_init__(self):
         super().__post_init__()
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        names = [j.name for j in self.judges]
+        taken = {"greedy", "vote", "pass", "sample_mean", "prm", "orm"} & set(names)
+        if taken or len(set(names)) != len(names):
+            raise ValueError(f"judges[].name must be unique and not one of the summary's keys, got {names}")
+        for i, j in enumerate(self.judges):
+            if j.kind != "judge":
+                raise ValueError(f"judges[{i}].kind={j.kind!r}: the chain prompts carry no rubric; only kind judge")
+            judge_reward(j, TemplateOnly(JudgeTemplate(j.judge.template, f"judges[{i}].judge.template")))
 
 
 @dataclasses.dataclass
@@ -291,6 +306,8 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
     for key in ("prm", "orm"):
         if getattr(cfg, key) is not None:
             check_model_path(getattr(cfg, key), key)
+    for i, j in enumerate(cfg.judges):
+        OnlineRoles.check_judge_folder(f"judges[{i}].judge", j.judge.path)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.policy)
     policy = _load_policy(cfg.policy, "policy", layout)
     chains = cfg.prompts(make_chain_splits(cfg.chain)[1])
@@ -314,6 +331,10 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
         scores[name] = verifier_scores(model, info, tokenizer, flat_ids, flat_steps, layout, cfg.sampling.batch_size,
                                        aggregate)
         del model
+    for k, j in enumerate(cfg.judges):
+        term = judge_reward(j, load_judge(j.name, j.judge, layout, f"judges[{k}].judge"))
+        scores[j.name] = term([chains[i].prompt for i in mine for _ in range(cfg.n)], samples,
+                              [chains[i].answer for i in mine for _ in range(cfg.n)])
     results = []
     for r, i in enumerate(mine):
         group = samples[r * cfg.n:(r + 1) * cfg.n]
@@ -326,7 +347,7 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
         results.append((i, row))
     rows = _gather(results, layout)
     summary = {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}
-    summary.update(prompts=len(rows), n=cfg.n, prm_aggregate=cfg.prm_aggregate)
+    summary.update(prompts=len(rows), n=cfg.n, prm_aggregate=cfg.prm_aggregate, judges=[j.name for j in cfg.judges])
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
         atomic_write_text(cfg.out, json.dumps(summary, indent=1) + "\n")
@@ -341,6 +362,7 @@ def best_of_n_table(summary: dict) -> str:
              (f"majority vote of {n}", summary["vote"])]
     if "orm" in summary:
         lines.append((f"best-of-{n}, outcome RM", summary["orm"]))
+    lines += [(f"best-of-{n}, judge {name}", summary[name]) for name in summary.get("judges", [])]
     lines += [(f"best-of-{n}, process RM ({summary['prm_aggregate']} step)", summary["prm"]),
               (f"pass@{n} (oracle)", summary["pass"])]
     width = max(len(name) for name, _ in lines + [("change", 0)])

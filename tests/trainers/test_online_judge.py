@@ -278,3 +278,55 @@ def test_pair_judge_config_checks():
         _dpo_config(policy, "/tmp/x", pair_judge("/nowhere", "{prompt} {response_a} {respons_b}"))
     with pytest.raises(ValueError, match=r"group_size must be 2"):
         _dpo_config(policy, "/tmp/x", pair_judge("/nowhere"), "rollout.group_size=4")
+
+
+# ----- best-of-N reranked by a judge
+
+def _best_of_n(policy, prm, judge, out_file):
+    import megalign.tools.best_of_n as bon
+
+    cfg = load_config(bon.BestOfNConfig, None, [
+        f"policy={policy}", f"prm={prm}", "orm=null", f"out={out_file}", "chain.max_ops=2", "chain.max_operand=4",
+        "chain.num_problems=60", "num_prompts=4", "n=2", "sampling.max_new_tokens=4", "device=cpu",
+        f"judges=[{{name: jb, judge: {{path: '{judge}', template: '{{prompt}} {{response}}', answers: [Y, N], "
+        f"chat_template: false}}}}]"])
+    chains = cfg.prompts(bon.make_chain_splits(cfg.chain)[1])
+    real = bon.continue_texts
+
+    def constructed(model, tokenizer, prefixes, params, generator, layout, batch_size):
+        if generator is None:  # greedy: the policy's own
+            return real(model, tokenizer, prefixes, params, generator, layout, batch_size)
+        assert len(prefixes) == 2 * len(chains)
+        return [text for c in chains for text in candidates(c.answer, chains.index(c))]
+    bon.continue_texts = constructed
+    try:
+        bon.best_of_n(cfg)
+    finally:
+        bon.continue_texts = real
+
+
+def ending(rank):
+    """The letter whose hand-set verdict p(Y) (`hand_p_yes`) is the `rank`-th lowest of a..z (0: lowest, -1: highest)."""
+    return sorted("abcdefghijklmnopqrstuvwxyz", key=lambda ch: hand_p_yes(ch))[rank]
+
+
+def candidates(answer, r):
+    """Prompt r's two samples: the right answer ending with the letter the judge likes most on prompts 0-2 and least
+    on prompt 3, then a wrong answer ending with a middling letter."""
+    return [f"\\boxed{{{answer}}}{ending(-1 if r < 3 else 0)}", f"\\boxed{{{answer + 1}}}{ending(13)}"]
+
+
+def test_best_of_n_reranks_with_a_judge(folders, tmp_path):
+    set_logit_judge(tmp_path / "judge")
+    prm = tiny_policy(tmp_path / "prm")
+    with open(tmp_path / "prm" / "prm.json", "w") as f:
+        json.dump({"negative_token_id": CHAR.encode("-")[0], "positive_token_id": CHAR.encode("+")[0],
+                   "negative_token": "-", "positive_token": "+", "separator": "\n", "supervise": "steps"}, f)
+    run_distributed(_best_of_n, folders[0], prm, str(tmp_path / "judge"), str(tmp_path / "bon.json"), world_size=1)
+    with open(tmp_path / "bon.json") as f:
+        summary = json.load(f)
+    # the judge's pick (the higher p(Y), decided by the last letter) is right on prompts 0-2: 3 of 4
+    assert summary["jb"] == 0.75 and summary["pass"] == 1.0 and summary["sample_mean"] == 0.5
+    assert summary["judges"] == ["jb"]
+    from megalign.tools.best_of_n import best_of_n_table
+    assert "best-of-2, judge jb" in best_of_n_table(summary)
