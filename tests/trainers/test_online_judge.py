@@ -66,25 +66,27 @@ def judge_overrides(folders, *more, offload=False):
     return [f"data.path={prompts}", judges, "export_hf=false", *more]
 
 
-class Recording(GRPOTrainer):
-    """GRPO that keeps what its reward role was given and returned each call: (prompts, responses, answers,
+def recording(trainer_cls):
+    """`trainer_cls` keeping what its reward role was given and returned each call: (prompts, responses, answers,
     metadata, total, terms)."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.seen = []
-        score = self.reward.score
+    class Recording(trainer_cls):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.seen = []
+            score = self.reward.score
 
-        def recorded(prompts, responses, answers, metadata, sequences, attention):
-            total, terms = score(prompts, responses, answers, metadata, sequences, attention)
-            self.seen.append((list(prompts), list(responses), list(answers), [dict(m) for m in metadata],
-                              total.clone(), {k: v.clone() for k, v in terms.items()}))
-            return total, terms
-        self.reward.score = recorded
+            def recorded(prompts, responses, answers, metadata, sequences, attention):
+                total, terms = score(prompts, responses, answers, metadata, sequences, attention)
+                self.seen.append((list(prompts), list(responses), list(answers), [dict(m) for m in metadata],
+                                  total.clone(), {k: v.clone() for k, v in terms.items()}))
+                return total, terms
+            self.reward.score = recorded
+    return Recording
 
 
-def _grpo(policy, run_dir, out, *overrides):
-    trainer = Recording(tiny_config(policy, run_dir, *overrides))
+def _grpo(policy, run_dir, out, *overrides, trainer_cls=GRPOTrainer, config=tiny_config):
+    trainer = recording(trainer_cls)(config(policy, run_dir, *overrides))
     trainer.train()
     torch.save(trainer.seen, f"{out}.{trainer.layout.dp_rank}")
 
@@ -216,13 +218,15 @@ def _dpo_config(policy, run_dir, *overrides):
     return load_config(OnlineDPOConfig, None, [*base, "rollout.group_size=2", "export_hf=false", *overrides])
 
 
-def pair_judge(path, template=PAIR_TEMPLATE):
+def pair_judge(path, *extra, template=PAIR_TEMPLATE):
+    """`judge=` of online DPO as YAML flow text; `extra`: more `key: value` of its judge model."""
+    more = "".join(f", {e}" for e in extra)
     return (f"judge={{judge: {{path: '{path}', template: '{template}', answers: [Y, N], chat_template: false, "
-            f"micro_batch_size: 4}}}}")
+            f"micro_batch_size: 4{more}}}}}")
 
 
-def _dpo_step(policy, judge, run_dir, out):
-    trainer = OnlineDPOTrainer(_dpo_config(policy, run_dir, pair_judge(judge), "rollout.prompts_per_step=8"))
+def _dpo_step(policy, judge, run_dir, out, *overrides):
+    trainer = OnlineDPOTrainer(_dpo_config(policy, run_dir, pair_judge(judge, *overrides), "rollout.prompts_per_step=8"))
     seen = {}
     score = trainer.score
 
@@ -231,8 +235,12 @@ def _dpo_step(policy, judge, run_dir, out):
         seen["batch"], seen["pairs"] = batch, [t.cpu() for t in trainer.pairs[:3]]
     trainer.score = recording
     seen["metrics"] = trainer.train_step()
-    seen["constructed"] = trainer.judge_preferences(["1+1="] * 4, ["5", "x", "27", "3"], ["5", "3", "2", "x"]).tolist()
-    torch.save(seen, out)
+    with trainer.phase("judge", pair_judge=("weights",)):  # an offloaded judge is resident only in its phase
+        seen["constructed"] = trainer.judge_preferences(["1+1="] * 4, ["5", "x", "27", "3"],
+                                                        ["5", "3", "2", "x"]).tolist()
+    trainer.place("idle")  # a phase that needs no role: an offloaded judge then holds nothing
+    seen["offloaded_after"] = trainer.roles[-1].resident_bytes()
+    torch.save(seen, f"{out}.{trainer.layout.dp_rank}")
 
 
 def decoded(batch, response_len):
@@ -243,39 +251,60 @@ def decoded(batch, response_len):
     return prompts, responses
 
 
-def test_online_dpo_pairs_follow_the_pairwise_judge(folders, tmp_path):
-    set_logit_judge(tmp_path / "pair_judge")
-    out = str(tmp_path / "step.pt")
-    run_distributed(_dpo_step, folders[0], str(tmp_path / "pair_judge"), str(tmp_path / "run"), out, world_size=1)
-    seen = torch.load(out, weights_only=False)
+def check_pairs(seen):
+    """This rank's pairs against the hand-worked judge; returns (p [K], tied [K], agreeing, decided, margins)."""
     prompts, responses = decoded(seen["batch"], 8)
     p = [hand_preference(prompts[i], responses[i], responses[i + 1]) for i in range(0, len(prompts), 2)]
     first = [x > 0.5 + 1e-6 for x in p]
     tied = [abs(x - 0.5) <= 1e-6 for x in p]
     chosen, rejected, got_tied = seen["pairs"]
-    assert got_tied.tolist() == tied and 0 < sum(first) < len(p)  # both positions win somewhere
+    assert got_tied.tolist() == tied
     assert chosen.tolist() == [2 * i + (0 if first[i] else 1) for i in range(len(p)) if not tied[i]]
     assert rejected.tolist() == [2 * i + (1 if first[i] else 0) for i in range(len(p)) if not tied[i]]
-    m = seen["metrics"]
-    assert m["pairs/trained"] == len(p) - sum(tied) and m["pairs/tied"] == sum(tied)
-    assert m["reward/pair_judge/mean"] == pytest.approx(sum(p) / len(p), abs=1e-5)
-    assert m["reward/pair_judge/verdicts"] == 2 * len(p) and m["reward/pair_judge/unparsed"] == 0
     verifier = [digit_fraction(None, r, None, None) for r in responses]
     decided = [i for i in range(len(p)) if verifier[2 * i] != verifier[2 * i + 1] and not tied[i]]
-    agree = sum(first[i] == (verifier[2 * i] > verifier[2 * i + 1]) for i in decided) / max(len(decided), 1)
-    assert m["reward/pair_judge/agreement"] == pytest.approx(agree)
-    assert m["objective/scores_margin"] == pytest.approx(
-        sum(abs(2 * x - 1) for x, t in zip(p, tied) if not t) / max(len(p) - sum(tied), 1), abs=1e-5)
+    agree = sum(first[i] == (verifier[2 * i] > verifier[2 * i + 1]) for i in decided)
+    margins = [abs(2 * x - 1) for x, t in zip(p, tied) if not t]
     # constructed pairs: identical responses tie exactly (1/2), swapping A and B gives 1 - p
     want = [hand_preference("1+1=", a, b) for a, b in [("5", "5"), ("x", "3"), ("27", "2"), ("3", "x")]]
     assert seen["constructed"] == pytest.approx(want, abs=1e-6) and seen["constructed"][0] == 0.5
     assert seen["constructed"][1] + seen["constructed"][3] == pytest.approx(1.0)
+    return p, tied, agree, len(decided), margins
+
+
+def check_dpo_metrics(m, ranks):
+    """The step's metrics (reduced over dp) against `check_pairs` of every rank."""
+    p = [x for r in ranks for x in r[0]]
+    tied, agree, decided = sum(sum(r[1]) for r in ranks), sum(r[2] for r in ranks), sum(r[3] for r in ranks)
+    margins = [x for r in ranks for x in r[4]]
+    assert m["pairs/trained"] == len(p) - tied and m["pairs/tied"] == tied
+    assert m["reward/pair_judge/mean"] == pytest.approx(sum(p) / len(p), abs=1e-5)
+    assert m["reward/pair_judge/verdicts"] == 2 * len(p)  # both orders
+    assert m["reward/pair_judge/unparsed"] == 0
+    assert m["reward/pair_judge/agreement"] == pytest.approx(agree / max(decided, 1))
+    assert m["objective/scores_margin"] == pytest.approx(sum(margins) / max(len(margins), 1), abs=1e-5)
+
+
+def test_online_dpo_pairs_follow_the_pairwise_judge(folders, tmp_path):
+    set_logit_judge(tmp_path / "pair_judge")
+    out = str(tmp_path / "step")
+    run_distributed(_dpo_step, folders[0], str(tmp_path / "pair_judge"), str(tmp_path / "run"), out, world_size=1)
+    seen = torch.load(f"{out}.0", weights_only=False)
+    one = check_pairs(seen)
+    assert 0 < sum(x > 0.5 for x in one[0]) < len(one[0])  # both positions win somewhere
+    check_dpo_metrics(seen["metrics"], [one])
+    # dp = 2 with the judge offloaded: each rank's pairs follow the judge; the metrics reduce over both ranks
+    run_distributed(_dpo_step, folders[0], str(tmp_path / "pair_judge"), str(tmp_path / "dp2"), f"{out}_dp2",
+                    "offload_weights: true")
+    ranks = [torch.load(f"{out}_dp2.{r}", weights_only=False) for r in range(2)]
+    check_dpo_metrics(ranks[0]["metrics"], [check_pairs(seen) for seen in ranks])
+    assert seen["offloaded_after"] > 0 and ranks[0]["offloaded_after"] == 0  # resident vs offloaded outside its phase
 
 
 def test_pair_judge_config_checks():
     policy = "/nowhere"  # the config fails before any folder is read
     with pytest.raises(ValueError, match=r"judge\.judge\.template: field \{respons_b\}.*did you mean \{response_b\}"):
-        _dpo_config(policy, "/tmp/x", pair_judge("/nowhere", "{prompt} {response_a} {respons_b}"))
+        _dpo_config(policy, "/tmp/x", pair_judge("/nowhere", template="{prompt} {response_a} {respons_b}"))
     with pytest.raises(ValueError, match=r"group_size must be 2"):
         _dpo_config(policy, "/tmp/x", pair_judge("/nowhere"), "rollout.group_size=4")
 
@@ -330,3 +359,17 @@ def test_best_of_n_reranks_with_a_judge(folders, tmp_path):
     assert summary["judges"] == ["jb"]
     from megalign.tools.best_of_n import best_of_n_table
     assert "best-of-2, judge jb" in best_of_n_table(summary)
+
+
+def _ppo(policy, run_dir, out, *overrides):
+    from trainers.test_ppo_trainer import tiny_ppo_config
+
+    from megalign.trainers.ppo import PPOTrainer
+    _grpo(policy, run_dir, out, *overrides, trainer_cls=PPOTrainer, config=tiny_ppo_config)
+
+
+def test_ppo_with_judge_terms_equals_the_judges_verdicts(folders, tmp_path):
+    out = str(tmp_path / "seen")
+    run_distributed(_ppo, folders[0], str(tmp_path / "run"), out, *judge_overrides(folders), world_size=1)
+    run_distributed(_reference, folders, [f"{out}.0"], str(tmp_path / "want.pt"), world_size=1)
+    _logged_means_match(str(tmp_path / "run"), torch.load(tmp_path / "want.pt"), steps=2, per_step=16)
