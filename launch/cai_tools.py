@@ -14,9 +14,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalign.tools.cai import LabelConfig, label  # noqa: E402
+from megalign.tools.cai_revise import CritiqueReviseConfig, critique_revise  # noqa: E402
 from megalign.trainers.cli import main  # noqa: E402
 
-COMMANDS = {"label": (LabelConfig, label)}
+COMMANDS = {"label": (LabelConfig, label), "critique-revise": (CritiqueReviseConfig, critique_revise)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

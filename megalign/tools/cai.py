@@ -16,7 +16,7 @@ with q = label_probability clipped to 1 - 1e-3 (the Bradley-Terry reward gap the
 subtracts it in its margin loss (`algo.margin`); the DPO trainer loads the same rows and ignores it.
 Left out and counted: pairs with a response cut at `max_new_tokens` (`drop_unfinished`) or empty
 (`unfinished`, `empty`), identical responses (`identical`), verdicts the judge could not parse or outside
-[0, 1] in either order (`unparsed`), and ties |p - 1/2| < `tie_threshold` (or p = 1/2 exactly; `ties`).
+[0, 1] in either order (`unparsed`), and ties |p - 1/2| <= `tie_tolerance` (`ties`; as online DPO's pairwise judge).
 With `verifier` (e.g. `math_accuracy`; the prompts need answers) each pair's verifier preference is kept
 (`verifier_preference`: 1 it prefers chosen, 0 rejected, null no preference), the label agreement is
 reported (`verifier_agreement` = agreeing / `verifier_decided` among the written rows), and
@@ -26,7 +26,7 @@ verifier orders, whatever the judge said), the control of `run_embedded.sh rlaif
 CLI keys (`--help` lists them with defaults): the shared ones of `CAIConfig` (`policy`, `out_dir`, `data.*`,
 `num_prompts`, `held_out`, `constitution`, `temperature`, `max_new_tokens`, `chunk_size`, `engine.*`,
 `verifier`, `drop_unfinished`, `seed`, `device`); `label`: `judge.*` (path, template, mode, answers, pattern,
-...), `tie_threshold`, `margin`; `critique-revise`: see `megalign.tools.cai_revise`.
+...), `tie_tolerance`, `margin`; `critique-revise`: see `megalign.tools.cai_revise`.
 
 Design choices (both commands):
 
@@ -272,7 +272,7 @@ class LabelConfig(CAIConfig):
 
     judge: Optional[JudgeConfig] = option(None, doc="(required) the judge: path, template with {response_a} and "
                                                     "{response_b} (and {prompt}, {principle}), verdict mode, answers")
-    tie_threshold: float = option(0.0, doc="leave out pairs with |p - 1/2| below this (and p = 1/2 exactly); counted")
+    tie_tolerance: float = option(0.0, doc="leave out (and count) pairs with |p - 1/2| <= this: ties")
     margin: bool = option(True, doc="write the `margin` column log(q / (1 - q)) of the label probability q")
 
     def __post_init__(self):
@@ -281,8 +281,8 @@ class LabelConfig(CAIConfig):
             raise ValueError("judge is required (judge.path=HF folder judge.template=...)")
         if self.judge.tp != 1 or self.judge.pp != 1:
             raise ValueError(f"judge.tp and judge.pp must be 1 in the CAI tools, got {self.judge.tp}, {self.judge.pp}")
-        if not 0 <= self.tie_threshold < 0.5:
-            raise ValueError(f"tie_threshold must be in [0, 0.5), got {self.tie_threshold}")
+        if not 0 <= self.tie_tolerance < 0.5:
+            raise ValueError(f"tie_tolerance must be in [0, 0.5), got {self.tie_tolerance}")
         supplied = ("prompt", "response_a", "response_b") + (("principle",) if self.principles else ())
         JudgeTemplate(self.judge.template, "judge.template").check(
             supplied, ("response_a", "response_b"), "label" + ("" if self.principles else " without a constitution"))
@@ -344,7 +344,7 @@ class _Labeller:
             if p is None:
                 counts["unparsed"] += 1
                 continue
-            if p == 0.5 or abs(p - 0.5) < self.cfg.tie_threshold:
+            if abs(p - 0.5) <= self.cfg.tie_tolerance:
                 counts["ties"] += 1
                 continue
             chosen, rejected, q, side = (a, b, p, "a") if p > 0.5 else (b, a, 1.0 - p, "b")

@@ -17,14 +17,19 @@ from parallel.dist_utils import RankFailure, run_distributed
 from rewards.test_judge import CHAR, random_judge
 from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
 from trainers.test_dpo import dpo_config
+from trainers.test_sft import tiny_config as sft_config
+from transformers import AutoModelForCausalLM
 
 from megalign.config import ConfigError, load_config
-from megalign.tools.cai import STOP_ENV, LabelConfig, label, load_constitution
+from megalign.tools.cai import STOP_ENV, LabelConfig, _pair_verdict, label, load_constitution
+from megalign.tools.cai_revise import CritiqueReviseConfig, critique_revise
 from megalign.trainers.preference import train_dpo
+from megalign.trainers.sft import train_sft
 
 VERIFIER = f"{HERE}/grpo_helpers.py:digit_fraction"
 JUDGE_TEMPLATE = "{prompt}|{response_a}|{response_b}|{principle}>"
 PRINCIPLES = ["be brief", "be right", "use digits"]
+CRITIQUE, REVISION = "{prompt}{response}|{principle}?", "{prompt}{response}|{principle}|{critique}!"
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +48,28 @@ def _label_overrides(models, out, *extra):
             f"judge.template={JUDGE_TEMPLATE}", "judge.answers=[A, B]", "judge.chat_template=false", *extra]
 
 
-def _label(overrides, stop_after=0):
+def _revise_overrides(models, out, *extra):
+    return [f"policy={models['policy']}", f"out_dir={out}", "device=cpu", "data.arith.max_operand=4",
+            "data.arith.ops=['+']", "max_new_tokens=6", "critique_max_new_tokens=5", "chunk_size=4", "rounds=2",
+            "drop_unfinished=false", f"constitution={models['constitution']}", f"verifier={VERIFIER}",
+            f"critique_template={CRITIQUE}", f"revision_template={REVISION}", *extra]
+
+
+def _run(tool, config_cls, overrides, stop_after=0):
+    """`tool` on the config of `overrides` (every rank); rank 0 writes its report to out_dir/report.json."""
     if stop_after:
         os.environ[STOP_ENV] = str(stop_after)
     try:
-        report = label(load_config(LabelConfig, None, overrides))
+        report = tool(load_config(config_cls, None, overrides))
     finally:
         os.environ.pop(STOP_ENV, None)
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(load_config(LabelConfig, None, overrides).out_dir, "report.json"), "w") as f:
+        with open(os.path.join(load_config(config_cls, None, overrides).out_dir, "report.json"), "w") as f:
             json.dump(report, f)
+
+
+def _label(overrides, stop_after=0):
+    _run(label, LabelConfig, overrides, stop_after)
 
 
 def _files(out):
@@ -79,8 +96,8 @@ def test_label_rows_resume_and_two_processes(models, tmp_path):
     run_distributed(_label, _label_overrides(models, resumed))  # resumed on 2 processes
     run_distributed(_label, _label_overrides(models, two))
     assert _files(straight) == _files(resumed) == _files(two)
-    with pytest.raises(RankFailure, match="other values of tie_threshold"):  # chunks of another config are not mixed in
-        run_distributed(_label, _label_overrides(models, straight, "tie_threshold=0.1"), world_size=1)
+    with pytest.raises(RankFailure, match="other values of tie_tolerance"):  # chunks of another config are not mixed in
+        run_distributed(_label, _label_overrides(models, straight, "tie_tolerance=0.1"), world_size=1)
 
     report = json.loads((straight / "report.json").read_text())
     rows = [json.loads(line) for line in (straight / "pairs.jsonl").read_text().splitlines()]
@@ -90,7 +107,6 @@ def test_label_rows_resume_and_two_processes(models, tmp_path):
     assert train["pairs"] == len(rows) == 20 - left_out and len(rows) >= 10
     assert len({r["prompt"] for r in rows}) == len(rows)  # one pair a prompt: no duplicate
 
-    from transformers import AutoModelForCausalLM
     judge = AutoModelForCausalLM.from_pretrained(models["judge"]).eval()
     prompts = [json.loads(line)["prompt"] for line in (straight / "data" / "arith_train.jsonl").read_text().splitlines()]
     agree = decided = 0
@@ -120,6 +136,14 @@ def test_label_rows_resume_and_two_processes(models, tmp_path):
     assert json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
 
 
+def test_pair_verdict_by_hand():
+    # p(a better) = (p(A | a, b) + 1 - p(A | b, a)) / 2: a judge that always says A (pure position bias) ties
+    assert _pair_verdict(0.8, 0.4, True) == pytest.approx(0.7)
+    assert _pair_verdict(0.9, 0.9, True) == pytest.approx(0.5)
+    assert _pair_verdict(0.2, 0.6, True) == pytest.approx(0.3)
+    assert _pair_verdict(0.8, 0.4, False) is None and _pair_verdict(1.5, 0.4, True) is None
+
+
 def test_constitution_and_template_errors(models, tmp_path):
     def fails(text, name, match):
         path = tmp_path / name
@@ -145,3 +169,61 @@ def test_constitution_and_template_errors(models, tmp_path):
         load_config(LabelConfig, None, base + ["judge.template={prompt} {response_a}"])
     with pytest.raises(ConfigError, match=r"gap.txt:2"):
         load_config(LabelConfig, None, base + [f"constitution={tmp_path / 'gap.txt'}"])
+
+
+def _hf_greedy(model, text, max_new_tokens):
+    """transformers greedy generate after BOS + `text` (no padding), decoded by the char tokenizer."""
+    ids = torch.tensor([CHAR.encode(text, add_bos=True)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=CHAR.eos_id, pad_token_id=CHAR.pad_id)
+    return CHAR.decode(out[0, ids.shape[1]:].tolist())
+
+
+def test_critique_revise_rows_against_transformers_and_sft(models, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_distributed(_run, critique_revise, CritiqueReviseConfig, _revise_overrides(models, one), world_size=1)
+    run_distributed(_run, critique_revise, CritiqueReviseConfig, _revise_overrides(models, two))
+    assert (one / "sft.jsonl").read_bytes() == (two / "sft.jsonl").read_bytes()
+    report = json.loads((one / "report.json").read_text())["train"]
+    rows = [json.loads(line) for line in (one / "sft.jsonl").read_text().splitlines()]
+    assert report["prompts"] == 20 and report["rows"] == len(rows) == 20 - report.get("empty", 0)
+
+    policy = AutoModelForCausalLM.from_pretrained(models["policy"]).eval()
+    prompts = [json.loads(line)["prompt"] for line in (one / "data" / "arith_train.jsonl").read_text().splitlines()]
+    accepted = 0
+    for row in rows:  # every critique and revision is the policy's greedy answer to the filled template
+        stream = random.Random(f"0/train/{prompts.index(row['prompt'])}")
+        response = row["initial_response"]
+        assert len(row["revisions"]) == 2
+        for step in row["revisions"]:
+            fields = dict(prompt=row["prompt"], response=response, principle=stream.choice(PRINCIPLES))
+            assert step["principle"] == fields["principle"]
+            assert step["critique"] == _hf_greedy(policy, CRITIQUE.format(**fields), 5)
+            revision = _hf_greedy(policy, REVISION.format(critique=step["critique"], **fields), 6)
+            assert step["revision"] == revision and step["accepted"] == bool(revision.strip())
+            response = revision if step["accepted"] else response
+            accepted += step["accepted"]
+        assert row["response"] == row["completion"] == response
+        assert row["initial_score"] == digit_fraction(row["prompt"], row["initial_response"], None, {})
+        assert row["final_score"] == digit_fraction(row["prompt"], response, None, {})
+    assert accepted > 0 and report["rejected_revisions"] == 2 * len(rows) - accepted
+    assert report["final_accuracy"] == pytest.approx(sum(r["final_score"] for r in rows) / len(rows))
+    assert report["initial_accuracy"] == pytest.approx(sum(r["initial_score"] for r in rows) / len(rows))
+
+    # the rows train megalign's SFT trainer for a step
+    run_distributed(lambda: train_sft(sft_config(str(tmp_path / "sft"), f"data.path={one}/sft.jsonl", "steps=1",
+                                                 "batch_size=4", "save_every=0")), world_size=1)
+    assert json.loads((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_critique_revise_config_errors(models, tmp_path):
+    base = _revise_overrides(models, tmp_path / "x")
+    with pytest.raises(ConfigError, match="needs a constitution"):
+        load_config(CritiqueReviseConfig, None, [o for o in base if not o.startswith("constitution=")])
+    with pytest.raises(ConfigError, match=r"revision_template: field \{critiqe\}.*did you mean \{critique\}"):
+        load_config(CritiqueReviseConfig, None, base + ["revision_template={response} {critiqe}"])
+    with pytest.raises(ConfigError, match=r"critique_template: critique-revise's critique needs the field \{principle\}"):
+        load_config(CritiqueReviseConfig, None, base + ["critique_template={prompt} {response}"])
+    (tmp_path / "empty.yaml").write_text("\n")
+    with pytest.raises(ConfigError, match="empty.yaml is empty"):
+        load_config(CritiqueReviseConfig, None, base + [f"constitution={tmp_path / 'empty.yaml'}"])
