@@ -30,8 +30,10 @@ r's streams when the checkpoint has them; a rank beyond the saved ones (dp grew)
 and then reseeds every generator from a hash of rank 0's torch state and r: deterministic, and
 distinct per rank. When dp shrinks, the streams of the ranks that are gone are dropped.
 
-What cannot be resharded: tp and pp. They are read from the saved key names before anything is
-loaded, and a change fails up front naming the saved and the current layout. Changing tp or pp goes
+What cannot be resharded: tp and pp, and the layers of each pipeline stage (uneven stages,
+`megalign.parallel.StageSplit`: a stage's layers are saved under its local indices). They are read from
+the saved key names before anything is loaded, and a change fails up front naming the saved and the
+current layout. Changing tp or pp goes
 through the HF export (`export_hf`), which gathers whole tensors.
 """
 from __future__ import annotations
@@ -95,10 +97,24 @@ class Reshardable(Protocol):
 
 
 _SHARD = re.compile(r"(?:dp\d+_)?tp(\d+)_pp(\d+)\.")
+_LAYER = re.compile(r"(?:dp\d+_)?tp\d+_pp(\d+)\.(?:state\.)?model\.layers\.(\d+)\.")
 
 
-def check_saved_layout(name: str, saved: SavedCheckpoint, tp: int, pp: int) -> None:
-    """Raise ValueError unless the `name` entry of `saved` holds tp x pp shards (read from its key names)."""
+def _stage_sizes(model: nn.Module, layout: Optional[ParallelLayout]) -> Optional[list[int]]:
+    """Decoder layers of every pipeline stage of the model this rank's `model` is a stage of (the layout's split), or
+    None at pp = 1 and for a stage built with a split its layout does not carry (nothing to compare all stages with)."""
+    decoder, config = getattr(model, "model", None), getattr(model, "config", None)
+    if layout is None or layout.pp == 1 or not hasattr(decoder, "layer_range") or config is None:
+        return None
+    sizes = layout.stage_sizes(config.num_hidden_layers)
+    start = sum(sizes[: layout.pp_rank])
+    return sizes if decoder.layer_range == (start, start + sizes[layout.pp_rank]) else None
+
+
+def check_saved_layout(name: str, saved: SavedCheckpoint, tp: int, pp: int,
+                       stage_sizes: Optional[list[int]] = None) -> None:
+    """Raise ValueError unless the `name` entry of `saved` holds tp x pp shards (read from its key names) and, given
+    `stage_sizes` (this run's layers per pipeline stage), stages of those sizes (the highest layer index per stage)."""
     coords = {(int(m.group(1)), int(m.group(2))) for m in map(_SHARD.match, saved.under(name)) if m}
     if not coords:
         names = sorted({k.split(".")[0] for k in saved.keys})
@@ -108,6 +124,15 @@ def check_saved_layout(name: str, saved: SavedCheckpoint, tp: int, pp: int) -> N
         raise ValueError(f"checkpoint {saved.path}: '{name}' was saved with tp={saved_tp} pp={saved_pp}, but this run "
                          f"has tp={tp} pp={pp}; a checkpoint loads only into the same tp and pp (dp may differ). "
                          f"To change them, start a new run from the model's HF export")
+    saved_sizes = [0] * pp
+    for m in map(_LAYER.match, saved.under(name)):
+        if m:
+            stage, layer = int(m.group(1)), int(m.group(2))
+            saved_sizes[stage] = max(saved_sizes[stage], layer + 1)
+    if stage_sizes is not None and all(saved_sizes) and saved_sizes != list(stage_sizes):
+        raise ValueError(f"checkpoint {saved.path}: '{name}' was saved with pipeline stages of {saved_sizes} layers, "
+                         f"but this run splits them {list(stage_sizes)}; set the role's stage_layers={saved_sizes} "
+                         f"to resume, or start a new run from the model's HF export")
 
 
 class ModelState:
@@ -128,6 +153,7 @@ class ModelState:
         coords = _coords(layout)
         self.key = f"tp{coords['tp']}_pp{coords['pp']}"
         self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
+        self.stage_sizes = _stage_sizes(model, layout)
         self.adapters_only = bool(lora_modules(model))
 
     def state_dict(self) -> dict[str, Any]:
@@ -138,7 +164,7 @@ class ModelState:
         return {self.key: state}
 
     def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
-        check_saved_layout(name, saved, self.tp, self.pp)
+        check_saved_layout(name, saved, self.tp, self.pp, self.stage_sizes)
         return self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -174,6 +200,7 @@ class OptimizerState:
         self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         self.key = f"tp{coords['tp']}_pp{coords['pp']}"
         self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
+        self.stage_sizes = _stage_sizes(model, layout)
 
     def state_dict(self) -> dict[str, Any]:
         if not self.optimizer.state:
@@ -189,7 +216,7 @@ class OptimizerState:
 
     def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
         """{saved shard prefix: {"state": {name: {key: tensor}}}} for the parameters this optimizer holds."""
-        check_saved_layout(name, saved, self.tp, self.pp)
+        check_saved_layout(name, saved, self.tp, self.pp, self.stage_sizes)
         shard_of = {}  # "param name.state key" -> the saved prefix holding it: "tp{t}_pp{p}" or "dp{d}_tp{t}_pp{p}"
         for key in saved.under(name):
             shard, _, rest = key.partition(".state.")

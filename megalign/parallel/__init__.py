@@ -27,13 +27,13 @@ from .layers import (
     pad_vocab_size,
     tp_sharded_parameters,
 )
-from .layout import ParallelLayout, group_ranks, rank_coords
+from .layout import ParallelLayout, StageSplit, group_ranks, rank_coords
 from .logprob import fused_linear_token_logprob, vocab_parallel_token_logprob
 from .pipeline import MicroBatchSums, Pipeline, stage_layer_range
 from .precision import MixedPrecision
 
 __all__ = [
-    "ParallelLayout", "rank_coords", "group_ranks",
+    "ParallelLayout", "StageSplit", "rank_coords", "group_ranks",
     "copy_to_group", "reduce_from_group", "scatter_to_group", "gather_from_group",
     "all_reduce", "all_reduce_count", "all_gather_last_dim", "split_last_dim", "broadcast_from_first", "gather_to_first", "all_finite",
     "Embedding", "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear", "pad_vocab_size",

@@ -17,6 +17,13 @@ Design choices:
   group (`data_parallel.allreduce_embedding_gradients`). `build` creates these groups with
   `torch.distributed.new_group`, which every rank must call for every group in the same order, so
   they are made eagerly for pp > 1 (a pair of ranks each, cheap) rather than on first use.
+- Pipeline stages of uneven size (`StageSplit`, pure arithmetic like the ranks'): `L / pp` layers each by
+  default; Megatron's `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`
+  (`first_stage_layers` / `last_stage_layers`: the middle stages split the rest evenly) or an explicit
+  `stage_layers` list, for layer counts pp does not divide (28-layer Qwen2.5-7B at pp = 8) or to give the
+  first stage (embedding) and the last (LM head and loss) fewer layers. A layout carries the split of the
+  model built on it (`with_stages`, a copy sharing the groups), so every builder that takes the layout
+  (`megalign.parallel.stage_layer_range`, `stage_from_pretrained`, `scratch_model`) builds the same stage.
 """
 from __future__ import annotations
 
@@ -82,6 +89,98 @@ def group_ranks(dim: Dim, *, tp: int, pp: int, dp: int) -> list[list[int]]:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageSplit:
+    """How a model's decoder layers split over the pipeline stages (module doc); at most one of the two ways.
+
+    Attributes:
+        stage_layers: layers of every stage, in order (length pp, each >= 1, summing to the model's layers).
+        first_stage_layers, last_stage_layers: Megatron's first / last stage layer counts; the stages between split
+            the remaining layers evenly (which must divide), each >= 1.
+        key: the config key the options sit under (e.g. "actor"), named in errors; "" for none.
+    """
+
+    stage_layers: Optional[tuple[int, ...]] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+            if self.first_stage_layers is not None or self.last_stage_layers is not None:
+                raise ValueError(f"{self._name('stage_layers')} and {self._name('first_stage_layers')} / "
+                                 f"{self._name('last_stage_layers')} are two ways of one split: set one")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{self._name(name)} must be an int >= 1, got {value!r}")
+        if self.stage_layers is not None and any(not _is_int(n) or n < 1 for n in self.stage_layers):
+            raise ValueError(f"{self._name('stage_layers')}={list(self.stage_layers)}: each stage needs at least "
+                             f"one layer (an int)")
+
+    @property
+    def uneven(self) -> bool:
+        """Whether any option is set (otherwise: L / pp layers each)."""
+        return (self.stage_layers, self.first_stage_layers, self.last_stage_layers) != (None, None, None)
+
+    def _name(self, option: str) -> str:
+        return f"{self.key}.{option}" if self.key else option
+
+    def check_pp(self, pp: int) -> None:
+        """ValueError naming the option unless it fits `pp` stages (before the layer count is known)."""
+        if self.stage_layers is not None and len(self.stage_layers) != pp:
+            raise ValueError(f"{self._name('stage_layers')}={list(self.stage_layers)} has {len(self.stage_layers)} "
+                             f"entries but pp={pp}: one per pipeline stage")
+        ends = (self.first_stage_layers is not None) + (self.last_stage_layers is not None)
+        if ends and pp < 2:
+            raise ValueError(f"{self._name('first_stage_layers')} / {self._name('last_stage_layers')} need pp >= 2 "
+                             f"(pipeline stages), got pp={pp}")
+
+    def sizes(self, num_layers: int, pp: int) -> list[int]:
+        """Layers of each of the `pp` stages of a model of `num_layers` decoder layers; ValueError naming the
+        options."""
+        self.check_pp(pp)
+        if self.stage_layers is not None:
+            if sum(self.stage_layers) != num_layers:
+                raise ValueError(f"{self._name('stage_layers')}={list(self.stage_layers)} sums to "
+                                 f"{sum(self.stage_layers)}, not the model's {num_layers} decoder layers")
+            return list(self.stage_layers)
+        if not self.uneven:
+            if num_layers % pp:
+                raise ValueError(
+                    f"num_hidden_layers={num_layers} is not divisible by pp={pp}; set "
+                    f"{self._name('first_stage_layers')} / {self._name('last_stage_layers')} or "
+                    f"{self._name('stage_layers')}, e.g. {example_split(num_layers, pp)}")
+            return [num_layers // pp] * pp
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if (rest != 0) if middle == 0 else (rest < middle or rest % middle):
+            given = [f"{self._name(n)}={getattr(self, n)}" for n in ("first_stage_layers", "last_stage_layers")
+                     if getattr(self, n) is not None]
+            raise ValueError(f"{' and '.join(given)} {'leave' if len(given) > 1 else 'leaves'} {rest} of the "
+                             f"{num_layers} decoder layers for the {middle} other stage(s) of pp={pp}, which must "
+                             f"split them evenly, each >= 1")
+        inner = [rest // middle] * middle if middle else []
+        return ([first] if first is not None else []) + inner + ([last] if last is not None else [])
+
+
+def example_split(num_layers: int, pp: int) -> list[int]:
+    """A split for an error message, Megatron's way: stages in the middle one layer more than the ends when pp does
+    not divide (e.g. 28 layers at pp=8: [3, 3, 4, 4, 4, 4, 3, 3])."""
+    base, extra = divmod(num_layers, pp)
+    sizes = [base] * pp
+    order = sorted(range(pp), key=lambda s: (min(s, pp - 1 - s) == 0, -min(s, pp - 1 - s), s))
+    for s in order[:extra]:
+        sizes[s] += 1
+    return sizes
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """Sizes, this rank's coordinates and the named process groups of a tp x dp x pp layout.
 
@@ -96,6 +195,8 @@ class ParallelLayout:
         mesh: the (pp, dp, tp) `DeviceMesh`, or None for a plan.
         embedding_pg: this rank's embedding group when pp > 1 and this rank is on the first or last stage
             (made by `build`), else None; read it through `embedding_group`.
+        stages: how the decoder layers of the model built on this layout split over the pp stages
+            (`StageSplit`; default L / pp each); set with `with_stages`.
     """
 
     tp: int
@@ -105,9 +206,11 @@ class ParallelLayout:
     rank: int = 0
     mesh: Optional[DeviceMesh] = dataclasses.field(default=None, repr=False, compare=False)
     embedding_pg: Optional[dist.ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
+    stages: StageSplit = StageSplit()
 
     def __post_init__(self) -> None:
         check_sizes(self.tp, self.pp, self.dp, self.world_size)
+        self.stages.check_pp(self.pp)
         rank_coords(self.rank, tp=self.tp, pp=self.pp, dp=self.dp)  # validates rank
         if self.mesh is not None and tuple(self.mesh.mesh.shape) != (self.pp, self.dp, self.tp):
             raise ValueError(
@@ -147,6 +250,14 @@ class ParallelLayout:
                     embedding_pg = group
         return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, rank=dist.get_rank(), mesh=mesh,
                    embedding_pg=embedding_pg)
+
+    def with_stages(self, stages: Optional[StageSplit]) -> "ParallelLayout":
+        """This layout (the same groups) with `stages` as its layer split; checked against pp (naming the options)."""
+        return self if stages is None else dataclasses.replace(self, stages=stages)
+
+    def stage_sizes(self, num_layers: int) -> list[int]:
+        """Decoder layers of every pipeline stage of a model of `num_layers` layers (`stages`)."""
+        return self.stages.sizes(num_layers, self.pp)
 
     # ----- pure rank arithmetic (no processes needed)
 

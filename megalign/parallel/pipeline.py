@@ -4,8 +4,13 @@ forward-only scoring pass, scheduled by `torch.distributed.pipelining`.
 Design choices:
 
 - Splitting. Stage s holds decoder layers `[start_s, end_s)` (`stage_layer_range`): `L / pp` each by
-  default (L not divisible by pp is an error naming both), or an explicit `split` of layers per stage,
-  e.g. `(3, 3, 2)`, to give the last stage, which also runs the LM head and the loss, fewer layers. The
+  default (L not divisible by pp is an error naming the options that fix it), or stages of uneven size
+  (`megalign.parallel.layout.StageSplit`, carried by the layout: Megatron's `first_stage_layers` /
+  `last_stage_layers`, the middle stages splitting the rest evenly, or a `stage_layers` list such as
+  `[3, 3, 4, 4, 4, 4, 3, 3]` for 28 layers at pp = 8), e.g. to give the first stage (embedding) and the
+  last (LM head and loss) fewer layers; an explicit `split` argument overrides the layout's. Layer names
+  stay global wherever they leave a stage (HF export, `hf_rule(name, start)`), and the schedule does not
+  care: every stage sends activations of one shape whatever its layer count. The
   models build only those layers (`layer_range`): the embedding only on the first stage, the final norm
   and head only on the last; `megalign.models.stage_from_pretrained` reads only the stage's tensors from the checkpoint,
   and only this rank's tensor-parallel slices of them (tp x pp: the stage is built over `layout.tp_group`).
@@ -54,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from .layout import ParallelLayout
+from .layout import ParallelLayout, StageSplit
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
@@ -65,33 +70,16 @@ ScoreFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 def stage_layer_range(num_layers: int, layout: ParallelLayout,
                       split: Optional[Sequence[int]] = None) -> tuple[int, int]:
-    """Decoder layers `[start, end)` of this rank's pipeline stage.
+    """Decoder layers `[start, end)` (global indices) of this rank's pipeline stage.
 
-    split: layers per stage (length pp, each >= 1, summing to num_layers); default: `num_layers / pp`
-    each, which must divide evenly.
+    split: layers per stage (length pp, each >= 1, summing to num_layers); default: the layout's
+    `stages` (`ParallelLayout.with_stages`: Megatron's first / last stage layer counts or a list), else
+    `num_layers / pp` each, which must divide evenly (the error names the options that fix it).
     """
-    pp = layout.pp
-    if split is None:
-        if num_layers % pp:
-            raise ValueError(
-                f"pipeline: num_hidden_layers={num_layers} is not divisible by pp={pp}; pass an explicit "
-                f"split (layers per stage, e.g. {_example_split(num_layers, pp)})"
-            )
-        split = [num_layers // pp] * pp
-    split = list(split)
-    if len(split) != pp or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != num_layers:
-        raise ValueError(
-            f"pipeline: split={split} must give each of the pp={pp} stages at least one layer and sum to "
-            f"num_hidden_layers={num_layers}"
-        )
-    start = sum(split[: layout.pp_rank])
-    return start, start + split[layout.pp_rank]
-
-
-def _example_split(num_layers: int, pp: int) -> list[int]:
-    """An uneven split for an error message: the first `num_layers % pp` stages get one layer more."""
-    base, extra = divmod(num_layers, pp)
-    return [base + (s < extra) for s in range(pp)]
+    stages = layout.stages if split is None else StageSplit(stage_layers=tuple(split), key=layout.stages.key)
+    sizes = stages.sizes(num_layers, layout.pp)
+    start = sum(sizes[: layout.pp_rank])
+    return start, start + sizes[layout.pp_rank]
 
 
 def _select_rows(batch: Batch, rows: torch.Tensor) -> Batch:

@@ -6,7 +6,8 @@
 Input (`PlanConfig`): a model (a preset of the published architectures in `megalign.plan.model.PRESETS`,
 an HF config.json or a checkpoint folder), the GPUs and their memory, the algorithm, prompt and
 response lengths, G, prompts per step, the micro-batch, and each role (actor, critic, reference,
-reward model, and optionally a separate generation engine) with its tp, pp, dtype, state recipe,
+reward model, and optionally a separate generation engine) with its tp, pp (and uneven stages:
+first_stage_layers / last_stage_layers or stage_layers, as the trainers take them), dtype, state recipe,
 ZeRO stage, offload switches, activation checkpointing and GPU pool. Or a megalign run config
 (`megalign.plan.runconfig`), which takes what the trainer has. Output (`Estimate`): for every step of
 a training step (rollout, scoring, update) and every pool, each role's weights, gradients, optimizer
@@ -30,7 +31,9 @@ The model of memory (formulas and their sources in `megalign.plan.formulas`):
 - Activations (update): per layer, megalign's own count (fp32 residual stream and RMSNorm, one bf16
   cast per projection under autocast; checked against saved-tensor hooks on CPU) for the megalign
   recipe, the Korthikanti et al. 2022 count (generalised to SwiGLU / GQA / no dropout / flash) for the
-  others; times the layers of the stage and the micro-batches 1F1B keeps in flight (pp - stage);
+  others; times the layers of the stage and the micro-batches 1F1B keeps in flight (pp - stage), so with
+  uneven stages the worst stage is the one whose layers x in-flight micro-batches (and embedding or head)
+  weigh most: the reason Megatron gives the first and last stages fewer layers;
   plus the token ids and RoPE tables on the first stage, the final norm and the head input on the last.
 - Loss path: `loss_path: eager` (the default) applies the LM head and `vocab_parallel_token_logprob`:
   the [b, positions, V / tp] logits in the compute dtype and their gradient (positions: the R response

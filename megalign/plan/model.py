@@ -8,17 +8,19 @@ two per-head q/k norm gains (head_dim each), and the biases the family has (Qwen
 embedding and the LM head are padded_vocab x h each (one matrix when tied), the final norm h. Under
 tensor parallelism a rank holds 1/t of every projection, of the vocabulary rows and of the
 column-parallel biases, and whole copies of the norms (the q/k norms too) and of the row-parallel
-biases. A pipeline stage holds its layers, the embedding on the first stage, the final
+biases. A pipeline stage holds its layers (L / pp each, or an uneven split: `StageSplit`, Megatron's
+first / last stage layer counts or a list), the embedding on the first stage, the final
 norm and the head on the last (a tied head is a copy on the last stage when pp > 1, as Megatron).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Union
+from typing import Optional, Union
 
 from megalign.models.config import ModelConfig
 from megalign.models.parallelize import tensor_parallel_config
+from megalign.parallel.layout import StageSplit
 
 
 def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> ModelConfig:
@@ -105,18 +107,18 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
     return tensor_parallel_config(cfg, tp).padded_vocab_size
 
 
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers per stage: L / pp each (megalign's default split, `megalign.parallel.pipeline.stage_layer_range`)."""
-    if num_layers % pp:
-        raise ValueError(f"num_hidden_layers ({num_layers}) must be divisible by pp ({pp})")
-    return [num_layers // pp] * pp
+def stage_layers(num_layers: int, pp: int, split: Optional[StageSplit] = None) -> list[int]:
+    """Layers per stage as megalign splits them (`megalign.parallel.pipeline.stage_layer_range`): `split`'s (uneven
+    stages), else L / pp each; ValueError naming the options when pp does not divide L and no split is given."""
+    return (split or StageSplit()).sizes(num_layers, pp)
 
 
-def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, head: bool = True) -> StageParams:
+def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, head: bool = True,
+                 split: Optional[StageSplit] = None) -> StageParams:
     """This rank's parameters on pipeline stage `stage` (0-based); `head=False` for a trunk with a scalar head
-    (value or reward model: the head is h x 1, counted, instead of the LM head)."""
+    (value or reward model: the head is h x 1, counted, instead of the LM head); `split` as in `stage_layers`."""
     tensor_parallel_config(cfg, tp)  # heads, kv heads and SwiGLU width must divide tp (raises naming them)
-    layers = stage_layers(cfg.num_hidden_layers, pp)[stage]
+    layers = stage_layers(cfg.num_hidden_layers, pp, split)[stage]
     rows = padded_vocab(cfg, tp) // tp
     embedding = rows * cfg.hidden_size if stage == 0 else 0
     last = stage == pp - 1

@@ -6,10 +6,11 @@ from typing import Literal, Optional
 
 from megalign.config import option
 from megalign.models.config import ModelConfig
+from megalign.parallel.layout import StageSplit
 from megalign.plan.formulas import (CAST_COPY_BYTES, MEGALIGN, MEGATRON, MEGATRON_BF16_GRADS, ZERO, ceil_div, gib,
                                     korthikanti_layer_bytes, megalign_layer_bytes, pipeline_in_flight,
                                     state_bytes_per_param)
-from megalign.plan.model import layer_params, load_model, padded_vocab, stage_params
+from megalign.plan.model import layer_params, load_model, padded_vocab, stage_layers, stage_params
 
 ROLES = ("actor", "critic", "reference", "reward", "generator")
 TRAINED = ("actor", "critic")
@@ -23,6 +24,9 @@ class RolePlan:
 
     tp: int = option(1, doc="tensor-parallel size")
     pp: int = option(1, doc="pipeline-parallel size (1F1B for training)")
+    first_stage_layers: Optional[int] = option(None, doc="pp > 1: decoder layers of the first stage (Megatron's --decoder-first-pipeline-num-layers); the middle stages split the rest evenly")
+    last_stage_layers: Optional[int] = option(None, doc="pp > 1: decoder layers of the last stage (Megatron's --decoder-last-pipeline-num-layers)")
+    stage_layers: Optional[list[int]] = option(None, doc="pp > 1: decoder layers of every stage (pp entries summing to the model's layers); instead of first / last")
     dtype: Literal["fp32", "bf16"] = option(
         "bf16", doc="compute dtype of trained roles (megalign: bf16 autocast over fp32 master weights); frozen roles: the weights' dtype")
     recipe: Literal["megalign", "megatron", "zero"] = option(
@@ -45,6 +49,12 @@ class RolePlan:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        self.stage_split().check_pp(self.pp)
+
+    def stage_split(self, key: str = "") -> StageSplit:
+        """The layer split of this role's pipeline stages (`megalign.parallel.StageSplit`; `key` names it in errors)."""
+        layers = tuple(self.stage_layers) if self.stage_layers is not None else None
+        return StageSplit(layers, self.first_stage_layers, self.last_stage_layers, key)
 
 
 @dataclasses.dataclass
@@ -160,8 +170,9 @@ class Planner:
         self.model = model or load_model(plan.model)
         self.pools = plan.pool_sizes()
         self.roles = plan.roles()
-        for role in self.roles.values():
-            stage_params(self.model, role.tp, role.pp, 0)  # checks tp and pp against the shapes, naming them
+        self.splits = {name: role.stage_split(name) for name, role in self.roles.items()}
+        for name, role in self.roles.items():  # checks tp, pp and the layer split against the shapes, naming them
+            stage_params(self.model, role.tp, role.pp, 0, split=self.splits[name])
         self.rows = 2 if plan.algorithm in ("dpo", "kto") else 1  # chosen + rejected (dpo), labelled + mismatched (kto)
 
     # ----- shapes
@@ -190,7 +201,7 @@ class Planner:
     def states(self, name: str, stage: int) -> tuple[float, float, float, int]:
         """(weights, grads, optimizer) bytes and the parameter count of `name` on `stage`."""
         role = self.roles[name]
-        n = stage_params(self.model, role.tp, role.pp, stage, head=self.has_lm_head(name)).total
+        n = stage_params(self.model, role.tp, role.pp, stage, head=self.has_lm_head(name), split=self.splits[name]).total
         rope = 4 * self.model.max_position_embeddings * self.model.head_dim  # fp32 cos / sin tables on every stage
         if name not in TRAINED:
             shards = self.dp(name) if role.zero_stage == 3 else 1  # ZeRO-3 inference shards frozen weights too
@@ -244,7 +255,7 @@ class Planner:
     def kv_cache_bytes(self, name: str, b: int, stage: int) -> float:
         """2 x layers x b x (P + R) x kv_heads / tp x head_dim in the weights' dtype (megalign: the actor's fp32)."""
         role, cfg = self.roles[name], self.model
-        layers = stage_params(cfg, role.tp, role.pp, stage).layers
+        layers = stage_params(cfg, role.tp, role.pp, stage, split=self.splits[name]).layers
         weight_bytes = 4 if (name in TRAINED and role.recipe == "megalign") else (2 if role.dtype == "bf16" else 4)
         return 2 * layers * b * self.seq * (cfg.num_key_value_heads // role.tp) * cfg.head_dim * weight_bytes
 
@@ -271,7 +282,7 @@ class Planner:
         if step.kind == "update":
             b = plan.micro_batch_size * self.rows
             n_micro = max(1, ceil_div(self.rows_per_rank(name), plan.mini_batches * b))
-            layers = stage_params(cfg, role.tp, role.pp, stage).layers
+            layers = stage_params(cfg, role.tp, role.pp, stage, split=self.splits[name]).layers
             per_layer = self.layer_activation_bytes(name, b)
             in_flight = pipeline_in_flight(role.pp, stage, n_micro)
             acts = per_layer * layers * in_flight
@@ -368,7 +379,8 @@ class Estimate:
         peak = self.peak()
         return {"model": self.plan.model, "algorithm": self.plan.algorithm, "gpu_memory_bytes": self.capacity,
                 "pools": self.plan.pool_sizes(),
-                "layout": {n: {"tp": r.tp, "pp": r.pp, "dp": role_dp(self.plan, n)}
+                "layout": {n: {"tp": r.tp, "pp": r.pp, "dp": role_dp(self.plan, n),
+                               "stage_layers": stage_layers(self.model.num_hidden_layers, r.pp, r.stage_split(n))}
                            for n, r in self.plan.roles().items()},
                 "steps": [row_dict(r) for r in self.rows],
                 "phases": {p: row_dict(r) for p, r in self.phase_peaks().items()},
@@ -376,11 +388,16 @@ class Estimate:
                          "total_bytes": peak.total},
                 "fits": self.fits}
 
+    def _stages(self, name: str, role: RolePlan) -> str:
+        """" layers [2, 4, ..., 2]" for a role with uneven pipeline stages, else ""."""
+        split = role.stage_split(name)
+        return f" layers {stage_layers(self.model.num_hidden_layers, role.pp, split)}" if split.uneven else ""
+
     def table(self) -> str:
         """A short terminal table: per phase, the peak step's roles and parts in GiB, then the verdict."""
         lines = [f"{self.plan.model} ({self.plan.algorithm}), {self.plan.gpus} GPUs x {self.plan.gpu_memory_gib:g} GiB, "
                  f"pools {self.plan.pool_sizes()}",
-                 "layout: " + ", ".join(f"{n} tp{r.tp} pp{r.pp} dp{role_dp(self.plan, n)} {r.dtype}"
+                 "layout: " + ", ".join(f"{n} tp{r.tp} pp{r.pp}{self._stages(n, r)} dp{role_dp(self.plan, n)} {r.dtype}"
                                          for n, r in self.plan.roles().items()),
                  f"{'phase':<8} {'pool':<8} {'role':<10} {'stage':>5} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'total':>9}"]
         for phase, row in self.phase_peaks().items():

@@ -8,7 +8,8 @@ online DPO is planned as GRPO (rollout, reference and reward scoring, an actor u
 on 2 of the G samples of a prompt, so the update's activations are over-estimated), the PRM as SFT
 (the reward tokens are read on the LM head of a trained causal LM).
 
-What maps: role tp / pp / dtype / offload switches, the reference when the registry says the run
+What maps: role tp / pp (and its uneven stages: first_stage_layers / last_stage_layers / stage_layers) / dtype /
+offload switches, the reference when the registry says the run
 builds it (`Algorithm.needs_reference`: the config attribute the trainer reads, e.g. the KL coefficient
 of GRPO, REINFORCE++ and PPO), the critic of PPO, the reward model when `reward.model` or
 `reward.models` is set (the first one only), prompts and responses (online:
@@ -38,7 +39,9 @@ def _role(cfg, offload_optimizer: bool = False) -> RolePlan:
     from megalign.roles.base import TrainedRoleConfig  # as the trainers' configs, imported when a run config is read
     recompute = "full" if isinstance(cfg, TrainedRoleConfig) and cfg.activation_checkpointing else "none"
     return RolePlan(tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype, offload_weights=cfg.offload_weights,
-                    offload_optimizer=offload_optimizer, activation_checkpointing=recompute)
+                    offload_optimizer=offload_optimizer, activation_checkpointing=recompute,
+                    first_stage_layers=cfg.first_stage_layers, last_stage_layers=cfg.last_stage_layers,
+                    stage_layers=cfg.stage_layers)
 
 
 def _model(path: Optional[str], key: str, model: Optional[str]) -> str:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megalign.config import option
-from megalign.parallel import ParallelLayout
+from megalign.parallel import ParallelLayout, StageSplit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -36,8 +36,19 @@ class ModelRoleConfig:
 
     path: Optional[str] = option(None, doc="HF checkpoint folder (reference: None = the actor's path)")
     tp: int = option(1, doc="tensor-parallel size of this role (dp = world_size / (tp x pp))")
-    pp: int = option(1, doc="pipeline stages of this role: its decoder layers split evenly over pp ranks (1F1B updates, "
-                            "forward-only scoring; dp = world_size / (tp x pp))")
+    pp: int = option(1, doc="pipeline stages of this role: its decoder layers split evenly over pp ranks unless the "
+                            "options below say otherwise (1F1B updates, forward-only scoring; "
+                            "dp = world_size / (tp x pp))")
+    first_stage_layers: Optional[int] = option(
+        None, doc="pp > 1: decoder layers of the first pipeline stage (Megatron's "
+                  "--decoder-first-pipeline-num-layers); the stages between the first and the last split the rest "
+                  "evenly. Fewer layers balance the embedding; also for layer counts pp does not divide")
+    last_stage_layers: Optional[int] = option(
+        None, doc="pp > 1: decoder layers of the last pipeline stage (Megatron's --decoder-last-pipeline-num-layers); "
+                  "fewer layers balance the LM head and the loss")
+    stage_layers: Optional[list[int]] = option(
+        None, doc="pp > 1: decoder layers of every pipeline stage, in order (pp entries, each >= 1, summing to the "
+                  "model's layers), e.g. [3, 3, 4, 4, 4, 4, 3, 3] for 28 layers at pp=8; instead of first / last")
     microbatches: int = option(0, doc="pp > 1: micro-batches per pipelined forward / backward (>= pp, dividing the "
                                       "rank's batch); 0: pp")
     dtype: Literal["fp32", "bf16"] = option(
@@ -49,6 +60,13 @@ class ModelRoleConfig:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
         if self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 0 (0: pp), got {self.microbatches}")
+        self.stage_split().check_pp(self.pp)  # types, one way only, a list of pp entries (the layer count comes later)
+
+    def stage_split(self, key: str = "") -> StageSplit:
+        """The layer split of this role's pipeline stages (`megalign.parallel.StageSplit`; `key` names the options in
+        errors), for `ParallelLayout.with_stages`."""
+        layers = tuple(self.stage_layers) if self.stage_layers is not None else None
+        return StageSplit(layers, self.first_stage_layers, self.last_stage_layers, key)
 
     @property
     def n_microbatches(self) -> int:

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from megalign.checkpoint import CheckpointManager, Counters, RNGState, RunDirLock, fingerprint_files, write_run_config
 from megalign.config import to_dict
 from megalign.data import Tokenizer, TokenizerConfig, build_tokenizer
-from megalign.parallel import ParallelLayout
+from megalign.parallel import ParallelLayout, StageSplit
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
 from megalign.trainers.metric_sums import MetricSums
@@ -135,17 +135,19 @@ class Trainer:
             raise box[1]
         return box[0]
 
-    def layout_for(self, tp: int, pp: int = 1, key: str = "model") -> ParallelLayout:
+    def layout_for(self, tp: int, pp: int = 1, key: str = "model",
+                   stages: Optional[StageSplit] = None) -> ParallelLayout:
         """The layout with tensor-parallel size `tp` and `pp` pipeline stages (dp = world / (tp x pp)), built once
         and shared by the roles that use it; `key` (the role's config key, e.g. "actor") names the settings in the
-        error when tp x pp does not divide the world size."""
+        error when tp x pp does not divide the world size. `stages`: the role's layer split
+        (`ModelRoleConfig.stage_split`), carried by the returned copy (same groups) to the model builders."""
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"{key}.tp={tp} x {key}.pp={pp} = {tp * pp} does not divide the world size {world}: "
                              f"dp = world / (tp x pp) must be a whole number")
         if (tp, pp) not in self._layouts:
             self._layouts[tp, pp] = ParallelLayout.build(tp=tp, pp=pp, device_type=self.device_type)
-        return self._layouts[tp, pp]
+        return self._layouts[tp, pp].with_stages(stages)
 
     def build_tokenizer(self, cfg: TokenizerConfig, model_path: Optional[str]) -> Tokenizer:
         """The run's tokenizer (`megalign.data.build_tokenizer`: by default the model folder's own, when it has one)."""

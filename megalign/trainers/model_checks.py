@@ -2,7 +2,8 @@
 
 `ModelError` (a model that does not fit the run) and `ModelPathError` (a folder that is not an HF
 checkpoint) are printed by the launcher as one line, as config errors are. `check_model` compares a
-built model with the run's tokenizer and longest sequence; `check_stages` and `check_same_batch`
+built model with the run's tokenizer and longest sequence; `check_stages` (the layer split: even, or the role's
+`first_stage_layers` / `last_stage_layers` / `stage_layers`) and `check_same_batch`
 check pipeline stages and how two roles' layouts share the batch. `check_tokenizer` checks, before its weights
 load, that a role reading the actor's token ids was saved with the actor's tokenizer: equal sizes are not enough
 (Llama-2 and Mistral both have 32000 ids, and an RM of one scores the other's ids as noise), so the fingerprints
@@ -11,13 +12,15 @@ size check of `check_model`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Optional
 
 from megalign.data import Tokenizer, TokenizerConfig, build_tokenizer, check_vocab
 from megalign.data.tokenizer import FINGERPRINT_PARTS, _detect, tokenizer_fingerprint
-from megalign.parallel import ParallelLayout
+from megalign.parallel import ParallelLayout, StageSplit
+from megalign.parallel.layout import example_split
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +44,20 @@ def check_model_path(path: str, key: str) -> None:
             f"--config examples/sft_arith.yaml, which writes runs/sft_arith/hf)")
 
 
-def check_stages(num_layers: int, pp: int, key: str, what: str) -> None:
-    """ModelError naming `key`.pp and `what` (where the layer count comes from) unless pp splits the layers evenly."""
-    if num_layers % pp:
-        raise ModelError(f"{key}.pp={pp} does not divide the {num_layers} decoder layers of {what}: every pipeline "
-                         f"stage holds num_layers / pp layers")
+def check_stages(num_layers: int, pp: int, key: str, what: str, stages: Optional[StageSplit] = None) -> None:
+    """ModelError naming `key`'s options and `what` (where the layer count comes from) unless `stages` (the role's
+    `ModelRoleConfig.stage_split`, or its layout's `stages`; default: an even split) splits the `num_layers` decoder
+    layers over `pp` stages, e.g. "actor.pp=8 does not divide the 28 decoder layers of actor.path '...': set
+    actor.first_stage_layers / actor.last_stage_layers or actor.stage_layers, e.g. [3, 3, 4, 4, 4, 4, 3, 3]"."""
+    stages = dataclasses.replace(stages or StageSplit(), key=key)
+    if not stages.uneven and num_layers % pp:
+        raise ModelError(f"{key}.pp={pp} does not divide the {num_layers} decoder layers of {what}: set "
+                         f"{key}.first_stage_layers / {key}.last_stage_layers (the stages between split the rest "
+                         f"evenly) or {key}.stage_layers, e.g. {example_split(num_layers, pp)}")
+    try:
+        stages.sizes(num_layers, pp)
+    except ValueError as exc:
+        raise ModelError(f"{what}: {exc}") from exc
 
 
 def check_same_batch(layout: ParallelLayout, key: str, data_layout: ParallelLayout, data_key: str) -> None:

@@ -158,7 +158,8 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
                         "set critic.path)")
         layout = self.role_layout("critic", cfg.critic)
         if layout.pp > 1:
-            check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, "critic", f"critic.path {path!r}")
+            check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, "critic", f"critic.path {path!r}",
+                         layout.stages)
         model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed,
                                                    activation_checkpointing=cfg.critic.activation_checkpointing)
         self.check_model(model, "critic.path", path, *self.longest)

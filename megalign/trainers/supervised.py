@@ -243,7 +243,7 @@ class SupervisedTrainer(Trainer):
         super().__init__(cfg)
         self.name = name
         self.eval_before = cfg.model.path is not None  # a trained starting point is worth comparing with
-        self.layout = layout = self.layout_for(cfg.model.tp, cfg.model.pp, "model")
+        self.layout = layout = self.layout_for(cfg.model.tp, cfg.model.pp, "model", cfg.model.stage_split("model"))
         if cfg.batch_size % layout.dp:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of dp={layout.dp}")
         if cfg.model.path is not None:
@@ -330,7 +330,8 @@ class SupervisedTrainer(Trainer):
             self.register_state("reference_cache", self.ref_cache, derived_from=("data", "reference", "model.path"))
 
     def _check_pipeline(self, cfg: SupervisedConfig) -> None:
-        """Start-up checks of model.pp > 1, naming the settings: the layers split evenly over the stages, and each dp
+        """Start-up checks of model.pp > 1, naming the settings: the layers split over the stages (evenly, or as
+        model.first_stage_layers / last_stage_layers / stage_layers say), and each dp
         rank's batch splits into the pipeline's micro-batches."""
         pp, micro = cfg.model.pp, cfg.model.n_microbatches
         if micro < pp:
@@ -340,10 +341,10 @@ class SupervisedTrainer(Trainer):
             raise ValueError(f"batch_size={cfg.batch_size} / dp={self.layout.dp} = {local} examples per rank do not "
                              f"split into model.microbatches={micro} equal micro-batches (0 means model.pp)")
         if cfg.model.path is None:
-            check_stages(cfg.model.num_layers, pp, "model", "model.num_layers")
+            check_stages(cfg.model.num_layers, pp, "model", "model.num_layers", self.layout.stages)
         else:
             check_stages(ModelConfig.from_hf(cfg.model.path).num_hidden_layers, pp, "model",
-                         f"model.path {cfg.model.path!r}")
+                         f"model.path {cfg.model.path!r}", self.layout.stages)
 
     def trained_models(self) -> list[tuple[str, Optional[str]]]:
         return [("model.path", self.cfg.model.path)]

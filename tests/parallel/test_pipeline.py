@@ -202,9 +202,9 @@ def test_tied_optimizer_steps_match_unpipelined(tmp_path):
 def test_layer_split_checks():
     with pytest.raises(ValueError, match=r"num_hidden_layers=5 is not divisible by pp=2.*\[3, 2\]"):
         stage_layer_range(5, PLAN)
-    with pytest.raises(ValueError, match=r"split=\[4, 0\] must give each of the pp=2 stages"):
+    with pytest.raises(ValueError, match=r"stage_layers=\[4, 0\]: each stage needs at least one layer"):
         stage_layer_range(4, PLAN, split=(4, 0))
-    with pytest.raises(ValueError, match=r"split=\[2, 2\] .* sum to num_hidden_layers=5"):
+    with pytest.raises(ValueError, match=r"stage_layers=\[2, 2\] sums to 4, not the model's 5 decoder layers"):
         stage_layer_range(5, PLAN, split=(2, 2))
     assert stage_layer_range(5, PLAN, split=(3, 2)) == (3, 5)
     assert stage_layer_range(4, PLAN) == (2, 4)
