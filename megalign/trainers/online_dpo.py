@@ -86,7 +86,9 @@ class PairJudgeConfig:
     """A pairwise judge that ranks each prompt's two samples in place of the reward (TRL's `OnlineDPOTrainer(judge=)`)."""
 
     judge: JudgeConfig = option(doc="the judge model; its template names {prompt}, {response_a}, {response_b} "
-                                    "[{criterion} / {principle}], its answers the labels of A and B (e.g. [A, B])")
+                                    "[{criterion} / {principle}]; its verdict is p(A) in [0, 1]: logprob mode with "
+                                    "answers [A, B] (A first), or generate mode with a pattern whose number is 1 for A, "
+                                    "0 for B (unparsed_score 0.5 then makes an unreadable verdict a tie)")
     name: str = option("pair_judge", doc="its role name and metrics reward/<name>/...")
     criterion: Optional[str] = option(None, doc="the {criterion} / {principle} the pair is judged on; null: none")
     both_orders: bool = option(True, doc="ask (A, B) and (B, A) and average p(A) = (p_AB + 1 - p_BA) / 2 against the "
