@@ -6,7 +6,8 @@ labels (`label`, RL-CAI's labeller) here, critique-revise (SL-CAI) in `megalign.
 the policy samples two responses per prompt at `temperature`; a judge model (`megalign.roles.judge`,
 `judge.*` keys: any causal-LM folder, logprob or generate verdicts) reads the template filled with
 `{prompt}`, `{response_a}`, `{response_b}` and, when a `constitution` is given, `{principle}` (one drawn
-per prompt) and answers p(A) = p(response_a is better). Position bias (judges favour one slot) is
+per prompt) and answers p(A) = p(response_a is better) (a `generate` judge's parsed number is read as p(A),
+so its pattern should give 1 for A and 0 for B, or a probability). Position bias (judges favour one slot) is
 removed by asking both orders and averaging: p = (p(A | a, b) + 1 - p(A | b, a)) / 2 is the probability
 that a is better; chosen = a when p > 1/2. Rows are TRL's explicit-prompt preference format
 (`prompt`, `chosen`, `rejected`, `answer`) plus `label_probability` (p of the chosen one, in (1/2, 1]),
@@ -150,9 +151,11 @@ class CAIConfig:
             get_reward(self.verifier)
 
     def manifest(self) -> dict[str, Any]:
-        """What the chunks depend on: the config without `RESUME_FREE_KEYS`, and the principles themselves."""
+        """What the chunks depend on: the config without `RESUME_FREE_KEYS`, with the principles themselves in place
+        of the constitution's path (a moved file with the same principles resumes)."""
         values = json.loads(json.dumps(dataclasses.asdict(self), default=str))
-        return {**{k: v for k, v in values.items() if k not in RESUME_FREE_KEYS}, "principles": self.principles}
+        skip = (*RESUME_FREE_KEYS, "constitution")
+        return {**{k: v for k, v in values.items() if k not in skip}, "principles": self.principles}
 
 
 def stage_seed(seed: int, split: str, stage: str) -> int:
