@@ -1,0 +1,114 @@
+"""Answer-checking speed: rewards/s of the `math_accuracy` term under the `builtin` and `math_verify` checkers
+(`megalign.rewards.math`), and math-verify called the way TRL's `accuracy_reward` calls it, side by side.
+
+Workloads (N responses each, half right, every response a fresh string so no cache hides the parse):
+
+- `arith`: the embedded GRPO task's responses, `\\boxed{N}` against an integer gold (right, off by a few,
+  some malformed), the case where both checkers must agree and math_verify takes the builtin number path;
+- `latex`: MATH-style answers the builtin parser mostly cannot equate (`\\frac{6}{8}` against `\\frac{3}{4}`,
+  `\\sqrt{a}/b`, sets, `x=a`, `\\$a`), where math_verify runs SymPy;
+
+Each side runs through `get_reward` (the `SafeReward` with its per-sample SIGALRM limit, as trainers call
+it). The TRL-style side parses the whole response and the gold with math-verify's defaults and its own
+signal timeouts on (`parse(...)`, `verify(...)`). Median of `--repeats` rounds after a warm-up round on
+other strings; prints the CPU and the load average (the machine is shared).
+
+    python benchmarks/bench_math_check.py --n 2000 --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import cpu_model  # noqa: E402
+
+from megalign.rewards import get_reward  # noqa: E402
+from megalign.rewards.math import have_math_verify  # noqa: E402
+
+
+def arith_rows(n: int, rng: random.Random) -> list[tuple[str, str]]:
+    """(response, gold) of the embedded task: half right, the rest off by 1-3 or malformed."""
+    rows = []
+    for _ in range(n):
+        gold = rng.randint(-20, 400)
+        value = gold if rng.random() < 0.5 else gold + rng.choice([-3, -2, -1, 1, 2, 3])
+        form = rng.choice([r"\boxed{{{v}}}", r"\boxed{{{v}}}", r"\boxed{{{v}}}", r"\boxed{{{v}", r"{v}"])
+        rows.append((form.format(v=value), str(gold)))
+    return rows
+
+
+def latex_rows(n: int, rng: random.Random) -> list[tuple[str, str]]:
+    """(response, gold) of MATH-style LaTeX answers: half equivalent to the gold in another form, half not."""
+    rows = []
+    for _ in range(n):
+        a, b, k = rng.randint(1, 99), rng.randint(2, 99), rng.randint(2, 9)
+        right = rng.random() < 0.5
+        d = 0 if right else 1
+        kind = rng.randrange(5)
+        if kind == 0:
+            pred, gold = rf"\frac{{{k * a + d}}}{{{k * b}}}", rf"\frac{{{a}}}{{{b}}}"
+        elif kind == 1:
+            pred, gold = rf"\sqrt{{{a + d}}}/{b}", rf"\frac{{\sqrt{{{a}}}}}{{{b}}}"
+        elif kind == 2:
+            pred, gold = rf"\{{{b}, {a + d}\}}", rf"\{{{a}, {b}\}}"
+        elif kind == 3:
+            pred, gold = f"x={a + d}", str(a)
+        else:
+            pred, gold = rf"\${a * 10 + d}", str(a * 10)
+        rows.append((rf"The answer is $\boxed{{{pred}}}$.", gold))
+    return rows
+
+
+def trl_style(rows):
+    """math-verify as TRL's accuracy_reward calls it: whole response and gold parsed with its defaults and its
+    signal timeouts on."""
+    from math_verify import parse, verify
+    return [float(verify(parse(gold), parse(response))) for response, gold in rows]
+
+
+def rate(fn, rows, warmup, repeats: int) -> tuple[float, float]:
+    """(median rewards/s over `repeats` rounds, mean reward) of `fn(rows)` after one round on `warmup`."""
+    fn(warmup)
+    times, scores = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        scores = fn(rows)
+        times.append(time.perf_counter() - start)
+    return len(rows) / statistics.median(times), sum(scores) / len(scores)
+
+
+def term(checker: str):
+    reward = get_reward("math_accuracy", options={"checker": checker})
+    return lambda rows: list(reward([""] * len(rows), [r for r, _ in rows], [g for _, g in rows]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=2000, help="responses per workload and round")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.n < 1 or args.repeats < 1:
+        ap.error("--n and --repeats must be >= 1")
+    if not have_math_verify():
+        sys.exit("math-verify is not installed: pip install 'megalign[math]'")
+    from importlib.metadata import version
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f}; math-verify {version('math-verify')}")
+    rng = random.Random(0)
+    print("| workload | checker | rewards/s | mean reward |\n|---|---|---:|---:|")
+    for name, make in (("arith", arith_rows), ("latex", latex_rows)):
+        rows, warmup = make(args.n, rng), make(min(args.n, 200), rng)
+        sides = [("builtin", term("builtin")), ("math_verify", term("math_verify")),
+                 ("math-verify as TRL calls it", trl_style)]
+        for label, fn in sides:
+            per_s, mean = rate(fn, rows, warmup, args.repeats)
+            print(f"| {name} | {label} | {per_s:,.0f} | {mean:.3f} |", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
