@@ -293,7 +293,8 @@ class Trainer:
             self.progress["accuracy_before"] = -1.0 if before is None else before
         history: list[dict[str, float]] = []
         log = MetricsLogger(cfg.run_dir, rank=self.rank, tensorboard=cfg.tensorboard, progress_total=cfg.steps,
-                            initial_step=self.progress["step"], resumed=self.resume_from is not None)
+                            initial_step=self.progress["step"], resumed=self.resume_from is not None,
+                            log_config=cfg.logging, config=to_dict(cfg))
         clock = SaveClock(cfg.save_every_minutes)
         first_step = self.progress["step"]
         try:

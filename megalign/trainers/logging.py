@@ -12,7 +12,9 @@ Design choices:
   shows one trajectory, not the abandoned one beside it. TensorBoard's event files are append-only;
   its writer is opened with `purge_step=k + 1`, so TensorBoard hides the killed run's later events.
   TensorBoard and tqdm are conveniences: each is imported lazily and, when missing, disabled with one
-  warning instead of stopping training.
+  warning instead of stopping training. Weights & Biases and MLflow, when the run config's
+  `logging.backends` lists them, get the same rows (`megalign.trainers.log_backends`: same names, same
+  step, the config logged with the run, resumed runs continuing the same run id).
 - Values may be Python numbers or 0-dim tensors; tensors are converted here, at log time, which is
   the one host sync per step that logging costs. Non-finite values are written as JSON `null`
   (JSON has no NaN), so the file stays valid for every parser.
@@ -31,11 +33,12 @@ import os
 import resource
 import sys
 import time
-from typing import Iterator, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
 from megalign.config import atomic_write_text
+from megalign.trainers.log_backends import ExternalLoggers, LoggingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +71,26 @@ class MetricsLogger:
         initial_step: steps already done (a resumed run), where the bar starts.
         resumed: the run resumes from its checkpoint at `initial_step`: the killed run's rows of later steps
             are removed from metrics.jsonl and hidden in TensorBoard (module doc).
+        log_config: the run config's `logging` section (which backends, the run's name there); None: jsonl and
+            TensorBoard. TensorBoard is written when `tensorboard` is true and `log_config` does not leave it out.
+        config: the run's whole config as nested dicts (`megalign.config.to_dict`), logged with W&B / MLflow runs.
     """
 
     def __init__(self, run_dir: Union[str, os.PathLike], rank: int = 0, tensorboard: bool = True,
-                 progress_total: Optional[int] = None, initial_step: int = 0, resumed: bool = False):
+                 progress_total: Optional[int] = None, initial_step: int = 0, resumed: bool = False,
+                 log_config: Optional[LoggingConfig] = None, config: Optional[Mapping[str, Any]] = None):
         self.enabled = rank == 0
         self.path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
-        self._file = self._writer = self._bar = None
+        self._file = self._writer = self._bar = self._external = None
         if not self.enabled:
             return
         os.makedirs(os.fspath(run_dir), exist_ok=True)
         if resumed:
             self._drop_rows_after(initial_step)
         self._file = open(self.path, "a", encoding="utf-8")
+        if log_config is not None:
+            tensorboard = tensorboard and "tensorboard" in log_config.backends
+            self._external = ExternalLoggers(log_config, os.fspath(run_dir), config, resumed)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -135,6 +145,8 @@ class MetricsLogger:
         if self._writer is not None:
             for name, value in values.items():
                 self._writer.add_scalar(name, value, step)
+        if self._external is not None:
+            self._external.log(int(step), values)
         if self._bar is not None:  # postfix first: `update` redraws, so the bar is current at every step, the last too
             self._shown.update({k: f"{values[k]:.4g}" for k in PROGRESS_KEYS if k in values})
             self._bar.set_postfix({k: self._shown[k] for k in PROGRESS_KEYS if k in self._shown}, refresh=False)
@@ -142,13 +154,16 @@ class MetricsLogger:
         self._last_step = max(self._last_step, step)
 
     def close(self) -> None:
+        """Close every file and backend; W&B / MLflow runs are marked failed when an exception is propagating."""
         if self._bar is not None:
             self._bar.close()
         if self._writer is not None:
             self._writer.close()
+        if self._external is not None:
+            self._external.close()
         if self._file is not None:
             self._file.close()
-        self._file = self._writer = self._bar = None
+        self._file = self._writer = self._bar = self._external = None
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -17,6 +17,7 @@ import torch
 
 from megalign.config import option
 from megalign.data import ArithTaskConfig, TokenizerConfig
+from megalign.trainers.log_backends import LoggingConfig
 
 
 @dataclasses.dataclass
@@ -41,7 +42,9 @@ class RunConfig:
         "error", doc="resuming with a config whose meaning changed (model, data, objective, lr...): 'error' or 'allow' (warned)")
     export_hf: bool = option(True, doc="write the final model in HF format (with tokenizer files) to run_dir/hf")
     log_every: int = option(1, doc="write metrics every N steps (and always the last)")
-    tensorboard: bool = option(True, doc="also write TensorBoard scalars")
+    tensorboard: bool = option(True, doc="also write TensorBoard scalars (false: the same as leaving tensorboard out of logging.backends)")
+    logging: LoggingConfig = option(LoggingConfig(), doc="metric backends (jsonl, tensorboard, wandb, mlflow) and the run's "
+                                                         "project and name in W&B / MLflow")
     watchdog_minutes: float = option(
         30.0, doc="stop the job (exit status 124, naming the phase and every thread's stack) when a rank makes no "
                   "progress (no timed phase starts or ends) for this many minutes; must exceed the longest phase "
@@ -79,7 +82,7 @@ class DataConfig:
 
 
 RUN_FREE_KEYS = ("run_dir", "steps", "device", "save_every", "save_every_minutes", "keep_last", "resume",
-                 "overwrite_checkpoints", "resume_changes", "export_hf", "log_every", "tensorboard",
+                 "overwrite_checkpoints", "resume_changes", "export_hf", "log_every", "tensorboard", "logging",
                  "max_skipped_fraction", "watchdog_minutes", "eval")
 """Config keys (dotted prefixes) a resumed run may change without changing what it trains: where and
 how often it writes, how long it runs (a cosine schedule is recomputed for the new length) and how it
