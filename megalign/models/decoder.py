@@ -62,6 +62,11 @@ class LayerFactory:
 
     tp_size: int = 1
     tp_rank: int = 0
+    ep_size: int = 1
+    """Expert parallelism (`moe.GroupedExperts`): MoE experts split over `ep_group`, ranks of the data-parallel group
+    that share this rank's tp rank; 1 = every rank holds every expert."""
+    ep_rank: int = 0
+    ep_group: Group = None
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         """Token embedding: `[B, T]` ids -> `[B, T, dim]`."""

@@ -6,7 +6,9 @@ reading one tensor through `safetensors.safe_open(...).get_slice`.
 MoE layers (Qwen3-MoE, Mixtral) add a per-family table (`_MOE_RULES`): a stacked expert parameter
 `[E, ...]` is E file tensors, one per expert, in the hub layout transformers reads and writes
 (`mlp.experts.{e}.gate_proj` / `block_sparse_moe.experts.{e}.w1`, ...); expert e is read into slice e
-and written from it (`hf_entries`). The transforms:
+and written from it (`hf_entries`). Under expert parallelism (`factory.ep_size` > 1) a rank reads its own
+experts only, and saving gathers them over the ep group (every ep rank calls it; ep rank 0 writes). The
+transforms:
 - tensor-parallel slicing: each parameter is split along `shard_dim` (0 for column-parallel weights,
   biases and the vocabulary, 1 for row-parallel weights, None = replicated); a rank reads only rows /
   columns `[rank * local, (rank + 1) * local)` of the file, never the whole tensor; on save the shards are
@@ -36,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megalign.parallel.collectives import gather_to_first
 from megalign.parallel.data_parallel import pp_tied_parameters
 from megalign.parallel.layout import ParallelLayout
 from megalign.parallel.pipeline import stage_layer_range
@@ -89,11 +92,13 @@ def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:
     raise KeyError(f"no HF name for megalign parameter {name!r}")
 
 
-def hf_entries(name: str, config: ModelConfig, layer_offset: int = 0) -> list[tuple[str, Optional[int], Optional[int]]]:
-    """[(HF name, expert index or None, shard_dim of the HF tensor)] of megalign parameter `name`.
+def hf_entries(name: str, config: ModelConfig, layer_offset: int = 0, ep_size: int = 1,
+               ep_rank: int = 0) -> list[tuple[str, Optional[int], Optional[int]]]:
+    """[(HF name, local expert index or None, shard_dim of the HF tensor)] of megalign parameter `name`.
 
-    One entry for every parameter but a stacked expert weight, which has one per expert (its slice
-    `[e]` is the HF tensor); `layer_offset` is a pipeline stage's first layer."""
+    One entry for every parameter but a stacked expert weight, which has one per expert it holds (its
+    slice `[i]` is the HF tensor of global expert `ep_rank * E / ep_size + i`); `layer_offset` is a
+    pipeline stage's first layer."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(router\.weight|experts\.\w+)", name)
     if m is None:
         hf_name, shard_dim = hf_rule(name, layer_offset)
@@ -103,7 +108,8 @@ def hf_entries(name: str, config: ModelConfig, layer_offset: int = 0) -> list[tu
     template = templates[config.model_type]
     if "{e}" not in template:
         return [(prefix + template, None, shard_dim)]
-    return [(prefix + template.format(e=e), e, shard_dim) for e in range(config.num_experts)]
+    n = config.num_experts // ep_size
+    return [(prefix + template.format(e=ep_rank * n + i), i, shard_dim) for i in range(n)]
 
 
 def _tied_copies(model: "_Model") -> set[int]:
@@ -184,11 +190,13 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool
         if new_head and name.startswith("head."):
             continue
         for hf_name, expert, shard_dim in hf_entries("model.embed.weight" if id(param) in copies else name, config,
-                                                     layer_range[0]):
+                                                     layer_range[0], factory.ep_size, factory.ep_rank):
             wanted[hf_name] = (name, expert, shard_dim)
     files = _checkpoint_index(path)
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings or new_head else set()
     ignorable |= {n for n in files if _other_stage(n, layer_range, config.num_hidden_layers)}
+    if factory.ep_size > 1:  # the other ep ranks' experts
+        ignorable |= {n for name in params for n, _, _ in hf_entries(name, config, layer_range[0])} - set(wanted)
     missing = sorted(set(wanted) - set(files))
     unexpected = sorted(set(files) - set(wanted) - ignorable)
     if missing or unexpected:
@@ -242,19 +250,21 @@ def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
         if id(param) in copies:  # the first stage writes the matrix
             continue
-        entries = hf_entries(name, config, offset)
+        entries = hf_entries(name, config, offset)  # every expert: the ep ranks' stacked together
         stacked = entries[0][1] is not None  # experts [E, ...]: the HF tensor's dim d is the parameter's d + 1
         shard_dim = entries[0][2]
         tensor = param.detach()
         if shard_dim is not None:
             tensor = factory.gather_to_first(tensor, shard_dim + stacked)
-        if tensor is None:  # not tp rank 0: this rank only sends
+        if tensor is not None and stacked and factory.ep_size > 1:
+            tensor = gather_to_first(tensor, 0, factory.ep_group)  # among the tp-rank-0 ranks
+        if tensor is None:  # not tp rank 0 (or ep rank 0): this rank only sends
             continue
         if name in _VOCAB_PARAMS:
             tensor = tensor[: config.vocab_size]
         for hf_name, expert, _ in entries:
             tensors[hf_name] = (tensor if expert is None else tensor[expert]).contiguous().cpu()
-    return tensors if factory.tp_rank == 0 else None
+    return tensors if factory.tp_rank == 0 and factory.ep_rank == 0 else None
 
 
 def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -269,7 +279,8 @@ def save_hf_checkpoint(model: _Model, path: Union[str, os.PathLike], architectur
     beyond the model is in flight), which writes: a collective over the tp group, so every tp rank
     calls it; ranks other than tp rank 0 return once their shards are sent, before the files exist
     (barrier before reading them there). With dp > 1, call it on one dp replica only, or each replica's
-    tp rank 0 writes the same files. Files are written under a temporary name unique to the process
+    tp rank 0 writes the same files; under expert parallelism every rank of the ep group calls it (the
+    experts are gathered over it) and ep rank 0 writes. Files are written under a temporary name unique to the process
     and renamed when complete, so a crash never leaves a half-written checkpoint; a model holding NaN or
     inf is refused (ValueError naming the tensors) before anything is written.
     `architecture` defaults to the family's ...ForCausalLM, or ...ForSequenceClassification for scalar heads.

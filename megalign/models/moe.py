@@ -17,6 +17,14 @@ renormalised to sum to 1 when `norm_topk_prob` (Mixtral always), and the token's
   The expert input enters through `copy_to_group` (its gradient summed over ranks), the combined output
   leaves through `reduce_from_group` (one all-reduce of `[N, H]` per layer), and the routing weights pass
   `copy_to_group` too: each rank's output is a partial sum over its slice, so a weight's gradient is too.
+- Expert parallelism (`factory.ep_size` > 1, Megatron's: experts split over `factory.ep_group`, ranks of the
+  data-parallel group that hold other tokens): rank r holds experts `[r * E / ep, (r + 1) * E / ep)`. The
+  (token, expert) rows sorted by expert are sent to their experts' ranks by one all-to-all (split sizes
+  exchanged first by a small all-to-all of the per-expert counts: one host sync per MoE layer, as in
+  Megatron's dropless dispatcher), regrouped by local expert, run through the grouped matmuls, and sent
+  back by the reverse all-to-all, whose backward is the forward one. The expert weights are then not
+  replicated over the ep group: their gradient covers every rank's tokens, so the data-parallel
+  all-reduce must leave them out over the ep group (`ep_shard_dims` marks them, dim 0).
 - Routing state lives in a `Routing` object the caller attaches for one forward (`moe_routing`): it
   records the chosen experts `[N, k]` per layer (`record`), forces given ones (`replay`: the
   probabilities are the current router's, gathered at the given experts and renormalised alike, so the
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -121,35 +130,79 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     return torch.cat([p @ w.T for p, w in zip(parts, weight)]) if parts else x.new_zeros(0, weight.shape[1])
 
 
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The permutation undoing `order` (`x[order][_inverse(order)] == x`)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows `[sum(send), ...]` -> `[sum(recv), ...]`: rank r's `send[j]` rows go to rank j; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights; this rank holds `F / tp` of each expert's width (`tp_shard_dims`).
+    """E SwiGLU experts as stacked weights; this rank holds `F / tp` of each expert's width (`tp_shard_dims`) and,
+    under expert parallelism, experts `[ep_rank * E / ep, (ep_rank + 1) * E / ep)` only (`ep_shard_dims`).
 
-    forward: tokens `[N, H]`, chosen experts `[N, k]`, their weights `[N, k]` fp32 -> `[N, H]` (partial over
-    tp ranks: the caller all-reduces)."""
+    forward: tokens `[N, H]`, chosen (global) experts `[N, k]`, their weights `[N, k]` fp32 -> `[N, H]` (partial
+    over tp ranks: the caller all-reduces)."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int, tp_size: int):
+    def __init__(self, num_experts: int, hidden: int, width: int, tp_size: int, ep_size: int = 1, ep_group=None):
         super().__init__()
         local = width // tp_size
         self.num_experts = num_experts
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+        self.ep_size, self.ep_group = ep_size, ep_group
+        n = num_experts // ep_size
+        self.gate_proj = nn.Parameter(torch.empty(n, local, hidden))
+        self.up_proj = nn.Parameter(torch.empty(n, local, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, local))
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, std=0.02)
         self.tp_shard_dims = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+        self.ep_shard_dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 0} if ep_size > 1 else {}
+
+    def _swiglu(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows `[M, H]` sorted by local expert, `counts` `[E_local]` -> `[M, H]`."""
+        ends = counts.cumsum(0).to(torch.int32)
+        h = F.silu(grouped_linear(xs, self.gate_proj, counts, ends)) * grouped_linear(xs, self.up_proj, counts, ends)
+        return grouped_linear(h, self.down_proj, counts, ends)
+
+    def _dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: rows sorted by global expert, `counts` `[E]` -> their outputs, same order (module doc)."""
+        ep, n_local = self.ep_size, self.num_experts // self.ep_size
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        send, recv = counts.view(ep, n_local).sum(1).tolist(), received.view(ep, n_local).sum(1).tolist()
+        xr = _AllToAll.apply(xs, send, recv, self.ep_group)  # ordered by (source rank, local expert)
+        local_ids = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(received)
+        order = torch.argsort(local_ids, stable=True)
+        yr = self._swiglu(xr[order], received.view(ep, n_local).sum(0))[_inverse(order)]
+        return _AllToAll.apply(yr, recv, send, self.ep_group)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
         counts = torch.bincount(flat, minlength=self.num_experts)
-        ends = counts.cumsum(0).to(torch.int32)
         xs = x[order // k]
-        h = F.silu(grouped_linear(xs, self.gate_proj, counts, ends)) * grouped_linear(xs, self.up_proj, counts, ends)
-        ys = grouped_linear(h, self.down_proj, counts, ends)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = ys[inverse].view(n, k, -1)
+        ys = self._swiglu(xs, counts) if self.ep_size == 1 else self._dispatch(xs, counts)
+        y = ys[_inverse(order)].view(n, k, -1)
         return (y.float() * weights[..., None]).sum(1).to(x.dtype)
 
 
@@ -165,9 +218,12 @@ class MoEMLP(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.group: Group = factory.group if factory.tp_size > 1 else None
+        if config.num_experts % factory.ep_size:
+            raise ValueError(f"num_experts ({config.num_experts}) must be divisible by the expert-parallel size "
+                             f"{factory.ep_size}")
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                      factory.tp_size)
+                                      factory.tp_size, factory.ep_size, factory.ep_group)
 
     def route(self, x: torch.Tensor, routing: Optional[Routing]) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, H]` -> (expert ids `[N, k]` int64, weights `[N, k]` fp32); records / replays / collects per `routing`."""

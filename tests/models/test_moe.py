@@ -1,7 +1,7 @@
 """MoE decoders (Qwen3-MoE, Mixtral) against transformers on tiny random checkpoints: logits, loss with the
 load-balancing term, every gradient (fp32 tight, bf16 no worse than 2x transformers' own bf16 error), HF export
-reloaded by transformers, tp = 2 on gloo, and routing record / replay against a transformers router forced to the
-same experts."""
+reloaded by transformers, tp = 2 and ep = 2 on gloo, and routing record / replay against a transformers router forced
+to the same experts."""
 import re
 
 import pytest
@@ -16,7 +16,8 @@ from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalL
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from conftest import TOL
-from megalign.models import (ModelConfig, from_pretrained, load_balancing_loss, moe_routing, save_hf_checkpoint)
+from megalign.models import (CausalLM, LayerFactory, ModelConfig, from_pretrained, load_balancing_loss, moe_routing,
+                             save_hf_checkpoint)
 from megalign.models.hf_adapter import hf_rule
 from megalign.models.moe import _grouped_mm_ok
 from megalign.parallel import ParallelLayout
@@ -313,3 +314,56 @@ def test_tp2_matches_transformers(tmp_path):
     ids, mask = _batch()
     hf_params = {n: p.detach().clone() for n, p in hf.named_parameters()}
     run_distributed(_check_tp2, str(tmp_path), ids, mask, *_hf_run(hf, ids, mask), hf_params)
+
+
+# ----- expert parallelism: experts split over 2 data-parallel ranks, each with its own batch
+
+class _ExpertParallel(LayerFactory):
+    def __init__(self, size: int, rank: int = 0, group=None):
+        self.ep_size, self.ep_rank, self.ep_group = size, rank, group
+
+
+def _check_ep2(path, batches, hf_logits, hf_aux, hf_grads, hf_params):
+    rank = dist.get_rank()
+    model = from_pretrained(path, factory=_ExpertParallel(2, rank, dist.group.WORLD)).train()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_proj.shape[0] == 3  # experts [3 * rank, 3 * rank + 3) of 6
+    ids, mask = batches[rank]
+    logits, aux, _ = _our_run(model, ids, mask)
+    assert_close(logits[mask.bool()], hf_logits[rank][mask.bool()], **FP32)
+    assert_close(aux, hf_aux[rank], **FP32)
+    ep_marked = {getattr(m, n) for m in model.modules() for n in getattr(m, "ep_shard_dims", {})}
+    for name, p in model.named_parameters():
+        expected = hf_param(name, hf_grads)
+        if p in ep_marked:  # this rank's experts saw both ranks' tokens: the gradient of the summed losses
+            expected = expected[3 * rank:3 * rank + 3]
+        else:  # replicated: the data-parallel sum
+            dist.all_reduce(p.grad)
+        assert_close(p.grad, expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    save_hf_checkpoint(model, f"{path}/export")
+    dist.barrier()
+    if rank == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(f"{path}/export")
+        for name, p in reloaded.named_parameters():
+            assert torch.equal(p, hf_params[name]), name
+
+
+def test_ep2_matches_transformers_on_the_summed_batches(tmp_path):
+    hf = make_moe(tmp_path, "qwen3_moe").train()
+    batches = [_batch(), (random_ids(2, 10, seed=7), torch.ones(2, 10, dtype=torch.long))]
+    hf_params = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    hf_logits, hf_aux, total = [], [], 0.0
+    for ids, mask in batches:
+        out = hf(ids, attention_mask=mask, output_router_logits=True)
+        total = total + _ce(out.logits, ids, mask) + hf.config.router_aux_loss_coef * out.aux_loss
+        hf_logits.append(out.logits.detach())
+        hf_aux.append(out.aux_loss.detach())
+    total.backward()
+    hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    run_distributed(_check_ep2, str(tmp_path), batches, hf_logits, hf_aux, hf_grads, hf_params)
+
+
+def test_ep_needs_experts_divisible():
+    config = ModelConfig.from_hf(MixtralConfig(**_TINY, **FAMILIES["mixtral"][2]).to_dict())
+    with pytest.raises(ValueError, match=r"^num_experts \(5\) must be divisible by the expert-parallel size 2$"):
+        CausalLM(config, _ExpertParallel(2))
