@@ -1,4 +1,4 @@
-"""Decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE and Mixtral), its heads, and HF checkpoint interop.
+"""Decoder family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen2-MoE, Qwen3-MoE and Mixtral), its heads, and HF checkpoint interop.
 
 `from_pretrained(path, kind)` builds a policy ('causal_lm'), critic ('value') or reward model ('reward')
 from an HF folder; `save_hf_checkpoint` writes one back. `apply_lora` (lora.py) adds LoRA adapters. `LayerFactory` is where tensor parallelism plugs in;

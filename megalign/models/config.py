@@ -20,7 +20,9 @@ Design choices:
   `norm_topk_prob`, `decoder_sparse_step` and `mlp_only_layers` (dense layers of width
   `intermediate_size`); Mixtral is Mistral's attention with `num_local_experts` experts of width
   `intermediate_size` and always-renormalised top-k weights. Mixtral's `router_jitter_noise` (a random
-  training-time input scaling) is rejected when non-zero.
+  training-time input scaling) is rejected when non-zero. Qwen2-MoE is Qwen2's attention (`qkv_bias`, default
+  on) with Qwen3-MoE's keys plus a shared expert (a SwiGLU of width `shared_expert_intermediate_size` every
+  token goes through, scaled by a sigmoid gate).
 - Vocab padding: `vocab_pad_multiple` rounds the embedding / LM-head rows up (Megatron-style, so a
   vocab splits evenly over tensor-parallel ranks). `vocab_size` stays the real vocabulary; the padded
   rows never receive probability (see `heads.LMHead`) and are dropped when saving.
@@ -32,13 +34,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 _HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-                    "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+                    "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 # families that share another's attention: Qwen3-MoE is Qwen3's, Mixtral is Mistral's
-_ATTENTION_FAMILY = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
+_ATTENTION_FAMILY = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 
 def hf_architecture(model_type: str, task: str = "CausalLM") -> str:
@@ -139,6 +141,8 @@ class ModelConfig:
     """MoE: layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
     mlp_only_layers: tuple = ()
     """MoE: layers that keep a dense SwiGLU of width intermediate_size (Qwen3-MoE)."""
+    shared_expert_intermediate_size: int = 0
+    """MoE: width of the shared expert every token also goes through (Qwen2-MoE); 0 = none."""
     router_aux_loss_coef: float = 0.001
     """MoE: weight of the load-balancing loss (`moe.load_balancing_loss`) when training uses it."""
     extra_hf: dict = field(default_factory=dict, repr=False)
@@ -214,6 +218,7 @@ class ModelConfig:
         """
         sizes = (("num_attention_heads", self.num_attention_heads), ("num_key_value_heads", self.num_key_value_heads),
                  ("intermediate_size", self.intermediate_size), ("moe_intermediate_size", self.moe_intermediate_size),
+                 ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
                  ("padded_vocab_size", self.padded_vocab_size))
         bad = [f"{name} ({value})" for name, value in sizes if value % tp]
         if bad:
@@ -256,7 +261,7 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; the SwiGLU MLP needs 'silu'")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=true (per-layer windows) is not supported")
 
         rope_theta, rope_scaling = _read_rope(hf)
@@ -264,7 +269,8 @@ class ModelConfig:
         hidden = hf["hidden_size"]
         # Qwen2 hard-codes q/k/v bias and no o bias; Mistral hard-codes none; Llama and Qwen3 follow attention_bias.
         attention_bias = model_type in ("llama", "qwen3", "qwen3_moe") and bool(hf.get("attention_bias", False))
-        qkv_bias = model_type == "qwen2" or attention_bias
+        qkv_bias = (model_type == "qwen2" or attention_bias
+                    or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))))
         o_bias = attention_bias
         used = {
             "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -332,7 +338,9 @@ class ModelConfig:
             out["mlp_bias"] = self.mlp_bias
         if family == "mistral":
             out["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen3_moe":
+        if self.model_type == "qwen2_moe":
+            out.update(qkv_bias=self.qkv_bias, shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+        if self.model_type in ("qwen2_moe", "qwen3_moe"):
             out.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
                        mlp_only_layers=list(self.mlp_only_layers))
@@ -345,20 +353,20 @@ class ModelConfig:
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "router_jitter_noise",
-             "output_router_logits")
+             "output_router_logits", "shared_expert_intermediate_size", "qkv_bias")
 
 
 def _read_moe(hf: dict, model_type: str) -> dict:
-    """The MoE fields of `ModelConfig` from an HF Qwen3-MoE / Mixtral config (none for a dense family)."""
+    """The MoE fields of `ModelConfig` from an HF Qwen2-MoE / Qwen3-MoE / Mixtral config (none for a dense family)."""
     if model_type not in MOE_MODEL_TYPES:
         return {}
     if hf.get("router_jitter_noise", 0.0):
         raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported (only 0)")
     # Qwen3-MoE's hub configs say num_experts; transformers 5 writes it as num_local_experts (Mixtral's key)
-    experts = hf.get("num_experts", hf.get("num_local_experts")) if model_type == "qwen3_moe" else hf["num_local_experts"]
+    qwen = model_type != "mixtral"
+    experts = hf.get("num_experts", hf.get("num_local_experts")) if qwen else hf["num_local_experts"]
     if experts is None:
         raise KeyError("num_experts")
-    qwen = model_type == "qwen3_moe"
     return dict(
         num_experts=experts,
         num_experts_per_tok=hf["num_experts_per_tok"],
@@ -367,6 +375,7 @@ def _read_moe(hf: dict, model_type: str) -> dict:
         decoder_sparse_step=hf.get("decoder_sparse_step", 1) if qwen else 1,
         mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()) if qwen else (),
         router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+        shared_expert_intermediate_size=hf["shared_expert_intermediate_size"] if model_type == "qwen2_moe" else 0,
     )
 
 

@@ -309,11 +309,11 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer 2020). `[B, T, H]` -> `[B, T, H]`."""
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020). `[B, T, H]` -> `[B, T, H]`; width default `intermediate_size`."""
 
-    def __init__(self, config: ModelConfig, factory: LayerFactory):
+    def __init__(self, config: ModelConfig, factory: LayerFactory, width: Optional[int] = None):
         super().__init__()
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, width or config.intermediate_size
         self.gate_proj = factory.column_linear(h, f, bias=config.mlp_bias)
         self.up_proj = factory.column_linear(h, f, bias=config.mlp_bias)
         self.down_proj = factory.row_linear(f, h, bias=config.mlp_bias)
@@ -334,7 +334,11 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, factory, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoEMLP(config, factory, global_idx) if config.is_moe_layer(global_idx) else SwiGLU(config, factory)
+        if config.is_moe_layer(global_idx):
+            width = config.shared_expert_intermediate_size
+            self.mlp = MoEMLP(config, factory, global_idx, SwiGLU(config, factory, width) if width else None)
+        else:
+            self.mlp = SwiGLU(config, factory)
 
     def forward(self, x, cos, sin, batch, kv_cache, routing: Optional[Routing] = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, batch, kv_cache)

@@ -62,6 +62,13 @@ _RULES = [
     (r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}", 0),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "model.layers.{0}.mlp.down_proj.weight", 1),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "model.layers.{0}.mlp.down_proj.bias", None),
+    # Qwen2-MoE's shared expert and its gate
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up)_proj\.weight",
+     "model.layers.{0}.mlp.shared_expert.{1}_proj.weight", 0),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj\.weight",
+     "model.layers.{0}.mlp.shared_expert.down_proj.weight", 1),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "model.layers.{0}.mlp.shared_expert_gate.weight",
+     None),
     (r"lm_head\.proj\.weight", "lm_head.weight", 0),
     (r"head\.score\.weight", "score.weight", None),
 ]
@@ -78,6 +85,8 @@ _MOE_RULES = {
     "experts.down_proj": ({"qwen3_moe": "mlp.experts.{e}.down_proj.weight",
                            "mixtral": "block_sparse_moe.experts.{e}.w2.weight"}, 1),
 }
+for _templates, _ in _MOE_RULES.values():
+    _templates["qwen2_moe"] = _templates["qwen3_moe"]  # Qwen2-MoE names its experts and router as Qwen3-MoE does
 
 
 def hf_rule(name: str, layer_offset: int = 0) -> tuple[str, Optional[int]]:

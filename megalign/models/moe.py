@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): top-k softmax router, grouped expert matmuls, routing record/replay.
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE): top-k softmax router, grouped expert matmuls, routing replay.
 
 Semantics are transformers' (5.x) `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`: router logits
 `x @ W_r^T` in the activation dtype, softmax in fp32, top-k of the probabilities, the k weights
@@ -210,10 +210,13 @@ class MoEMLP(nn.Module):
     """Router + `GroupedExperts` in place of a dense SwiGLU (module doc). `[B, T, H]` -> `[B, T, H]`.
 
     `layer` is the global layer index (the key of this layer's `Routing` entries); `group` the
-    tensor-parallel group (None at tp = 1)."""
+    tensor-parallel group (None at tp = 1). `shared_expert` (Qwen2-MoE): a SwiGLU every token goes through,
+    its output scaled by sigmoid(`shared_expert_gate`(x)) and added, as in transformers' Qwen2MoeSparseMoeBlock."""
 
-    def __init__(self, config, factory, layer: int):
+    def __init__(self, config, factory, layer: int, shared_expert: Optional[nn.Module] = None):
         super().__init__()
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_expert is not None else None
         self.layer = layer
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
@@ -258,6 +261,10 @@ class MoEMLP(nn.Module):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, routing)
         if self.group is None:
-            return self.experts(x, experts, weights).view(shape)
-        out = self.experts(copy_to_group(x, self.group), experts, copy_to_group(weights, self.group))
-        return reduce_from_group(out, self.group).view(shape)
+            out = self.experts(x, experts, weights)
+        else:
+            out = self.experts(copy_to_group(x, self.group), experts, copy_to_group(weights, self.group))
+            out = reduce_from_group(out, self.group)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from models.hf_fixtures import VOCAB, _randomise_norms, random_ids
 from parallel.dist_utils import run_distributed
 from torch.testing import assert_close
-from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from conftest import TOL
@@ -38,6 +38,9 @@ FAMILIES = {
     "qwen3_moe_step2": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_experts=4, moe_intermediate_size=WIDTH,
                                                                     intermediate_size=48, decoder_sparse_step=2,
                                                                     norm_topk_prob=True, tie_word_embeddings=True)),
+    # Qwen2's attention (q/k/v bias) and a shared expert beside the routed ones
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_experts=4, moe_intermediate_size=WIDTH,
+                                                              intermediate_size=48, shared_expert_intermediate_size=32)),
     # every layer MoE, always renormalised; a sliding window shorter than the sequence
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=5, intermediate_size=WIDTH,
                                                          sliding_window=6)),
@@ -108,7 +111,7 @@ def test_logits_loss_aux_and_grads_match_transformers(tmp_path, family):
     hf_logits, hf_aux, hf_loss, hf_grads = _hf_run(hf, ids, mask)
     model = from_pretrained(tmp_path).train()
     moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "router")]
-    assert len(moe) == {"qwen3_moe": 2, "qwen3_moe_step2": 1, "mixtral": 3}[family]
+    assert len(moe) == {"qwen3_moe": 2, "qwen3_moe_step2": 1, "qwen2_moe": 3, "mixtral": 3}[family]
     assert _grouped_mm_ok(torch.ones(1, 32), moe[0].experts.down_proj)  # the grouped path, not the loop, is tested
     logits, aux, loss = _our_run(model, ids, mask)
     real = mask.bool()
@@ -164,7 +167,7 @@ def test_bf16_no_worse_than_transformers(tmp_path):
     assert ours <= 2 * theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_hf_export_reloads_in_transformers(tmp_path, family):
     make_moe(tmp_path / "in", family)
     model = from_pretrained(tmp_path / "in", vocab_pad_multiple=8).eval()
@@ -309,8 +312,9 @@ def _check_tp2(path, ids, mask, hf_logits, hf_aux, hf_loss, hf_grads, hf_params)
             assert torch.equal(p, hf_params[name]), name
 
 
-def test_tp2_matches_transformers(tmp_path):
-    hf = make_moe(tmp_path, "mixtral").train()
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_tp2_matches_transformers(tmp_path, family):
+    hf = make_moe(tmp_path, family).train()
     ids, mask = _batch()
     hf_params = {n: p.detach().clone() for n, p in hf.named_parameters()}
     run_distributed(_check_tp2, str(tmp_path), ids, mask, *_hf_run(hf, ids, mask), hf_params)
