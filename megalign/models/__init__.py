@@ -13,7 +13,7 @@ from .hf_adapter import (from_pretrained, load_hf_weights, save_hf_checkpoint, s
                          stage_from_pretrained)
 from .lora import (LoRAConfig, adapters_disabled, apply_lora, lora_modules, lora_state_dict, merge_adapters,
                    unmerge_adapters)
-from .moe import Routing, load_balancing_loss, moe_routing
+from .moe import Routing, load_balancing_loss, moe_routing, routing_agreement
 from .parallelize import TensorParallelFactory, tensor_parallel_config
 
 __all__ = [
@@ -21,6 +21,6 @@ __all__ = [
     "RewardHead", "RewardModel", "ValueHead", "ValueModel", "from_pretrained", "load_hf_weights", "save_hf_checkpoint",
     "scalar_head_from_pretrained", "stage_from_pretrained",
     "TensorParallelFactory", "tensor_parallel_config",
-    "Routing", "load_balancing_loss", "moe_routing",
+    "Routing", "load_balancing_loss", "moe_routing", "routing_agreement",
     "LoRAConfig", "apply_lora", "adapters_disabled", "lora_modules", "lora_state_dict", "merge_adapters", "unmerge_adapters",
 ]

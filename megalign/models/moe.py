@@ -106,6 +106,28 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
     return num_experts * torch.sum((counts / rows) * (probs / rows))
 
 
+def routing_agreement(recorded: dict[int, torch.Tensor], recomputed: dict[int, torch.Tensor],
+                      token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Fraction (fp32 scalar) of the chosen (token, layer, expert) slots that two routings share.
+
+    `recorded` / `recomputed`: global layer -> `[N, k]` expert ids (`Routing.chosen`, e.g. of the rollout and of
+    the training forward with replay off), the same layers in both; `token_mask` `[N]` bool: the tokens that count
+    (all when None). Per token and layer, |set(a) & set(b)| / k: the order of a token's k experts does not matter.
+    1.0 when replay holds or nothing flipped; the router agreement the online trainers log."""
+    if sorted(recorded) != sorted(recomputed):
+        raise ValueError(f"routing_agreement: layers {sorted(recorded)} and {sorted(recomputed)} differ")
+    shared = total = 0.0
+    for layer, a in recorded.items():
+        b = recomputed[layer]
+        if a.shape != b.shape:
+            raise ValueError(f"routing_agreement: layer {layer} has shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        same = (a[:, :, None] == b[:, None, :].to(a.device)).any(-1).float().sum(-1)  # [N] experts in both
+        m = torch.ones_like(same) if token_mask is None else token_mask.to(same.device, torch.float32)
+        shared = shared + (same * m).sum()
+        total = total + m.sum() * a.shape[1]
+    return shared / total
+
+
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` takes these operands: its dtypes, and rows of both a multiple of 16 bytes."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:

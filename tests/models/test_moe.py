@@ -19,7 +19,7 @@ from conftest import TOL
 from megalign.models import (CausalLM, LayerFactory, ModelConfig, from_pretrained, load_balancing_loss, moe_routing,
                              save_hf_checkpoint)
 from megalign.models.hf_adapter import hf_rule
-from megalign.models.moe import _grouped_mm_ok
+from megalign.models.moe import _grouped_mm_ok, routing_agreement
 from megalign.parallel import ParallelLayout
 from megalign.parallel.layers import tp_sharded_parameters
 
@@ -235,6 +235,8 @@ def test_routing_replay_keeps_recorded_experts_when_the_router_would_flip(tmp_pa
     with torch.no_grad(), moe_routing(model, record=True) as free:
         model(ids)
     assert moved in free.chosen[0][0] and moved not in recorded[0][0]
+    flips = sum(int((~(free.chosen[k][:, :, None] == recorded[k][:, None]).any(-1)).sum()) for k in recorded)
+    assert routing_agreement(recorded, free.chosen).item() == pytest.approx(1 - flips / (2 * 7 * 2))
     with torch.no_grad(), moe_routing(model, replay=recorded, record=True) as replayed:
         logits = model(ids)
     assert all(torch.equal(replayed.chosen[k], recorded[k]) for k in recorded)
@@ -264,6 +266,17 @@ def test_pipeline_stages_keep_global_layer_indices(tmp_path):
     assert (sorted(r0.chosen), sorted(r1.chosen)) == ([0], [2])
 
 
+def test_routing_agreement_by_hand():
+    a = {0: torch.tensor([[0, 1], [2, 3], [1, 0]]), 3: torch.tensor([[4, 5], [4, 5], [4, 5]])}
+    b = {0: torch.tensor([[1, 0], [2, 1], [3, 2]]), 3: torch.tensor([[4, 5], [5, 4], [0, 1]])}
+    # layer 0: 2 + 1 + 0 shared of 6; layer 3: 2 + 2 + 0 of 6
+    assert routing_agreement(a, b).item() == pytest.approx(7 / 12)
+    # only tokens 0 and 1: 2 + 1 + 2 + 2 of 8
+    assert routing_agreement(a, b, torch.tensor([True, True, False])).item() == pytest.approx(7 / 8)
+    with pytest.raises(ValueError, match=r"layers \[0, 3\] and \[0\] differ"):
+        routing_agreement(a, {0: b[0]})
+
+
 def test_config_reads_moe_keys_and_rejects_bad_ones():
     qwen = ModelConfig.from_hf(Qwen3MoeConfig(**_TINY, **FAMILIES["qwen3_moe"][2]).to_dict())
     assert (qwen.num_experts, qwen.moe_intermediate_size, qwen.norm_topk_prob, qwen.qk_norm) == (6, WIDTH, False, True)
@@ -285,6 +298,15 @@ def test_config_reads_moe_keys_and_rejects_bad_ones():
 
 # ----- tensor parallelism
 
+def _whole_grad(p, sharded: dict, group) -> torch.Tensor:
+    """`p`'s gradient, all-gathered over the tp group along its split dim when tp-sharded (test-side gather)."""
+    if p not in sharded:
+        return p.grad
+    parts = [torch.empty_like(p.grad) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, p.grad.contiguous(), group=group)
+    return torch.cat(parts, sharded[p])
+
+
 def _check_tp2(path, ids, mask, hf_logits, hf_aux, hf_loss, hf_grads, hf_params):
     layout = ParallelLayout.build(tp=2)
     model = from_pretrained(path, layout=layout).train()
@@ -296,11 +318,7 @@ def _check_tp2(path, ids, mask, hf_logits, hf_aux, hf_loss, hf_grads, hf_params)
     sharded = tp_sharded_parameters(model)
     assert model.model.layers[0].mlp.experts.gate_proj in sharded
     for name, p in model.named_parameters():
-        grad = p.grad
-        if p in sharded:
-            parts = [torch.empty_like(grad) for _ in range(2)]
-            dist.all_gather(parts, grad.contiguous(), group=layout.tp_group)
-            grad = torch.cat(parts, sharded[p])
+        grad = _whole_grad(p, sharded, layout.tp_group)
         expected = hf_param(name, hf_grads)
         assert_close(grad[:expected.shape[0]], expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     out = f"{path}/export"
@@ -352,10 +370,8 @@ def _check_ep2(path, batches, hf_logits, hf_aux, hf_grads, hf_params):
             assert torch.equal(p, hf_params[name]), name
 
 
-def test_ep2_matches_transformers_on_the_summed_batches(tmp_path):
-    hf = make_moe(tmp_path, "qwen3_moe").train()
-    batches = [_batch(), (random_ids(2, 10, seed=7), torch.ones(2, 10, dtype=torch.long))]
-    hf_params = {n: p.detach().clone() for n, p in hf.named_parameters()}
+def _hf_summed(hf, batches):
+    """transformers' per-batch logits and aux losses, and the gradients of the batches' summed losses."""
     hf_logits, hf_aux, total = [], [], 0.0
     for ids, mask in batches:
         out = hf(ids, attention_mask=mask, output_router_logits=True)
@@ -363,11 +379,53 @@ def test_ep2_matches_transformers_on_the_summed_batches(tmp_path):
         hf_logits.append(out.logits.detach())
         hf_aux.append(out.aux_loss.detach())
     total.backward()
-    hf_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-    run_distributed(_check_ep2, str(tmp_path), batches, hf_logits, hf_aux, hf_grads, hf_params)
+    return hf_logits, hf_aux, {n: p.grad.clone() for n, p in hf.named_parameters()}
+
+
+def _two_batches():
+    return [_batch(), (random_ids(2, 10, seed=7), torch.ones(2, 10, dtype=torch.long))]
+
+
+def test_ep2_matches_transformers_on_the_summed_batches(tmp_path):
+    hf = make_moe(tmp_path, "qwen3_moe").train()
+    hf_params = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    batches = _two_batches()
+    run_distributed(_check_ep2, str(tmp_path), batches, *_hf_summed(hf, batches), hf_params)
 
 
 def test_ep_needs_experts_divisible():
     config = ModelConfig.from_hf(MixtralConfig(**_TINY, **FAMILIES["mixtral"][2]).to_dict())
     with pytest.raises(ValueError, match=r"^num_experts \(5\) must be divisible by the expert-parallel size 2$"):
         CausalLM(config, _ExpertParallel(2))
+
+
+def _check_tp2_ep2(path, batches, hf_logits, hf_grads):
+    from megalign.models import TensorParallelFactory
+
+    layout = ParallelLayout.build(tp=2)  # 4 ranks: tp 2 x dp 2, the experts split over the dp group
+    factory = TensorParallelFactory(layout)
+    factory.ep_size, factory.ep_rank, factory.ep_group = layout.dp, layout.dp_rank, layout.dp_group
+    model = from_pretrained(path, factory=factory, vocab_pad_multiple=2).train()
+    assert model.model.layers[0].mlp.experts.gate_proj.shape == (3, WIDTH // 2, 32)
+    ids, mask = batches[layout.dp_rank]
+    logits, _, _ = _our_run(model, ids, mask, gather=model.lm_head.gather_logits)
+    assert_close(logits[mask.bool()], hf_logits[layout.dp_rank][mask.bool()], **FP32)
+    sharded = tp_sharded_parameters(model)
+    ep_marked = {getattr(m, n) for m in model.modules() for n in getattr(m, "ep_shard_dims", {})}
+    for name, p in model.named_parameters():
+        grad = _whole_grad(p, sharded, layout.tp_group)
+        expected = hf_param(name, hf_grads)
+        if p in ep_marked:
+            expected = expected[3 * layout.dp_rank:3 * layout.dp_rank + 3]
+        else:
+            dist.all_reduce(grad, group=layout.dp_group)
+        assert_close(grad[:expected.shape[0]], expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_tp2_ep2_matches_transformers(tmp_path):
+    """4 gloo ranks (tp 2 x ep 2 over dp 2): each expert sliced over tp and the experts split over dp."""
+    hf = make_moe(tmp_path, "qwen3_moe").train()
+    batches = _two_batches()
+    hf_logits, _, hf_grads = _hf_summed(hf, batches)
+    run_distributed(_check_tp2_ep2, str(tmp_path), batches, hf_logits, hf_grads, world_size=4)
