@@ -11,7 +11,9 @@ renormalised to sum to 1 when `norm_topk_prob` (Mixtral always), and the token's
   segments (`torch._grouped_mm`, which runs fp32 / bf16 / fp16 on CPU in torch 2.13 when the rows are
   16-byte aligned). Where it cannot run (other dtypes, unaligned widths, a torch without it) the same
   segments go through a loop over experts, which is the reference the grouped path is tested against.
-  Outputs are unsorted and the k expert outputs of a token summed with their weights in fp32.
+  Outputs are unsorted and the k expert outputs of a token summed with their weights in fp32 (the
+  weights stay fp32 where transformers' Qwen3-MoE rounds them to the activation dtype first). The
+  per-expert counts come from a scatter-add, not `bincount`, so the single-device path has no host sync.
 - Tensor parallelism slices every expert like the dense SwiGLU: each rank holds `F / tp` of every
   expert's gate/up rows and down columns (`tp_shard_dims`), the router is replicated (its input is).
   The expert input enters through `copy_to_group` (its gradient summed over ranks), the combined output
@@ -84,13 +86,14 @@ def moe_routing(model: nn.Module, record: bool = False, replay: Optional[dict[in
     if not decoders:
         raise ValueError(f"moe_routing: {type(model).__name__} holds no Decoder")
     routing = Routing(record=record, replay=replay, aux=aux)
+    previous = [d.routing for d in decoders]
     for d in decoders:
         d.routing = routing
     try:
         yield routing
     finally:
-        for d in decoders:
-            d.routing = None
+        for d, before in zip(decoders, previous):
+            d.routing = before
 
 
 def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
@@ -221,7 +224,8 @@ class GroupedExperts(nn.Module):
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         xs = x[order // k]
         ys = self._swiglu(xs, counts) if self.ep_size == 1 else self._dispatch(xs, counts)
         y = ys[_inverse(order)].view(n, k, -1)
