@@ -8,6 +8,9 @@ Design choices:
   time by `load_env_class`) with the config's keyword arguments, then calls `reset(row, seed)` once with the
   dataset row and a seed that depends only on (rollout seed, prompt key, g) (`megalign.rollout.multiturn`),
   so an episode is reproducible and a resumed run replays it. State lives on the object between steps.
+- An environment with a `tools` attribute (`megalign.envs.tools.Tool`s, as `ToolEnv` has) gets them described
+  in the prompt by the tokenizer's chat template when it reads `tools`, else by the documented plain template
+  in the system message (`first_observation_ids`).
 - Observations (`Observation`) are one of: a list of chat messages (`{"role", "content"}`: a user turn, tool
   results), rendered through the tokenizer's chat template (`render_observation`); a string, encoded as is
   (the environment owns its formatting: a documented plain template, a raw continuation); or token ids, used
@@ -128,14 +131,27 @@ def glue(tokenizer) -> list[int]:
     return base[stops[-1] + 1:] if stops else []
 
 
-def first_observation_ids(tokenizer, observation: Observation) -> list[int]:
-    """Prompt ids of a first observation: messages through the chat template with its generation prompt."""
+def first_observation_ids(tokenizer, observation: Observation, tools: Sequence = ()) -> list[int]:
+    """Prompt ids of a first observation: messages through the chat template with its generation prompt, and the
+    environment's `tools` (`megalign.envs.tools.Tool`s) described as `render_chat` does: through an HF template that
+    reads `tools` (with the tokenizer's own template variables, e.g. enable_thinking), else by the plain template in
+    the system message."""
     if isinstance(observation, str):
         return tokenizer.encode(observation)
     observation = list(observation)
-    if observation and all(isinstance(m, Mapping) for m in observation):
-        return list(tokenizer.apply_chat_template([dict(m) for m in observation], add_generation_prompt=True))
-    return render_observation(tokenizer, observation)
+    if not (observation and all(isinstance(m, Mapping) for m in observation)):
+        return render_observation(tokenizer, observation)
+    messages = [dict(m) for m in observation]
+    if tools:
+        from .tools import render_chat, template_reads_tools
+
+        hf = getattr(tokenizer, "hf", None)  # megalign's HFTokenizer wraps the transformers tokenizer
+        if hf is not None and template_reads_tools(hf):
+            text = hf.apply_chat_template(messages, tools=[t.schema() for t in tools], tokenize=False,
+                                          add_generation_prompt=True, **getattr(tokenizer, "template_kwargs", {}))
+            return tokenizer.encode(text)
+        messages = render_chat(messages, tools)
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
 def as_messages(observation: Observation, tokenizer, role: str = "user") -> list[dict]:

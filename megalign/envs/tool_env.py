@@ -1,10 +1,10 @@
 """`ToolEnv`: the policy calls tools over several turns, then answers (issue 28).
 
 Episode: `reset(row, seed)` gives the row's conversation (`row["messages"]`, or `row["prompt"]` as one user
-message) with the tools described in the system message by the documented plain template
-(`megalign.envs.tools.tools_system_prompt`; Qwen2.5's wording, so it reads the same as templates that render
-`tools` themselves). Each policy turn is parsed for Hermes / Qwen `<tool_call>{json}</tool_call>` calls
-(`ToolRegistry.run`): a turn with calls is answered with one tool message per call (the result, or for a
+message); the rollout describes the env's `tools` in the prompt (`megalign.envs.base.first_observation_ids`):
+through the tokenizer's chat template when it reads `tools`, else by the documented plain template in the
+system message (`megalign.envs.tools.tools_system_prompt`; Qwen2.5's wording, so both read alike).
+Each policy turn is parsed for Hermes / Qwen `<tool_call>{json}</tool_call>` calls (`ToolRegistry.run`): a turn with calls is answered with one tool message per call (the result, or for a
 malformed call the error message the policy sees: never a crash), rendered through the chat template as the
 observation; a turn without a call is the final answer and ends the episode, scored by `reward` (a user reward
 function `(prompt, response, answer, metadata) -> float`, or its `"module:function"` spec; none: 0).
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from .base import Environment, StepResult
-from .tools import ERROR_KINDS, Tool, ToolRegistry, render_chat
+from .tools import ERROR_KINDS, Tool, ToolRegistry
 
 
 class ToolEnv(Environment):
@@ -28,6 +28,7 @@ class ToolEnv(Environment):
         from .tools import calculator
 
         self.registry = ToolRegistry(list(tools) if tools is not None else [calculator], max_calls_per_turn)
+        self.tools = list(self.registry.tools.values())
         if isinstance(reward, str):
             from megalign.rewards.user import load_function
             reward = load_function(reward)
@@ -50,7 +51,7 @@ class ToolEnv(Environment):
         if self.system and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": self.system})
         self.row = row
-        return render_chat(messages, list(self.registry.tools.values()))
+        return messages
 
     def step(self, conversation: list[dict], turn: str) -> StepResult:
         errors_before = dict(self.registry.errors)

@@ -95,6 +95,8 @@ class Episode:
 
     prompt_index: int
     sample: int
+    env_seed: int = 0
+    """The seed its environment's `reset` got: a hash of (rollout seed, prompt key, sample), 63 bits."""
     ids: list[int] = dataclasses.field(default_factory=list)
     """The whole episode: prompt, then each policy turn followed by its observation (the last turn has none)."""
     prompt_length: int = 0
@@ -197,7 +199,7 @@ class _MultiTurn:
     def _reset(self, live: _Live, row: Mapping) -> bool:
         try:
             obs = live.env.reset(row, live.env_seed)
-            ids = first_observation_ids(self.tok, obs)
+            ids = first_observation_ids(self.tok, obs, getattr(live.env, "tools", ()))
             if not ids:
                 raise ValueError("the first observation (the prompt) is empty")
             check_observation_ids(ids, self.vocab, "the first observation")
@@ -449,7 +451,7 @@ def multiturn_rollout(model: CausalLM, tokenizer, env_factory: Callable[[], Any]
     g = torch.arange(group_size).repeat(len(rows))
     streams = stream_keys(seed, p, g)
     env_seeds = (splitmix64_mix(streams) & ((1 << 63) - 1)).tolist()
-    episodes = [Episode(prompt_index=i // group_size, sample=i % group_size) for i in range(len(p))]
+    episodes = [Episode(i // group_size, i % group_size, s) for i, s in enumerate(env_seeds)]
     lives = [_Live(ep, env_factory(), key, s) for ep, key, s in zip(episodes, streams.tolist(), env_seeds)]
     run.start(lives, [rows[i // group_size] for i in range(len(p))])
     while run.rows:

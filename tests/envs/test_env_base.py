@@ -58,6 +58,23 @@ def test_observations_render_as_the_template_renders_the_whole_conversation(chat
         "user: ok\nassistant: ")
 
 
+def test_tools_are_described_by_a_template_that_reads_them_else_by_the_plain_one(tmp_path):
+    from megalign.envs.tools import calculator, tools_system_prompt
+
+    user = [{"role": "user", "content": "hi"}]
+    tok = CharTokenizer()  # its template does not read tools: the plain template in a system message
+    assert first_observation_ids(tok, user, [calculator]) == tok.apply_chat_template(
+        [{"role": "system", "content": tools_system_prompt([calculator])}] + user)
+    reads = ("{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+             "<|im_end|>\n{% endif %}" + CHATML)
+    path = save_char_level_hf_tokenizer(tmp_path, ["<unk>", "<|im_start|>", "<|im_end|>"], string.printable, reads,
+                                        eos_token="<|im_end|>")
+    hf = HFTokenizer(path)
+    assert hf.decode(first_observation_ids(hf, user, [calculator]), skip_special=False) == (
+        "<|im_start|>system\nTOOLS:calculator;<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert first_observation_ids(hf, user) == hf.apply_chat_template(user)  # no tools: the template alone
+
+
 def test_text_and_id_observations_are_used_as_they_are():
     tok = CharTokenizer()
     assert render_observation(tok, "[5]") == tok.encode("[5]") and render_observation(tok, [7, 8]) == [7, 8]
@@ -79,8 +96,7 @@ def test_tool_env_answers_calls_counts_malformed_ones_and_scores_the_answer():
     reward = lambda prompt, response, answer, meta: float(str(answer) in response)  # noqa: E731
     env = ToolEnv(reward=reward)
     first = env.reset({"prompt": "What is 1234 * 567?", "answer": 699678}, seed=0)
-    assert first[0]["role"] == "system" and '"name": "calculator"' in first[0]["content"]
-    assert first[1] == {"role": "user", "content": "What is 1234 * 567?"}
+    assert first == [{"role": "user", "content": "What is 1234 * 567?"}] and env.tools[0].name == "calculator"
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 567"}}</tool_call>'
     result = env.step(first, call)
     assert result == StepResult([{"role": "tool", "name": "calculator", "content": "699678"}], 0.0, False,

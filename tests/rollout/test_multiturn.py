@@ -133,6 +133,8 @@ def test_episodes_do_not_depend_on_the_batch(models):
     both, _ = multiturn_rollout(model, TOK, ScriptedUser, ROWS, 2, params, seed=9)
     alone, _ = multiturn_rollout(model, TOK, ScriptedUser, ROWS[1:], 2, params, seed=9, prompt_keys=[1])
     assert [e.ids for e in alone] == [e.ids for e in both[2:]]
+    assert [e.env_seed for e in alone] == [e.env_seed for e in both[2:]]  # the environments' seeds too
+    assert len({e.env_seed for e in both}) == 4
     for a, b in zip(alone, both[2:]):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
     other, _ = multiturn_rollout(model, TOK, ScriptedUser, ROWS, 2, params, seed=10)
@@ -161,6 +163,24 @@ def test_gae_over_the_holes_equals_the_recursion(models):
                                    atol=1e-5, rtol=1e-5)
         assert (adv[i][~mask[i].bool()] == 0).all()
     assert (mask[:, :4] == 1).all() and (mask[:, 4] == 0).all()  # a hole right after the first turn
+
+
+def test_the_loss_mask_gives_environment_tokens_zero_gradient(models):
+    hf, model = models
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, eos_token_id=TOK.eos_id)
+    episodes, _ = multiturn_rollout(model, TOK, ScriptedUser, ROWS, 2, params, seed=3)
+    batch = episodes_to_batch(episodes, 2)
+    width_p = batch.sequences.shape[1] - batch.response_mask.shape[1]
+    logits = hf(batch.sequences, attention_mask=batch.attention_mask).logits[:, width_p - 1:-1].float()
+    logits.retain_grad()
+    logp = logits.log_softmax(-1).gather(-1, batch.sequences[:, width_p:, None])[..., 0]
+    torch.testing.assert_close(logp.detach() * batch.response_mask, batch.rollout_logp, atol=1e-5, rtol=1e-5)
+    (-(logp * batch.response_mask).sum()).backward()
+    per_token = logits.grad.abs().sum(-1)
+    env_token = batch.attention_mask[:, width_p:].bool() & (batch.response_mask == 0)
+    assert env_token.sum() == 2 * 2 * 2 * 20 and (per_token[env_token] == 0).all()  # 2 observations of 20 per episode
+    assert (per_token[batch.response_mask.bool()] > 0).all()
+    hf.zero_grad(set_to_none=True)
 
 
 def test_an_environment_that_raises_is_counted_and_scored_zero(models, caplog):
@@ -193,7 +213,7 @@ def test_turn_and_token_limits_truncate_and_count(models):
     episodes, stats = multiturn_rollout(model, TOK, Endless, ROWS, 1, params, config=MultiTurnConfig(max_turns=2))
     for e in episodes:
         assert e.end == "max_turns" and len(e.action_ranges) == 2 and e.turn_truncated == [True, True]
-        assert e.turn_rewards[-1] == pytest.approx(2 + 3 / 100 + 100 + 4)  # step + finish: 4 messages, no cut observation
+        assert e.turn_rewards[-1] == pytest.approx(2 + 3 / 100 + 100 + 4)  # step + finish (4 messages)
         assert len(e.ids) == e.action_ranges[-1][1]  # no observation after the last turn
     assert stats.ends["max_turns"] == 2 and stats.turn_budget == 4
     # the tokens limit: the prompt of row 0, "<bos>user: hi\nassistant: ", has 21 tokens; 3 policy tokens and a
@@ -250,7 +270,7 @@ def test_tool_calls_are_answered_and_malformed_ones_counted(models):
     assert e.ids[b1:a2] == TOK.encode("tool: 408\nassistant: ")  # the result as a tool message, through the template
     assert e.conversation[-2]["content"].startswith("Error: the tool call is not valid JSON")
     assert stats.env_info["tool_calls"] == 2 and stats.env_info["tool_errors/malformed_json"] == 1
-    assert e.conversation[0]["role"] == "system" and "<tools>" in e.conversation[0]["content"]
+    assert TOK.decode(e.ids[:a1]).startswith("system: # Tools\n") and "<tools>" in TOK.decode(e.ids[:a1])
 
 
 def test_bad_arguments_are_refused(models):
