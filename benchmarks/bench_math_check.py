@@ -10,8 +10,9 @@ Workloads (N responses each, half right, every response a fresh string so no cac
 
 Each side runs through `get_reward` (the `SafeReward` with its per-sample SIGALRM limit, as trainers call
 it). The TRL-style side parses the whole response and the gold with math-verify's defaults and its own
-signal timeouts on (`parse(...)`, `verify(...)`). Median of `--repeats` rounds after a warm-up round on
-other strings; prints the CPU and the load average (the machine is shared).
+signal timeouts on (`parse(...)`, `verify(...)`). Median of `--repeats` rounds, each on new rows with the parse
+caches emptied first (a gold repeated within a round, as a GRPO group repeats it, may hit them), after a
+warm-up round; every side sees the same rows. Prints the CPU and the load average (the machine is shared).
 
     python benchmarks/bench_math_check.py --n 2000 --repeats 3
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import cpu_model  # noqa: E402
 
 from megalign.rewards import get_reward  # noqa: E402
+from megalign.rewards import math as rmath  # noqa: E402
 from megalign.rewards.math import have_math_verify  # noqa: E402
 
 
@@ -71,15 +73,28 @@ def trl_style(rows):
     return [float(verify(parse(gold), parse(response))) for response, gold in rows]
 
 
-def rate(fn, rows, warmup, repeats: int) -> tuple[float, float]:
-    """(median rewards/s over `repeats` rounds, mean reward) of `fn(rows)` after one round on `warmup`."""
-    fn(warmup)
-    times, scores = [], None
+def clear_caches() -> None:
+    """Empty megalign's and math-verify's parse caches, so no side profits from another's parses."""
+    from math_verify import parser
+
+    rmath._mv_parse.cache_clear()
+    parser.parse_latex_cached.cache_clear()
+    parser.parse_expr_cached.cache_clear()
+
+
+def rate(fn, make, n: int, rng: random.Random, repeats: int) -> tuple[float, float]:
+    """(median rewards/s, mean reward) of `fn(rows)` over `repeats` rounds, each on `n` new rows `make(n, rng)`
+    (no parse cache carries over from a round to the next), after a warm-up round on other rows."""
+    fn(make(min(n, 200), rng))
+    times, scores = [], []
     for _ in range(repeats):
+        rows = make(n, rng)
+        clear_caches()
         start = time.perf_counter()
-        scores = fn(rows)
+        round_scores = fn(rows)
         times.append(time.perf_counter() - start)
-    return len(rows) / statistics.median(times), sum(scores) / len(scores)
+        scores += round_scores
+    return n / statistics.median(times), sum(scores) / len(scores)
 
 
 def term(checker: str):
@@ -98,14 +113,12 @@ def main() -> None:
         sys.exit("math-verify is not installed: pip install 'megalign[math]'")
     from importlib.metadata import version
     print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f}; math-verify {version('math-verify')}")
-    rng = random.Random(0)
     print("| workload | checker | rewards/s | mean reward |\n|---|---|---:|---:|")
     for name, make in (("arith", arith_rows), ("latex", latex_rows)):
-        rows, warmup = make(args.n, rng), make(min(args.n, 200), rng)
         sides = [("builtin", term("builtin")), ("math_verify", term("math_verify")),
                  ("math-verify as TRL calls it", trl_style)]
         for label, fn in sides:
-            per_s, mean = rate(fn, rows, warmup, args.repeats)
+            per_s, mean = rate(fn, make, args.n, random.Random(0), args.repeats)   # the same rows for every side
             print(f"| {name} | {label} | {per_s:,.0f} | {mean:.3f} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
