@@ -4,10 +4,11 @@
 Design choices:
 
 - One environment object per episode (sample g of prompt p): the rollout builds it from a class named in the
-  config (`"package.module:Class"` or `"path/to/file.py:Class"`, like user reward functions, checked at load
-  time by `load_env_class`) with the config's keyword arguments, then calls `reset(row, seed)` once with the
-  dataset row and a seed that depends only on (rollout seed, prompt key, g) (`megalign.rollout.multiturn`),
-  so an episode is reproducible and a resumed run replays it. State lives on the object between steps.
+  config (`"package.module:Class"` or `"path/to/file.py:Class"`, like user reward functions) with the config's
+  keyword arguments (`env_factory(spec, kwargs)`: both checked at start-up, naming the spec), then calls
+  `reset(row, seed)` once with the dataset row and a seed that depends only on (rollout seed, prompt key, g)
+  (`megalign.rollout.multiturn`), so an episode is reproducible and a resumed run replays it. State lives on
+  the object between steps.
 - An environment with a `tools` attribute (`megalign.envs.tools.Tool`s, as `ToolEnv` has) gets them described
   in the prompt by the tokenizer's chat template when it reads `tools`, else by the documented plain template
   in the system message (`first_observation_ids`).
@@ -30,15 +31,16 @@ follow an assistant turn are the difference of two renderings of a fixed dummy c
 them (with the generation prompt): `template(base + messages)[len(template(base)):]`, `base` = one user and one
 assistant message. What the template writes after the assistant's stop token (Qwen's "\\n" after
 `<|im_end|>`) is in `template(base)` only; `glue` is those ids, prepended when the policy's turn ended with
-a stop token, so the episode's ids are the template's rendering of the whole conversation.
+the tokenizer's eos, so the episode's ids are the template's rendering of the whole conversation.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 Observation = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
 """Chat messages (rendered through the chat template), text (encoded as is) or token ids (used as they are)."""
@@ -102,9 +104,30 @@ def load_env_class(spec: str) -> type:
     return cls
 
 
+def env_factory(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Callable[[], Any]:
+    """What `multiturn_rollout` takes as `env_factory`: `load_env_class(spec)` bound to the config's `kwargs`, checked
+    at start-up (the arguments fit the constructor and one environment is built) so a typo stops the run before any
+    episode, naming the spec."""
+    cls = load_env_class(spec)
+    kwargs = dict(kwargs or {})
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        raise EnvSpecError(f"environment {spec!r}: its arguments {sorted(kwargs)} do not fit {cls.__name__}: "
+                           f"{exc}") from None
+    except ValueError:
+        pass  # no introspectable signature: the trial build below decides
+    try:
+        cls(**kwargs)
+    except Exception as exc:
+        raise EnvSpecError(f"environment {spec!r}: {cls.__name__}(**{kwargs!r}) raised "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return functools.partial(cls, **kwargs)
+
+
 def render_observation(tokenizer, observation: Observation, after_stop: bool = True) -> list[int]:
-    """Token ids of an observation that follows a policy turn (module doc); `after_stop`: the turn ended with a
-    stop token, so the template's text after the assistant's end marker (`glue`) comes first."""
+    """Token ids of an observation that follows a policy turn (module doc); `after_stop`: the turn ended with the
+    tokenizer's eos, so the template's text after the assistant's end marker (`glue`) comes first."""
     if isinstance(observation, str):
         return tokenizer.encode(observation) if observation else []
     observation = list(observation)
@@ -183,4 +206,4 @@ def optional_float(value: Any, where: str) -> float:
 
 
 __all__ = ["EnvSpecError", "Environment", "Observation", "StepResult", "as_messages", "check_observation_ids",
-           "first_observation_ids", "glue", "load_env_class", "optional_float", "render_observation"]
+           "env_factory", "first_observation_ids", "glue", "load_env_class", "optional_float", "render_observation"]

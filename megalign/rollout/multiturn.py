@@ -155,7 +155,6 @@ class _Live:
         self.fed = 0  # tokens in the cache (= the next token's position)
         self.pending: list[int] = []  # tokens to feed next
         self.turn_start = 0
-        self.turn_stopped = False  # this turn ended with a stop token or string
         self.cut: Optional[str] = None  # the episode's token or time limit cut this turn: the limit's name
         self.t0 = time.perf_counter()
 
@@ -234,8 +233,8 @@ class _MultiTurn:
             if result.done:
                 ep.end = "env"
                 return None
-            obs = render_observation(self.tok, result.observation, after_stop=live.turn_stopped
-                                     and bool(turn_ids) and turn_ids[-1] in self.stop_ids)
+            after_eos = bool(turn_ids) and turn_ids[-1] == self.tok.eos_id
+            obs = render_observation(self.tok, result.observation, after_stop=after_eos)
             check_observation_ids(obs, self.vocab, "the observation")
             messages = as_messages(result.observation, self.tok)
         except Exception as exc:  # noqa: BLE001
@@ -307,7 +306,7 @@ class _MultiTurn:
             live.pending = [token]
             self.stats.policy_tokens += 1
             if token in self.stop_ids or self._stop_string(ep.ids[live.turn_start:]):
-                live.turn_stopped = True
+                pass  # the turn is complete
             elif len(ep.ids) - live.turn_start >= self.params.max_new_tokens:
                 self.stats.turn_budget += 1
                 ep.turn_truncated[-1] = True
@@ -327,7 +326,6 @@ class _MultiTurn:
 
     def _begin_turn(self, live: _Live) -> None:
         live.turn_start = len(live.ep.ids)
-        live.turn_stopped = False
         live.cut = None
         live.ep.turn_truncated.append(False)
 

@@ -6,8 +6,8 @@ import pytest
 from data.hf_tok_fixtures import save_char_level_hf_tokenizer
 
 from megalign.data.tokenizer import CharTokenizer, HFTokenizer
-from megalign.envs.base import (EnvSpecError, Environment, StepResult, first_observation_ids, glue, load_env_class,
-                                render_observation)
+from megalign.envs.base import (EnvSpecError, Environment, StepResult, env_factory, first_observation_ids, glue,
+                                load_env_class, render_observation)
 from megalign.envs.tool_env import ToolEnv
 from megalign.envs.user_sim import ArithmeticUser, split_think_say
 
@@ -37,6 +37,15 @@ def test_load_env_class_by_module_and_by_file(tmp_path):
                        (f"{path}:value", "not a class"), (f"{path}:Half", "has no step method")]:
         with pytest.raises(EnvSpecError, match=says):
             load_env_class(spec)
+
+
+def test_env_factory_binds_and_checks_the_arguments():
+    make = env_factory("megalign.envs.user_sim:ArithmeticUser", {"initial_score": 80})
+    assert make().initial_score == 80 and make() is not make()  # one environment per episode
+    with pytest.raises(EnvSpecError, match="do not fit ArithmeticUser"):
+        env_factory("megalign.envs.user_sim:ArithmeticUser", {"initial_scor": 80})
+    with pytest.raises(EnvSpecError, match=r"ArithmeticUser\(\*\*\{'initial_score': 0\}\) raised ValueError"):
+        env_factory("megalign.envs.user_sim:ArithmeticUser", {"initial_score": 0})
 
 
 def test_observations_render_as_the_template_renders_the_whole_conversation(chatml):
