@@ -271,7 +271,7 @@ class _MultiTurn:
             self.cache = grown
         self.valid[:, start:start + width] = valid_new
         t0 = time.perf_counter()
-        hidden = self.model.model(tokens, attention_mask=self.valid[:, :start + width].long(), position_ids=positions,
+        hidden = self.model.model(tokens, attention_mask=self.valid[:, :start + width], position_ids=positions,
                                   kv_cache=self.cache)
         self.stats.forward_s += time.perf_counter() - t0
         return hidden

@@ -11,7 +11,7 @@ from megalign.envs.base import Environment, StepResult
 from megalign.envs.tool_env import ToolEnv
 from megalign.models import from_pretrained
 from megalign.ops import gae
-from megalign.rollout import MultiTurnConfig, SamplingParams, episodes_to_batch, multiturn_rollout
+from megalign.rollout import MultiTurnConfig, SamplingParams, episodes_to_batch, multiturn_rollout, rollout
 
 TOK = CharTokenizer()
 ROWS = [{"q": "hi"}, {"q": "what is 12 + 7?"}]
@@ -139,6 +139,25 @@ def test_episodes_do_not_depend_on_the_batch(models):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
     other, _ = multiturn_rollout(model, TOK, ScriptedUser, ROWS, 2, params, seed=10)
     assert [e.ids for e in other] != [e.ids for e in both]
+
+
+def test_a_one_turn_episode_is_the_engines_sample(models):
+    """The same per-sample streams as `rollout`: sample g of prompt key p draws the same tokens in both."""
+    _, model = models
+    one_turn = type("OneTurn", (ScriptedUser,), {"turns": 1})
+    params = SamplingParams(max_new_tokens=7, temperature=0.9, top_p=0.95, eos_token_id=TOK.eos_id,
+                            stop_token_ids=list(range(60, 70)))
+    episodes, _ = multiturn_rollout(model, TOK, one_turn, ROWS, 3, params, seed=21)
+    prompts = [TOK.apply_chat_template([{"role": "user", "content": r["q"]}]) for r in ROWS]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out, _ = rollout(model, ids, mask, 3, params, seed=21)
+    assert any(e.action_ranges[0][1] - e.action_ranges[0][0] < 7 for e in episodes)  # some stopped early
+    for i, e in enumerate(episodes):
+        n = int(out.attention_mask[i, width:].sum())
+        assert e.ids[e.prompt_length:] == out.sequences[i, width:width + n].tolist()
+        torch.testing.assert_close(torch.tensor(e.logprobs[e.prompt_length:]), out.logprobs[i, :n], atol=1e-5, rtol=1e-5)
 
 
 def test_gae_over_the_holes_equals_the_recursion(models):
