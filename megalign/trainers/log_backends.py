@@ -190,9 +190,13 @@ class ExternalLoggers:
         flat = flatten_config(config or {})
         self.backends = []
         self.failures: dict[str, int] = {}
-        for name in cfg.backends:
-            if name in BACKEND_CLASSES:
-                self.backends.append(BACKEND_CLASSES[name](cfg, run_dir, run_name, flat, ids.get(name)))
+        try:
+            for name in cfg.backends:
+                if name in BACKEND_CLASSES:
+                    self.backends.append(BACKEND_CLASSES[name](cfg, run_dir, run_name, flat, ids.get(name)))
+        except BaseException:  # one that cannot start stops the run; those already open are closed as failed
+            self.close()
+            raise
         if self.backends:
             atomic_write_text(self.path, json.dumps({**ids, **{b.name: b.id for b in self.backends}}, indent=1) + "\n")
 

@@ -87,10 +87,10 @@ class MetricsLogger:
         os.makedirs(os.fspath(run_dir), exist_ok=True)
         if resumed:
             self._drop_rows_after(initial_step)
-        self._file = open(self.path, "a", encoding="utf-8")
-        if log_config is not None:
+        if log_config is not None:  # first: a backend that cannot start leaves nothing open
             tensorboard = tensorboard and "tensorboard" in log_config.backends
             self._external = ExternalLoggers(log_config, os.fspath(run_dir), config, resumed)
+        self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

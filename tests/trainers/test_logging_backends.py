@@ -168,6 +168,14 @@ def test_runs_are_marked_failed_or_killed_by_the_exception_on_its_way_out(tmp_pa
         assert store["runs"][json.loads((tmp_path / RUN_IDS_FILE).read_text())["mlflow"]]["status"] == status
 
 
+def test_a_backend_that_cannot_start_stops_the_run_and_closes_the_others(tmp_path, fakes, monkeypatch):
+    wandb, _ = fakes
+    monkeypatch.setattr(FakeMlflowClient, "create_run", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down")))
+    with pytest.raises(ConnectionError):
+        MetricsLogger(tmp_path, log_config=LoggingConfig(backends=["wandb", "mlflow"]))
+    assert wandb.runs[0].finished == [1]
+
+
 def test_a_failing_backend_does_not_stop_training(tmp_path, fakes, caplog):
     wandb, _ = fakes
     with MetricsLogger(tmp_path, log_config=LoggingConfig(backends=["wandb"])) as log:
@@ -245,7 +253,9 @@ def _wandb_records(path):
 def test_wandb_offline_run_files_hold_the_rows_and_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):   # nothing in $HOME
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home" / name.lower()))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = LoggingConfig(backends=["jsonl", "wandb"], project="offline-test", wandb_mode="offline")
     with MetricsLogger(tmp_path, log_config=cfg, config=CONFIG) as log:
         log.log(1, {"loss": 2.5, "reward/mean": 0.25})
