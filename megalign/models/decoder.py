@@ -463,7 +463,7 @@ class Decoder(nn.Module):
 
         routing = self.routing
         if routing is not None:  # the load-balancing statistics count real tokens only, as transformers' do
-            routing.token_mask = key_valid[:, offset:].reshape(-1) if key_valid is not None else None
+            routing.start_forward(key_valid[:, offset:].reshape(-1) if key_valid is not None else None)
         x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:

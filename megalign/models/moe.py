@@ -66,12 +66,22 @@ class Routing:
     aux: bool = False
     """Collect the load-balancing statistics (`load_balancing_loss`)."""
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Global layer index -> `[N, k]` int64 chosen experts (filled when `record`)."""
+    """Global layer index -> `[N, k]` int64 chosen experts of the latest forward (filled when `record`)."""
+    steps: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    """`chosen` of every forward in the block, oldest first (`steps[-1] is chosen`): a KV-cache generation's
+    prefill `[B * P, k]` then one `[B, k]` per decoded token, for the caller to assemble per sequence."""
     stats: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """Global layer index -> (`[E]` fp32 counts of chosen experts, `[E]` fp32 summed probabilities, token count),
     padding excluded (filled when `aux`)."""
     token_mask: Optional[torch.Tensor] = None
     """`[N]` bool: real tokens (set by the decoder from its attention mask; None = all)."""
+
+    def start_forward(self, token_mask: Optional[torch.Tensor]) -> None:
+        """Called by the decoder at the start of each forward: a fresh `chosen` (kept in `steps`) and the real tokens."""
+        self.token_mask = token_mask
+        if self.record:
+            self.chosen = {}
+            self.steps.append(self.chosen)
 
 
 @contextmanager

@@ -285,6 +285,36 @@ def test_pipeline_stages_keep_global_layer_indices(tmp_path):
     assert (sorted(r0.chosen), sorted(r1.chosen)) == ([0], [2])
 
 
+def test_rollout_records_every_step_and_training_replays_them(tmp_path):
+    """Routing replay end to end: the experts recorded during KV-cache generation (prefill, then one step per
+    token), assembled per sequence, are what a full training forward over the sequences chooses; after the router
+    moves (a training update) the free forward disagrees, and replaying the record keeps the rollout's experts."""
+    from megalign.rollout import SamplingParams, generate
+
+    make_moe(tmp_path, "qwen3_moe")
+    model = from_pretrained(tmp_path).eval()
+    ids, mask = random_ids(2, 5, seed=9), torch.ones(2, 5, dtype=torch.long)
+    ids[1, :2], mask[1, :2] = 0, 0
+    with torch.no_grad(), moe_routing(model, record=True) as rollout:
+        out = generate(model, ids, mask, SamplingParams(max_new_tokens=6, temperature=0.0, pad_token_id=0))
+    assert len(rollout.steps) == 6 and rollout.steps[-1] is rollout.chosen  # prefill + 5 decode forwards
+    recorded = {layer: torch.cat([rollout.steps[0][layer].view(2, 5, 2)]
+                                 + [s[layer].view(2, 1, 2) for s in rollout.steps[1:]], 1).reshape(-1, 2)
+                for layer in rollout.chosen}
+    seqs, seq_mask = out.sequences[:, :-1], torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], 1)
+    real = seq_mask.reshape(-1).bool()
+    with torch.no_grad(), moe_routing(model, record=True) as train:
+        model(seqs, attention_mask=seq_mask)
+    assert routing_agreement(recorded, train.chosen, real).item() == 1.0
+    _flip_router(model, seqs[:1, :1], 0)  # first token of row 0 (real): its layer-0 experts change
+    with torch.no_grad(), moe_routing(model, record=True) as moved:
+        model(seqs, attention_mask=seq_mask)
+    assert routing_agreement(recorded, moved.chosen, real).item() < 1.0
+    with torch.no_grad(), moe_routing(model, replay=recorded, record=True) as replayed:
+        model(seqs, attention_mask=seq_mask)
+    assert all(torch.equal(replayed.chosen[k], recorded[k]) for k in recorded)
+
+
 def test_routing_agreement_by_hand():
     a = {0: torch.tensor([[0, 1], [2, 3], [1, 0]]), 3: torch.tensor([[4, 5], [4, 5], [4, 5]])}
     b = {0: torch.tensor([[1, 0], [2, 1], [3, 2]]), 3: torch.tensor([[4, 5], [5, 4], [0, 1]])}
