@@ -92,7 +92,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
     def __init__(self, cfg: OnlineConfig):
         super().__init__(cfg)
         check_microbatches("actor", cfg.actor)
-        self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor")
+        self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor", cfg.actor.stage_split("actor"))
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
         check_model_path(cfg.actor.path, "actor.path")

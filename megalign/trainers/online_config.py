@@ -135,16 +135,6 @@ class OnlineConfig(RunConfig):
     eval: EvalConfig = option(EvalConfig(), doc="held-out greedy evaluation before training, every N steps and at the end")
     algo: UpdateSchedule = option(UpdateSchedule(), doc="the objective (each algorithm's section extends the update schedule)")
 
-    def __post_init__(self):
-        super().__post_init__()
-        # Uneven pipeline stages reach the supervised trainers' model; the online roles' layouts do not carry them
-        # yet (`ModelRoleConfig.stage_split` into `layout_for`), so they are refused here rather than ignored.
-        roles = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)] + self.reward.reward_models()
-        for key, role in roles:
-            if isinstance(role, ModelRoleConfig) and role.stage_split().uneven:
-                raise ValueError(f"{key}: uneven pipeline stages ({key}.first_stage_layers / last_stage_layers / "
-                                 f"stage_layers) are not wired into the online trainers yet (the supervised trainers "
-                                 f"take them); use a pp that divides the layers")
 
 
 def prompt_datasets(cfg: PromptDataConfig, tokenizer: Tokenizer, run_dir: str) -> tuple[PromptDataset, Optional[PromptDataset]]:

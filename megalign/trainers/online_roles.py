@@ -63,18 +63,18 @@ class OnlineRoles:
         """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a
         role at pp = 1 beside a pp > 1 actor scores the batch on every rank of the actor's pp group)."""
         check_microbatches(key, cfg)
-        layout = self.layout_for(cfg.tp, cfg.pp, key)
+        layout = self.layout_for(cfg.tp, cfg.pp, key, cfg.stage_split(key))
         check_same_batch(layout, key, self.layout, "actor")
         return layout
 
     def load_role_model(self, key: str, cfg: ModelRoleConfig, layout: ParallelLayout, path: Optional[str] = None,
                         **kwargs):
         """Role `key`'s model from `path` (default `cfg.path`) on `layout`: this rank's pipeline stage when pp > 1
-        (layers split evenly, checked naming the key), else the whole (tp-sharded) model."""
+        (layers split as the role's stage options say, checked naming the key), else the whole (tp-sharded) model."""
         path = path or cfg.path
         if layout.pp == 1:
             return from_pretrained(path, layout=layout, **kwargs)
-        check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, key, f"{key} {path!r}")
+        check_stages(ModelConfig.from_hf(path).num_hidden_layers, layout.pp, key, f"{key} {path!r}", layout.stages)
         return stage_from_pretrained(path, layout, **kwargs)
 
     def reward_model(self, key: str, cfg: RewardModelConfig, longest: int, what: str):

@@ -3,7 +3,8 @@
 References: transformers (logits of the same HF checkpoint), the unpipelined model (loss and every gradient) and an
 unpipelined SFT run (metrics and the trained weights of its HF export); the split arithmetic against Megatron's rule
 (the stages between the first and the last split the rest evenly), worked by hand.
-A 5-layer model at pp = 2 as [2, 3] and [3, 2], and at pp = 3 as first = last = 1 ([1, 3, 1], 3 processes).
+A 5-layer model at pp = 2 as [2, 3] and [3, 2], and at pp = 3 as first = last = 1 ([1, 3, 1], 3 processes); GRPO
+with its actor and reference split differently ([2, 1] and [1, 2]) against the unpipelined GRPO run.
 """
 import json
 import os
@@ -55,15 +56,6 @@ def test_megatron_split_by_hand(split, num_layers, pp, sizes):
 def test_bad_options_fail_when_the_config_loads(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(SFTConfig, None, [f"run_dir={tmp_path}", *overrides])
-
-
-@pytest.mark.parametrize("algorithm, overrides, key", [
-    ("grpo", ["actor.pp=2", "actor.stage_layers=[2,3]"], "actor"),
-    ("ppo", ["critic.pp=2", "critic.first_stage_layers=2"], "critic")])
-def test_online_roles_refuse_the_options_until_their_layouts_carry_them(tmp_path, algorithm, overrides, key):
-    from megalign.algos.registry import ALGORITHMS
-    with pytest.raises(ConfigError, match=rf"{key}: uneven pipeline stages .* not wired into the online trainers yet"):
-        load_config(ALGORITHMS[algorithm].config_class(), None, [f"run_dir={tmp_path}", *overrides])
 
 
 def test_layer_count_errors_name_the_options():
@@ -190,3 +182,37 @@ def test_sft_uneven_stages_equal_the_unpipelined_run(tmp_path):
 def _metrics(run_dir):
     from trainers.helpers import metric_rows
     return [{k: row[k] for k in ("loss", "grad_norm", "tokens")} for row in metric_rows(run_dir)]
+
+
+def _train_grpo(policy, run_dir, *overrides):
+    from trainers.grpo_helpers import tiny_config
+    from megalign.trainers.grpo import train_grpo
+    train_grpo(tiny_config(policy, run_dir, "algo.micro_batch_size=4", "algo.kl_coef=0.1", "rollout.pack=false",
+                           "rollout.old_logprobs=recompute", "export_hf=true", *overrides))
+
+
+def test_grpo_uneven_stages_equal_the_unpipelined_run(tmp_path):
+    """The online roles take the options too: a 3-layer policy whose actor runs as [2, 1] and reference as [1, 2]
+    (first_stage_layers=1) at pp = 2 gives the pp = 1 run's rollouts, metrics and trained weights (the exports)."""
+    from safetensors.torch import load_file
+    from trainers.grpo_helpers import tiny_policy
+    from trainers.helpers import metric_rows
+    policy = tiny_policy(tmp_path / "policy", layers=3)
+    run_distributed(_train_grpo, policy, str(tmp_path / "ref"), world_size=1)
+    run_distributed(_train_grpo, policy, str(tmp_path / "pp2"), "actor.pp=2", "actor.stage_layers=[2,1]",
+                    "reference.pp=2", "reference.first_stage_layers=1", world_size=2)
+    keys = ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "actor/kl", "actor/approx_kl")
+    rows = list(zip(metric_rows(tmp_path / "ref"), metric_rows(tmp_path / "pp2"), strict=True))
+    assert len(rows) == 2
+    assert rows[1][0]["actor/kl"] > 0  # the second step's KL to the [1, 2] reference is live
+    for a, b in rows:
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    ref = load_file(tmp_path / "ref" / "hf" / "model.safetensors")
+    exported = {}
+    for shard in sorted(os.listdir(tmp_path / "pp2" / "hf")):
+        if shard.endswith(".safetensors"):
+            exported.update(load_file(tmp_path / "pp2" / "hf" / shard))
+    assert sorted(exported) == sorted(ref)
+    for key in ref:
+        torch.testing.assert_close(exported[key], ref[key], rtol=1e-4, atol=1e-5, msg=key)

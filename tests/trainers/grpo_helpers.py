@@ -26,14 +26,14 @@ def raise_on_odd_length(prompt, response, answer, metadata):
     return 1.0
 
 
-def tiny_policy(path, seed=0, vocab_size=None, model_cls=CausalLM, std=0.1):
-    """A 2-layer random Llama over the character vocabulary (or `vocab_size` rows), written as an HF checkpoint at `path`.
+def tiny_policy(path, seed=0, vocab_size=None, model_cls=CausalLM, std=0.1, layers=2):
+    """A `layers`-layer (default 2) random Llama over the character vocabulary (or `vocab_size` rows), written as an HF checkpoint at `path`.
 
     `model_cls`: `CausalLM` (a policy) or `megalign.models.RewardModel` (a scalar head: a reward model); the
     matrices are drawn from N(0, std^2)."""
     tok = CharTokenizer()
     config = ModelConfig(model_type="llama", vocab_size=vocab_size or tok.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          max_position_embeddings=64, pad_token_id=tok.pad_id,
                          extra_hf={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
     torch.manual_seed(seed)
