@@ -183,3 +183,12 @@ def test_safe_reward_timeout_interrupts_a_slow_math_verify(monkeypatch):
     start = time.perf_counter()
     assert list(term(["q"], [r"\boxed{\frac34}"], ["0.75"])) == [0.0]
     assert time.perf_counter() - start < 2.0 and term.errors == 1
+
+
+def test_user_function_options_are_keyword_arguments(tmp_path):
+    path = tmp_path / "scaled.py"
+    path.write_text("def scaled(prompt, response, answer, metadata, *, scale=1.0):\n    return len(response) * scale\n")
+    term = get_reward(f"{path}:scaled", options={"scale": 0.5})
+    assert list(term(["q", "q"], ["abcd", "ab"], [0, 0])) == [2.0, 1.0]
+    with pytest.raises(ValueError, match="'.*scaled.py:scaled' does not take options \\['size'\\]"):
+        get_reward(f"{path}:scaled", options={"size": 2})
