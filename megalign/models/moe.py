@@ -3,7 +3,9 @@
 Semantics are transformers' (5.x) `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`: router logits
 `x @ W_r^T` in the activation dtype, softmax in fp32, top-k of the probabilities, the k weights
 renormalised to sum to 1 when `norm_topk_prob` (Mixtral always), and the token's output
-`sum_j w_j * down_j(silu(gate_j(x)) * up_j(x))` over its k experts. Design choices:
+`sum_j w_j * down_j(silu(gate_j(x)) * up_j(x))` over its k experts; Qwen2-MoE adds a shared expert
+scaled by a sigmoid gate (`MoEMLP`). LoRA (`lora.py`) adapts the named linears only, so neither the
+router nor the stacked experts get adapters. Design choices:
 
 - Experts are stacked: `gate_proj`, `up_proj` `[E, F, H]` and `down_proj` `[E, H, F]` (one parameter per
   kind, HF's per-expert `nn.Linear` weights stacked along dim 0 by the adapter). The N * k (token, expert)
