@@ -91,16 +91,22 @@ def test_layout_of_a_hand_built_conversation(models):
     assert batch.group.tolist() == [0, 0, 1, 1] and batch.finished.all()
 
 
-def test_greedy_equals_a_turn_by_turn_transformers_replay(models):
-    hf, model = models
+@pytest.mark.parametrize("family", ["llama3_gqa", "qwen2_untied"])
+def test_greedy_equals_a_turn_by_turn_transformers_replay(models, tmp_path, family):
+    if family == "llama3_gqa":
+        hf, model = models
+    else:
+        hf = make_causal_lm(tmp_path, family, vocab_size=TOK.vocab_size, max_position_embeddings=1024)
+        model = from_pretrained(tmp_path).eval()
     prompt = TOK.apply_chat_template([{"role": "user", "content": ROWS[1]["q"]}])
     free = _free_tokens(hf, prompt)
-    stop = [t for t in free[2:] if t not in free[:2]][:2]  # tokens the policy emits mid-turn: turns end early
+    stop = list(dict.fromkeys(t for t in free[1:] if t != free[0]))[:2]  # emitted mid-turn: turns end early
     params = SamplingParams(max_new_tokens=9, temperature=0.0, eos_token_id=TOK.eos_id, stop_token_ids=stop)
     env = _text_user(turns=4)
     episodes, stats = multiturn_rollout(model, TOK, env, ROWS, 2, params, seed=0)
     ends_early = 0
-    for e in episodes:
+    assert [e.ids for e in episodes[::2]] == [e.ids for e in episodes[1::2]]  # greedy: a group's samples agree
+    for e in episodes[::2]:
         for k, (a, b) in enumerate(e.action_ranges):
             config = GenerationConfig(do_sample=False, max_new_tokens=9, eos_token_id=[TOK.eos_id, *stop],
                                       pad_token_id=0)
