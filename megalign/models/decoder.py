@@ -41,7 +41,7 @@ from megalign.parallel.collectives import Group, copy_to_group
 
 from .attention import AttentionBatch, causal_attention
 from .config import ModelConfig, RopeScaling
-from .moe import MoEMLP, Routing
+from .moe import ForwardRouting, MoEMLP, Routing
 
 
 class LayerFactory:
@@ -340,7 +340,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(config, factory)
 
-    def forward(self, x, cos, sin, batch, kv_cache, routing: Optional[Routing] = None):
+    def forward(self, x, cos, sin, batch, kv_cache, routing: Optional[ForwardRouting] = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, batch, kv_cache)
         if isinstance(self.mlp, MoEMLP):
             return x + self.mlp(self.mlp_norm(x), routing)
@@ -461,9 +461,9 @@ class Decoder(nn.Module):
         batch = AttentionBatch(t, offset + t, key_valid, doc_ids, cu_seqlens, self.config.sliding_window,
                                kv_cache is not None, input_ids.device, query_slots)
 
-        routing = self.routing
-        if routing is not None:  # the load-balancing statistics count real tokens only, as transformers' do
-            routing.start_forward(key_valid[:, offset:].reshape(-1) if key_valid is not None else None)
+        routing = None
+        if self.routing is not None:  # the load-balancing statistics count real tokens only, as transformers' do
+            routing = self.routing.start_forward(key_valid[:, offset:].reshape(-1) if key_valid is not None else None)
         x = self.embed(input_ids) if self.embed is not None else input_ids
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:

@@ -33,8 +33,10 @@ router nor the stacked experts get adapters. Design choices:
   records the chosen experts `[N, k]` per layer (`record`), forces given ones (`replay`: the
   probabilities are the current router's, gathered at the given experts and renormalised alike, so the
   router still gets a gradient: routing replay as verl / Megatron do it), and collects what the
-  load-balancing loss needs. Layers are keyed by their global index, so pipeline stages and activation
-  checkpointing's recomputation (which rewrites the same entry) keep one entry per layer.
+  load-balancing loss needs. Layers are keyed by their global index. Each decoder forward gets its own
+  `ForwardRouting` (fresh record and statistics dicts), which the layers hold on to: activation
+  checkpointing's recomputation, run during a later backward, rewrites its own forward's entries (with the
+  same values), never a later micro-batch's.
 - `load_balancing_loss` is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6 pooled over
   the MoE layers): `E * sum_e f_e * P_e` with f_e the fraction of (token, layer) rows that chose e among
   their k (so sum_e f_e = k) and P_e the mean router probability of e, padding excluded. It counts the
@@ -78,12 +80,25 @@ class Routing:
     token_mask: Optional[torch.Tensor] = None
     """`[N]` bool: real tokens (set by the decoder from its attention mask; None = all)."""
 
-    def start_forward(self, token_mask: Optional[torch.Tensor]) -> None:
-        """Called by the decoder at the start of each forward: a fresh `chosen` (kept in `steps`) and the real tokens."""
+    def start_forward(self, token_mask: Optional[torch.Tensor]) -> "ForwardRouting":
+        """Called by the decoder at the start of each forward: fresh `chosen` (kept in `steps`) and `stats`."""
         self.token_mask = token_mask
+        self.stats = {}
         if self.record:
             self.chosen = {}
             self.steps.append(self.chosen)
+        return ForwardRouting(self.replay, token_mask, self.chosen if self.record else None,
+                              self.stats if self.aux else None)
+
+
+@dataclass
+class ForwardRouting:
+    """What the MoE layers of one forward read and write (`Routing.start_forward`); None: not asked for."""
+
+    replay: Optional[dict[int, torch.Tensor]]
+    token_mask: Optional[torch.Tensor]
+    chosen: Optional[dict[int, torch.Tensor]]
+    stats: Optional[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
 
 
 @contextmanager
@@ -266,7 +281,7 @@ class MoEMLP(nn.Module):
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                       factory.tp_size, factory.ep_size, factory.ep_group)
 
-    def route(self, x: torch.Tensor, routing: Optional[Routing]) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, routing: Optional[ForwardRouting]) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, H]` -> (expert ids `[N, k]` int64, weights `[N, k]` fp32); records / replays / collects per `routing`."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
         replay = routing.replay.get(self.layer) if routing is not None and routing.replay is not None else None
@@ -280,11 +295,10 @@ class MoEMLP(nn.Module):
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        if routing is not None:
-            if routing.record:
-                routing.chosen[self.layer] = experts.detach()
-            if routing.aux:
-                routing.stats[self.layer] = self._stats(probs, experts, routing.token_mask)
+        if routing is not None and routing.chosen is not None:
+            routing.chosen[self.layer] = experts.detach()
+        if routing is not None and routing.stats is not None:
+            routing.stats[self.layer] = self._stats(probs, experts, routing.token_mask)
         return experts, weights
 
     def _stats(self, probs: torch.Tensor, experts: torch.Tensor, mask: Optional[torch.Tensor]):
@@ -294,7 +308,7 @@ class MoEMLP(nn.Module):
             0, experts.reshape(-1), m.repeat_interleave(experts.shape[1]))
         return counts, (probs * m[:, None]).sum(0), m.sum()
 
-    def forward(self, x: torch.Tensor, routing: Optional[Routing] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: Optional[ForwardRouting] = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, routing)

@@ -315,6 +315,24 @@ def test_rollout_records_every_step_and_training_replays_them(tmp_path):
     assert all(torch.equal(replayed.chosen[k], recorded[k]) for k in recorded)
 
 
+def test_checkpoint_recompute_keeps_each_micro_batch_record(tmp_path):
+    """Two micro-batches forward, then one backward: activation checkpointing recomputes the first one's layers
+    after the second forward, and must not overwrite the second's record or statistics with the first's."""
+    make_moe(tmp_path, "qwen3_moe")
+    plain = from_pretrained(tmp_path).train()
+    model = from_pretrained(tmp_path, activation_checkpointing=True).train()
+    micro = [random_ids(1, 8, seed=s) for s in (11, 12)]
+    with moe_routing(plain, record=True, aux=True) as ref:
+        [plain(ids) for ids in micro]
+        ref_aux = load_balancing_loss(ref, 6)
+    with moe_routing(model, record=True, aux=True) as routing:
+        sum(model(ids).sum() for ids in micro).backward()
+        aux = load_balancing_loss(routing, 6)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(routing.steps, ref.steps) for k in a)
+    assert routing.chosen is routing.steps[1] and not torch.equal(routing.steps[0][0], routing.steps[1][0])
+    assert_close(aux, ref_aux, **FP32)  # the second micro-batch's, not the recomputed first's
+
+
 def test_routing_agreement_by_hand():
     a = {0: torch.tensor([[0, 1], [2, 3], [1, 0]]), 3: torch.tensor([[4, 5], [4, 5], [4, 5]])}
     b = {0: torch.tensor([[1, 0], [2, 1], [3, 2]]), 3: torch.tensor([[4, 5], [5, 4], [0, 1]])}
