@@ -40,6 +40,9 @@ Design choices:
 - Placement: every role lives on every rank; before each phase each role is told which of its parts the phase
   needs (`Role.need`) and offloads the rest when its switch is on; memory per role and phase is logged as
   `memory/<phase>/<role>_mib`.
+- LoRA (`actor.lora`, `megalign.trainers.online_lora`): adapters on the actor, its base frozen; the reference is
+  the actor with adapters off (its phases keep the actor's weights in); the rollout runs the LoRA forward as is;
+  checkpoints hold the adapters and the base's fingerprint; export merged or as a PEFT adapter folder.
 """
 from __future__ import annotations
 
@@ -53,13 +56,16 @@ import torch.distributed as dist
 
 from megalign.algos.aggregation import aggregate_loss, loss_normalizer
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
+from megalign.checkpoint.hf_export import export_peft_adapter
 from megalign.data import PromptSampler
 from megalign.parallel import MixedPrecision, ParallelLayout
 from megalign.roles import DTYPES, Actor, Reference, Reward, Role, TrainableRole
+from megalign.roles.adapter_reference import AdapterOffReference
 from megalign.roles.reward import check_safety_field
 from megalign.rollout import RolloutBatch, RolloutStats, SamplingParams
 from megalign.trainers.base import MetricSums, Trainer, check_model_path
 from megalign.trainers.evaluation import eval_count, evaluate_generation
+from megalign.trainers.online_lora import apply_role_lora, base_fingerprint
 from megalign.trainers.online_metrics import OnlineMetrics
 from megalign.trainers.online_roles import OnlineRoles
 from megalign.trainers.online_state import RankState
@@ -114,12 +120,15 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         model = self.load_role_model("actor", cfg.actor, self.layout,
                                      activation_checkpointing=cfg.actor.activation_checkpointing)
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
+        apply_role_lora(model, cfg.actor.lora, cfg.seed)  # before the optimizer: it holds the adapters only
         precision = MixedPrecision(DTYPES[cfg.actor.dtype] if cfg.actor.dtype != "fp32" else None)
         self.actor = Actor(model, self.layout, precision, cfg.actor.offload_weights, cfg.actor.offload_optimizer,
                            build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip,
                            head_chunk_tokens=cfg.actor.head_chunk_tokens, **self.packing("actor", self.layout))
         self.reference = None
-        if self.needs_reference():
+        if self.needs_reference() and cfg.actor.lora is not None:  # no second copy (online_lora)
+            self.reference = AdapterOffReference(model, self.layout, precision, **self.packing("reference", self.layout))
+        elif self.needs_reference():
             ref_layout = self.role_layout("reference", cfg.reference)
             ref_model = self.load_role_model("reference", cfg.reference, ref_layout, cfg.reference.path or cfg.actor.path,
                                              dtype=DTYPES[cfg.reference.dtype])
@@ -134,6 +143,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                                      rank=self.layout.dp_rank, world_size=self.layout.dp)
         self.generator = torch.Generator(device=self.layout.device).manual_seed(cfg.seed * 1000003 + self.layout.dp_rank)
         self.register_state("actor", ModelState(model, self.layout))
+        if cfg.actor.lora is not None:
+            self.register_state("actor_base", base_fingerprint(self, "actor.path", cfg.actor.path))
         self.register_state("optim", OptimizerState(model, self.actor.optimizer, self.layout))
         self.register_state("sampler", self.sampler)
         self.register_state("trainer", RankState(self.rank, self.generator, self.reward))
@@ -157,7 +168,10 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
     # ----- phases
 
     def place(self, name: str, **needs: tuple[str, ...]) -> None:
-        """Before phase `name`: each role gets the parts listed for it (none otherwise); record memory."""
+        """Before phase `name`: each role gets the parts listed for it (none otherwise); record memory. The LoRA
+        reference's weights are the actor's: a phase that needs them keeps the actor's in (`online_lora`)."""
+        if isinstance(self.reference, AdapterOffReference) and "reference" in needs:
+            needs["actor"] = tuple(needs.get("actor", ())) + tuple(needs["reference"])
         for role in self.roles:
             role.need(*needs.get(role.name, ()))
         for role in self.roles:
@@ -411,7 +425,10 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
 
     def export(self) -> Optional[str]:
         self.actor.need("weights")
-        return export_hf(self.actor.model, os.path.join(self.cfg.run_dir, "hf"), self.layout, tokenizer=self.tokenizer)
+        path = os.path.join(self.cfg.run_dir, "hf")
+        if self.cfg.actor.lora is not None and self.cfg.actor.lora_export == "peft":
+            return export_peft_adapter(self.actor.model, path, self.cfg.actor.path, self.layout)
+        return export_hf(self.actor.model, path, self.layout, tokenizer=self.tokenizer)
 
     def describe(self) -> str:
         cfg = self.cfg

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 from megalign.algos.aggregation import LOSS_AGGREGATIONS
 from megalign.config import option
 from megalign.data import PromptDataset, Tokenizer, load_prompts, make_splits, write_jsonl
+from megalign.models.lora import LoRAConfig
 from megalign.parallel import ParallelLayout
 from megalign.roles import ModelRoleConfig, RewardConfig, TrainedRoleConfig
 from megalign.rollout import EngineConfig
@@ -30,6 +31,15 @@ def check_microbatches(key: str, cfg: ModelRoleConfig) -> None:
                          f"into pipeline micro-batches of algo.micro_batch_size rows; leave {key}.microbatches at 0")
 
 
+def check_online_lora(key: str, lora: Optional[LoRAConfig]) -> None:
+    """ValueError naming `key`.lora.dropout unless it is 0: an online role's forwards (rollout, old log-probs or
+    values, the update) must see the same adapter, which a dropout mask drawn per forward breaks (the ratio of an
+    on-policy update would not start at 1)."""
+    if lora is not None and lora.dropout:
+        raise ValueError(f"{key}.lora.dropout={lora.dropout}: the online trainers need lora.dropout=0 (the rollout, "
+                         f"the recomputed scores and the update must see the same adapters)")
+
+
 @dataclasses.dataclass
 class ActorConfig(TrainedRoleConfig):
     """The policy: an HF checkpoint (e.g. the SFT export `run_dir/hf`), its layout, dtype and offload."""
@@ -40,6 +50,11 @@ class ActorConfig(TrainedRoleConfig):
                                               "[tokens, vocab / tp] temporary is one [head_chunk_tokens, vocab / tp] "
                                               "logits chunk in the compute dtype (fp32 at vocab 151936: 594 MiB at "
                                               "1024, 148 MiB at 256); smaller saves memory, with smaller matmuls")
+    lora: Optional[LoRAConfig] = option(None, doc="LoRA adapters {rank, alpha, dropout (must be 0), target_modules}: the base "
+                                                  "is frozen, the reference is the actor with adapters off "
+                                                  "(`megalign.trainers.online_lora`); null: full fine-tuning")
+    lora_export: Literal["merged", "peft"] = option(
+        "merged", doc="with lora: export the adapters merged into HF weights, or as a PEFT adapter folder over actor.path")
 
     def __post_init__(self):
         super().__post_init__()
@@ -47,6 +62,10 @@ class ActorConfig(TrainedRoleConfig):
             raise ValueError("actor.path (an HF checkpoint folder) is required")
         if self.head_chunk_tokens < 1:
             raise ValueError(f"actor.head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        check_online_lora("actor", self.lora)
+        if self.lora_export == "peft" and (self.lora is None or self.pp > 1):
+            raise ValueError(f"actor.lora_export: peft needs actor.lora and actor.pp=1 (got "
+                             f"{'no lora' if self.lora is None else f'pp={self.pp}'}); export merged otherwise")
 
 
 @dataclasses.dataclass

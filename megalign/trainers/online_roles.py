@@ -2,7 +2,9 @@
 model loaded (`OnlineRoles`, a mixin of `megalign.trainers.online.OnlineTrainer`).
 
 - Every role's folder is checked before any weights load (`check_role_folders`): the reference and the reward
-  models that read the actor's token ids must have been saved with its tokenizer; a judge reads its own.
+  models that read the actor's token ids must have been saved with its tokenizer; a judge reads its own. With
+  `actor.lora` the reference is the actor with adapters off, so its own path, layout and offload settings are
+  refused (`megalign.trainers.online_lora.check_adapter_off_reference`).
 - Each role has its own tp x pp (`role_layout`), checked to see the actor's batches (`check_same_batch`).
 - Reward models (`reward_model`): outcome or process, optionally with their own tokenizer (`megalign.roles.reward`).
 - Judges (`judge_roles`): one `megalign.roles.judge.Judge` per entry of `reward.judges`, loaded with `load_judge`
@@ -26,6 +28,7 @@ from megalign.roles.reward_exports import load_prm_info
 from megalign.trainers.base import check_model_path, check_same_batch, check_stages
 from megalign.trainers.model_checks import ModelError, check_tokenizer, folder_tokenizer
 from megalign.trainers.online_config import check_microbatches
+from megalign.trainers.online_lora import check_adapter_off_reference
 
 
 class OnlineRoles:
@@ -36,6 +39,8 @@ class OnlineRoles:
         """Before any weights load: every role's folder exists, process reward models only for algorithms with
         per-token rewards, and the roles that read the actor's ids were saved with its tokenizer."""
         cfg = self.cfg
+        if self.needs_reference() and cfg.actor.lora is not None:
+            check_adapter_off_reference(cfg.reference, cfg.actor)
         if self.needs_reference() and cfg.reference.path is not None:
             check_model_path(cfg.reference.path, "reference.path")
             check_tokenizer(self.tokenizer, "reference.path", cfg.reference.path)

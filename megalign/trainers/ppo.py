@@ -20,6 +20,8 @@ Design choices:
   `critic_update`, `update`) brings in only the roles it uses; offload moves storage only, so results are
   identical on and off. The two updates run one after the other (critic first, as verl's colocated workers);
   both read only the rollout's values, advantages and returns, so their order does not change the result.
+- `critic.lora` (`megalign.trainers.online_lora`): adapters on the critic's trunk (seeded with seed + 1, apart
+  from the actor's), the value head trained whole; checkpoints hold both and the base's fingerprint.
 - The critic's layout is independent of the actor's within `check_same_batch` (e.g. critic.pp=1 beside
   actor.pp=2: its two dp replicas train on the same rows, the summed gradient divided by 2); pipelined roles
   need each rank's responses to split into at least pp micro-batches per mini-batch (checked at start-up).
@@ -40,7 +42,7 @@ from megalign.algos.reward_shaping import whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
-from megalign.models import ModelConfig, scalar_head_from_pretrained
+from megalign.models import LoRAConfig, ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConfig
@@ -50,7 +52,8 @@ from megalign.trainers.base import MetricSums, TrainResult, check_model_path, ch
 from megalign.trainers.model_checks import check_tokenizer
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.updates import RoleLoss
-from megalign.trainers.online_config import OnlineConfig, UpdateSchedule, check_pipeline_batch
+from megalign.trainers.online_config import OnlineConfig, UpdateSchedule, check_online_lora, check_pipeline_batch
+from megalign.trainers.online_lora import apply_role_lora, base_fingerprint
 from megalign.trainers.policy_gradient import PolicyGradient
 from megalign.trainers.optim import OptimConfig, build_optimizer
 
@@ -67,6 +70,13 @@ class CriticConfig(TrainedRoleConfig):
     offload_optimizer: bool = option(False, doc="move the optimizer state to host memory outside the critic update")
     optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0),
                                 doc="the critic's AdamW, learning-rate schedule (per step) and gradient clip")
+    lora: Optional[LoRAConfig] = option(None, doc="LoRA adapters on the critic's trunk {rank, alpha, dropout (must be 0), "
+                                                  "target_modules}; the value head trains whole; exported merged; "
+                                                  "null: full fine-tuning")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_online_lora("critic", self.lora)
 
 
 @dataclasses.dataclass
@@ -163,6 +173,7 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         model, fresh = scalar_head_from_pretrained(path, "value", layout, cfg.seed,
                                                    activation_checkpointing=cfg.critic.activation_checkpointing)
         self.check_model(model, "critic.path", path, *self.longest)
+        apply_role_lora(model, cfg.critic.lora, cfg.seed + 1)  # before its optimizer; A drawn apart from the actor's
         precision = MixedPrecision(DTYPES[cfg.critic.dtype] if cfg.critic.dtype != "fp32" else None)
         self.critic = Critic(model, layout, precision, cfg.critic.offload_weights, cfg.critic.offload_optimizer,
                              build_optimizer(model, cfg.critic.optim, layout), cfg.critic.optim.grad_clip,
@@ -176,6 +187,8 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         self.kl = AdaptiveKL(algo.kl_beta, algo.kl_target, algo.kl_horizon)
         self.register_state("critic", ModelState(model, layout))
         self.register_state("critic_optim", OptimizerState(model, self.critic.optimizer, layout))
+        if cfg.critic.lora is not None:
+            self.register_state("critic_base", base_fingerprint(self, "critic.path", path))
         self.register_state("kl_controller", self.kl.state)
 
     def prepare_checkpoint_io(self) -> None:
