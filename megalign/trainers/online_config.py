@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from megalign.algos.aggregation import LOSS_AGGREGATIONS
 from megalign.config import option
@@ -17,7 +17,7 @@ from megalign.data import PromptDataset, Tokenizer, load_prompts, make_splits, w
 from megalign.models.lora import LoRAConfig
 from megalign.parallel import ParallelLayout
 from megalign.roles import ModelRoleConfig, RewardConfig, TrainedRoleConfig
-from megalign.rollout import EngineConfig
+from megalign.rollout import EngineConfig, MultiTurnConfig
 from megalign.trainers.base import DataConfig, RunConfig
 from megalign.trainers.evaluation import EvalConfig
 from megalign.trainers.optim import OptimConfig
@@ -81,6 +81,42 @@ class PromptDataConfig(DataConfig):
 
 
 @dataclasses.dataclass
+class EnvConfig:
+    """Multi-turn episodes against an environment (`megalign.envs`, `megalign.trainers.episodes`): each prompt row
+    starts G episodes of `name`; an episode (prompt, policy turns, observations) is one row of
+    rollout.max_response_length + 1 tokens at most."""
+
+    name: str = option(doc="the environment class, 'package.module:Class' or 'path/to/file.py:Class' (e.g. "
+                           "megalign.envs.tool_env:ToolEnv)")
+    kwargs: dict[str, Any] = option({}, doc="keyword arguments of the class, checked at start-up (one is built)")
+    max_turns: int = option(8, doc="policy turns per episode at most; an episode still going is truncated (counted)")
+    max_turn_tokens: Optional[int] = option(None, doc="tokens per policy turn at most; null: rollout.max_response_length")
+    max_time_s: float = option(0.0, doc="wall-clock seconds per episode, 0 = no limit (a limit makes episodes depend on "
+                                        "the machine's speed, so a resumed run may differ)")
+    stop_strings: list[str] = option([], doc="texts that end a policy turn (e.g. '</tool_call>')")
+    score_final_turn: bool = option(True, doc="also score the last policy turn's text with reward.terms / models / "
+                                              "judges (added to the environment's reward); false: the environment's "
+                                              "reward alone")
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or ":" not in self.name:
+            raise ValueError(f"rollout.env.name must look like 'module:Class' or 'file.py:Class', got {self.name!r}")
+        if not isinstance(self.kwargs, dict):
+            raise ValueError(f"rollout.env.kwargs must be a mapping, got {type(self.kwargs).__name__}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"rollout.env.max_turn_tokens must be >= 1 (or null), got {self.max_turn_tokens}")
+        try:  # MultiTurnConfig's own checks of max_turns, max_time_s, stop_strings (its messages name the key)
+            self.multiturn(2)
+        except ValueError as exc:
+            raise ValueError(f"rollout.env.{exc}") from None
+
+    def multiturn(self, max_response_length: int) -> MultiTurnConfig:
+        """The rollout's `MultiTurnConfig`: an episode holds max_response_length + 1 tokens at most (one batch row)."""
+        return MultiTurnConfig(max_turns=self.max_turns, max_total_tokens=max_response_length + 1,
+                               max_time_s=self.max_time_s, stop_strings=list(self.stop_strings))
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """How responses are sampled."""
 
@@ -88,7 +124,8 @@ class RolloutConfig:
     prompts_per_step: int = option(32, doc="prompts per step over all dp ranks (a multiple of dp)")
     temperature: float = option(1.0, doc="sampling temperature (> 0); log-probs use the same temperature")
     top_p: float = option(1.0, doc="nucleus sampling threshold (1 = off)")
-    max_response_length: int = option(24, doc="generated tokens per response at most")
+    max_response_length: int = option(24, doc="generated tokens per response at most (with rollout.env: tokens of "
+                                                   "an episode after its first token: prompt, turns, observations)")
     old_logprobs: Literal["rollout", "recompute"] = option(
         "rollout", doc="old log-probs of the ratio: those recorded while sampling, or a fresh forward after it")
     engine: EngineConfig = option(EngineConfig(), doc="how the rollout engine batches (max_batch, sync_every, static, "
@@ -101,6 +138,9 @@ class RolloutConfig:
     pack_max_fill: float = option(0.5, doc="pack a forward's rows only when their real tokens fill at most this fraction "
                                            "of the padded rows (1.0: always): packing runs one trunk forward per pack, "
                                            "which on nearly full rows costs more than it saves")
+    env: Optional[EnvConfig] = option(None, doc="multi-turn episodes against an environment {name, kwargs, max_turns, "
+                                                "max_turn_tokens, max_time_s, stop_strings, score_final_turn}; null: "
+                                                "one response per sample")
 
     def __post_init__(self):
         if self.group_size < 2:
