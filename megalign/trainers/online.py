@@ -43,6 +43,9 @@ Design choices:
 - LoRA (`actor.lora`, `megalign.trainers.online_lora`): adapters on the actor, its base frozen; the reference is
   the actor with adapters off (its phases keep the actor's weights in); the rollout runs the LoRA forward as is;
   checkpoints hold the adapters and the base's fingerprint; export merged or as a PEFT adapter folder.
+- Multi-turn episodes (`rollout.env`, `megalign.trainers.episodes`): `rollout` samples G episodes per prompt against
+  the environment, one row each with holes in the response mask where the environment spoke; `evaluate` runs
+  greedy episodes.
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ from megalign.roles.adapter_reference import AdapterOffReference
 from megalign.roles.reward import check_safety_field
 from megalign.rollout import RolloutBatch, RolloutStats, SamplingParams
 from megalign.trainers.base import MetricSums, Trainer, check_model_path
+from megalign.trainers.episodes import EpisodeRollout
 from megalign.trainers.evaluation import eval_count, evaluate_generation
 from megalign.trainers.online_lora import apply_role_lora, base_fingerprint
 from megalign.trainers.online_metrics import OnlineMetrics
@@ -153,6 +157,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+        self.episodes = EpisodeRollout(self) if cfg.rollout.env is not None else None  # multi-turn (rollout.env)
 
     def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
         """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
@@ -203,6 +208,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
     def rollout(self, indices: list[int], first_group: int = 0) -> RolloutBatch:
         """G responses for each prompt of `indices`, scored (N = len(indices) * G rows; groups numbered from
         `first_group`)."""
+        if self.episodes is not None:
+            return self.episodes.rollout(indices, first_group)
         cfg, tok, device = self.cfg, self.tokenizer, self.layout.device
         group_size = cfg.rollout.group_size
         prompts = [self.train_set[i] for i in indices]
@@ -268,6 +275,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                 break
         self.reward.check_failures(counters, self.layout.dp_group, self.layout.device)
         self.rollout_metrics = self.rollout_stats.metrics()
+        if self.episodes is not None:  # the environments' failure check (over dp) and counts
+            self.rollout_metrics.update(self.episodes.step_metrics())
         train = RolloutBatch.concat(kept).select(slice(0, per_rank * group))
         return train, RolloutBatch.concat(generated), {"rounds": rounds, "dropped_groups": dropped,
                                                        "kept_groups": len(train) // group}
@@ -413,6 +422,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         if not eval_count(self.cfg.eval, self.held_out.examples if self.held_out is not None else None):
             return None
         with self.phase("eval", actor=("weights",)):
+            if self.episodes is not None:
+                return self.episodes.evaluate(self.held_out.examples[:self.eval_prompts()])
             accuracy, _ = evaluate_generation(self.actor.model, self.held_out.examples, self.tokenizer, self.cfg.eval,
                                               self.cfg.rollout.max_response_length, self.layout)
         return accuracy
