@@ -45,7 +45,8 @@ def test_a_layout_that_does_not_fit_exits_1(capsys):
 RUN_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
 # the roles each example's run builds (reference: GRPO's beta and REINFORCE++'s reward KL are off in grpo_arith,
 # ORPO / SimPO / CPO have none; PPO's kl_coef > 0 builds one); the planner must see the same
-EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "kto_arith": {"actor", "reference"},
+EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "grpo_lora_arith": {"actor"},
+                 "kto_arith": {"actor", "reference"},
                  "online_dpo_arith": {"actor", "reference"}, "ppo_arith": {"actor", "reference", "critic", "reward"},
                  "ppo_chain_prm": {"actor", "reference", "critic", "reward"}, "prm_chain": {"actor"},
                  "rm_arith": {"actor"}, "sft_arith": {"actor"}, "sft_chain": {"actor"},

@@ -33,7 +33,7 @@ OVERRIDES = {
     "sft_arith": SUPERVISED + SCRATCH, "sft_chain": SUPERVISED + SCRATCH,
     "dpo_arith": SUPERVISED, "kto_arith": SUPERVISED, "rm_arith": SUPERVISED,
     "prm_chain": SUPERVISED + ["data.max_length=60"],  # the tiny policy has 64 positions
-    "grpo_arith": ONLINE + DIGITS, "online_dpo_arith": ONLINE + DIGITS,
+    "grpo_arith": ONLINE + DIGITS, "grpo_lora_arith": ONLINE + DIGITS, "online_dpo_arith": ONLINE + DIGITS,
     "ppo_arith": ONLINE + ["algo.critic_warmup=0"], "ppo_chain_prm": ONLINE + ["algo.critic_warmup=0"],
     "ppo_verifier_arith": ONLINE + DIGITS + ["algo.critic_warmup=0"],
 }

@@ -4,8 +4,8 @@ References that can fail: the first GRPO step's adapter gradients equal the dens
 the adapters by hand (dL/dB = s G A^T, dL/dA = s B^T G = 0 at B = 0, G the dense step's gradient of the same rollout);
 the reference's log-probs equal a separately loaded base model's; the rollout's log-probs equal the trainer's
 recomputation with trained adapters; the base stays bit-identical to the folder; a resumed run equals the
-uninterrupted one; tp = 2 equals tp = 1; the PEFT export loads in `peft` and the merged one in `transformers` with
-the trained model's logits.
+uninterrupted one (and refuses a changed base); tp = 2 and pp = 2 equal tp = pp = 1; the PEFT export loads in `peft`
+and the merged one in `transformers` with the trained model's logits; PPO's critic trains adapters and its head only.
 """
 import os
 import shutil
@@ -141,16 +141,20 @@ def test_lora_grpo_resumes_exactly_and_refuses_a_changed_base(policy, tmp_path):
     run_distributed(_resume, base, str(tmp_path), world_size=1)
 
 
-def test_lora_grpo_tp2_equals_tp1_offloaded(policy, tmp_path):
+def test_lora_grpo_tp2_and_pp2_equal_tp1_offloaded(policy, tmp_path):
+    """Adapters sharded at tp = 2, and split over pipeline stages (the adapter-off reference scoring on the actor's
+    stages) at pp = 2, train as at tp = pp = 1."""
+    steps = ("steps=2", "save_every=0", "algo.micro_batch_size=4")
     # offloaded at tp = 1: the reference phase must bring the actor's weights in (they are the reference's)
-    run_distributed(_train, policy, f"{tmp_path}/tp1", "steps=2", "save_every=0", "actor.offload_weights=true",
-                    world_size=1)
-    run_distributed(_train, policy, f"{tmp_path}/tp2", "steps=2", "save_every=0", "actor.tp=2", world_size=2)
-    tp1, tp2 = ([r for r in metric_rows(f"{tmp_path}/{d}") if "reward/mean" in r] for d in ("tp1", "tp2"))
-    assert len(tp1) == len(tp2) == 2
-    for a, b in zip(tp1, tp2):
+    run_distributed(_train, policy, f"{tmp_path}/tp1", *steps, "actor.offload_weights=true", world_size=1)
+    run_distributed(_train, policy, f"{tmp_path}/tp2", *steps, "actor.tp=2", world_size=2)
+    run_distributed(_train, policy, f"{tmp_path}/pp2", *steps, "actor.pp=2", world_size=2)
+    tp1, tp2, pp2 = ([r for r in metric_rows(f"{tmp_path}/{d}") if "reward/mean" in r] for d in ("tp1", "tp2", "pp2"))
+    assert len(tp1) == len(tp2) == len(pp2) == 2
+    for a, b, c in zip(tp1, tp2, pp2):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+            assert c[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
 
 
 def _ppo_and_online_dpo(policy, tmp):
