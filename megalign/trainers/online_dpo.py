@@ -46,6 +46,7 @@ from megalign.algos.preference import PairLogps, PreferenceAlgoConfig, pair_loss
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
 from megalign.data import IGNORE_INDEX
+from megalign.models.lora import adapters_disabled
 from megalign.parallel import Pipeline
 from megalign.parallel.collectives import all_reduce, all_reduce_count
 from megalign.rewards.judge import JudgeTemplate, PairwiseJudge, TemplateOnly
@@ -288,7 +289,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         weights = (~tied).float() if pipelined else torch.ones(chosen.numel(), device=self.layout.device)
         ref = None
         if self.reference is not None:
-            with self.phase("reference", reference=("weights",)), torch.no_grad():
+            # adapters_disabled: with actor.lora the reference is the actor's model with its adapters off; else nothing
+            with self.phase("reference", reference=("weights",)), torch.no_grad(), adapters_disabled(self.reference.model):
                 mb = algo.micro_batch_size if self.reference.layout.pp == 1 else max(chosen.numel(), 1)
                 ref = torch.cat([self.pair_logps(self.reference, batch, chosen[s:s + mb], rejected[s:s + mb])
                                  for s in range(0, chosen.numel(), mb)] or [torch.zeros(0, 2, device=self.layout.device)])

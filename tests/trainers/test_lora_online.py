@@ -18,6 +18,7 @@ from trainers.helpers import checkpoint_params, metric_rows
 
 from megalign.config import load_config
 from megalign.models import from_pretrained, lora_modules
+from megalign.roles import Reference
 from megalign.roles.actor import response_logprobs
 from megalign.roles.adapter_reference import AdapterOffReference
 from megalign.trainers.grpo import GRPOTrainer
@@ -174,10 +175,21 @@ def _ppo_and_online_dpo(policy, tmp):
     moved = {n for n, p in critic.named_parameters() if not torch.equal(p, before[n])}
     assert moved and moved <= trainable and any(n.startswith("head.") for n in moved)
     base = [o for o in tiny_overrides(policy, f"{tmp}/dpo") if not o.startswith(("algo.", "rollout.group_size"))]
-    dpo = OnlineDPOTrainer(load_config(OnlineDPOConfig, None, [*base, "rollout.group_size=2", LORA]))
+    dpo = OnlineDPOTrainer(load_config(OnlineDPOConfig, None, [*base, "rollout.group_size=2", LORA, "steps=3",
+                                                                 "optim.lr=0.05"]))
     assert isinstance(dpo.reference, AdapterOffReference)
+    base_role, score, moved = Reference(from_pretrained(policy), dpo.layout, False), dpo.score, []
+
+    def checked_score(batch):  # the reference's pair log-probs are the base model's, the actor's move away
+        score(batch)
+        chosen, rejected, _, _, ref = dpo.pairs
+        with torch.no_grad():
+            torch.testing.assert_close(ref, dpo.pair_logps(base_role, batch, chosen, rejected), rtol=0, atol=1e-5)
+            moved.append(float((dpo.pair_logps(dpo.actor, batch, chosen, rejected) - ref).abs().max()))
+    dpo.score = checked_score
     first = dpo.train().metrics[0]
     assert first["actor/loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # B = 0: the policy is its reference
+    assert moved[0] == 0.0 and moved[-1] > 1e-3, moved
 
 
 def test_ppo_critic_lora_and_online_dpo_with_lora(policy, tmp_path):
