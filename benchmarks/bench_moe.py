@@ -94,7 +94,8 @@ def main() -> None:
             for a, b in zip(ref, fn()):
                 torch.testing.assert_close(b.float(), a.float(), **tol, msg=lambda m: f"{dtype} {name}: {m}")
         t = median_times_interleaved(peers, repeats=args.repeats)
-        cells = [f"{t[name]:.4f}" + ("" if name == "grouped" else f" ({t[name] / t['grouped']:.2f}x)") for name in peers]
+        cells = [f"{t[name]:.4f}" + ("" if name == "grouped" else f" ({t[name] / t['grouped']:.2f}x)")
+                 for name in peers]
         print(f"| {str(dtype).split('.')[-1]} | " + " | ".join(cells) + " |")
 
 

@@ -236,7 +236,7 @@ class GroupedExperts(nn.Module):
         return grouped_linear(h, self.down_proj, counts, ends)
 
     def _dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: rows sorted by global expert, `counts` `[E]` -> their outputs, same order (module doc)."""
+        """Expert parallelism: rows sorted by global expert, `counts` `[E]` -> their outputs, in the same order."""
         ep, n_local = self.ep_size, self.num_experts // self.ep_size
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
@@ -282,7 +282,7 @@ class MoEMLP(nn.Module):
                                       factory.tp_size, factory.ep_size, factory.ep_group)
 
     def route(self, x: torch.Tensor, routing: Optional[ForwardRouting]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[N, H]` -> (expert ids `[N, k]` int64, weights `[N, k]` fp32); records / replays / collects per `routing`."""
+        """x `[N, H]` -> (expert ids `[N, k]` int64, weights `[N, k]` fp32); `routing`: record, replay, statistics."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
         replay = routing.replay.get(self.layer) if routing is not None and routing.replay is not None else None
         if replay is not None:

@@ -40,7 +40,8 @@ FAMILIES = {
                                                                     norm_topk_prob=True, tie_word_embeddings=True)),
     # Qwen2's attention (q/k/v bias) and a shared expert beside the routed ones
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_experts=4, moe_intermediate_size=WIDTH,
-                                                              intermediate_size=48, shared_expert_intermediate_size=32)),
+                                                              intermediate_size=48,
+                                                              shared_expert_intermediate_size=32)),
     # every layer MoE, always renormalised; a sliding window shorter than the sequence
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=5, intermediate_size=WIDTH,
                                                          sliding_window=6)),
@@ -92,7 +93,8 @@ def _hf_run(hf, ids, mask):
     out = hf(ids, attention_mask=mask, output_router_logits=True)
     loss = _ce(out.logits, ids, mask) + hf.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
-    return out.logits.detach(), out.aux_loss.detach(), loss.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    return out.logits.detach(), out.aux_loss.detach(), loss.detach(), grads
 
 
 def _our_run(model, ids, mask, gather=lambda logits: logits):
@@ -209,7 +211,8 @@ def _flip_router(model, ids, layer: int):
     row's expert. The (k+1)-th expert's router row gains (gap + 0.1) * x / |x|^2 for token 0's MLP input x."""
     mlp = model.model.layers[layer].mlp
     captured = {}
-    handle = mlp.register_forward_pre_hook(lambda m, args: captured.setdefault("x", args[0].reshape(-1, args[0].shape[-1])))
+    handle = mlp.register_forward_pre_hook(
+        lambda m, args: captured.setdefault("x", args[0].reshape(-1, args[0].shape[-1])))
     with torch.no_grad():
         model(ids)
     handle.remove()
@@ -358,7 +361,8 @@ def test_config_reads_moe_keys_and_rejects_bad_ones():
         ModelConfig.from_hf(MixtralConfig(**_TINY, **FAMILIES["mixtral"][2], router_jitter_noise=0.1).to_dict())
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, num_experts=6\], got 7"):
         ModelConfig.from_hf({**qwen.to_hf(), "num_experts_per_tok": 7})
-    with pytest.raises(ValueError, match=r"^moe_intermediate_size \(16\) must be divisible by the tensor-parallel size 3$"):
+    with pytest.raises(ValueError,
+                       match=r"^moe_intermediate_size \(16\) must be divisible by the tensor-parallel size 3$"):
         ModelConfig.from_hf({**qwen.to_hf(), "num_attention_heads": 6, "num_key_value_heads": 3,
                              "intermediate_size": 48}, vocab_pad_multiple=3).check_tensor_parallel(3)
 
