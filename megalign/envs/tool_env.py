@@ -21,14 +21,16 @@ from .tools import ERROR_KINDS, Tool, ToolRegistry
 
 
 class ToolEnv(Environment):
-    """Tool calls until an answer without one (module doc). `tools`: the `Tool`s offered (default: `calculator`)."""
+    """Tool calls until an answer without one (module doc). `tools`: the `Tool`s offered (default: `calculator`);
+    `describe_tools=False` leaves their description out of the prompt (a policy taught the calls by SFT traces, or a
+    short-context model the JSON schemas would not fit), the calls still run."""
 
     def __init__(self, tools: Optional[Sequence[Tool]] = None, reward: Union[None, str, Callable] = None,
-                 max_calls_per_turn: int = 8, system: str = ""):
+                 max_calls_per_turn: int = 8, system: str = "", describe_tools: bool = True):
         from .tools import calculator
 
         self.registry = ToolRegistry(list(tools) if tools is not None else [calculator], max_calls_per_turn)
-        self.tools = list(self.registry.tools.values())
+        self.tools = list(self.registry.tools.values()) if describe_tools else []
         if isinstance(reward, str):
             from megalign.rewards.user import load_function
             reward = load_function(reward)

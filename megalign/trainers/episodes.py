@@ -77,7 +77,8 @@ def check_episode_setup(cfg, model) -> None:
 def episode_rows(episodes: Sequence[Episode], width: int, pad_id: int) -> dict[str, torch.Tensor]:
     """The episodes as batch rows (module doc): `sequences` / `attention_mask` [N, 1 + width] (the episode from
     column 0, right-padded), `response_mask` / `rollout_logp` [N, width] (column j: token j + 1 of the episode),
-    `lengths` [N] policy tokens. ValueError naming the episode when one is longer than 1 + width."""
+    `lengths` [N] policy tokens. ValueError naming the episode when one is longer than 1 + width. An episode without
+    ids is one attended pad token (no row attends to nothing, whose softmax would be NaN)."""
     n = len(episodes)
     seq = torch.full((n, 1 + width), pad_id, dtype=torch.long)
     attn = torch.zeros(n, 1 + width, dtype=torch.long)
@@ -88,9 +89,9 @@ def episode_rows(episodes: Sequence[Episode], width: int, pad_id: int) -> dict[s
             raise ValueError(f"episode {i} (prompt {e.prompt_index}, sample {e.sample}) has {k} tokens, more than "
                              f"rollout.max_response_length + 1 = {1 + width}")
         seq[i, :k] = torch.tensor(e.ids, dtype=torch.long)
-        attn[i, :k] = 1
-        mask[i, :k - 1] = torch.tensor(e.loss_mask[1:], dtype=torch.float32)
-        logp[i, :k - 1] = torch.tensor(e.logprobs[1:], dtype=torch.float32)
+        attn[i, :max(k, 1)] = 1  # no ids (reset failed, or the prompt left no room): one pad token, nothing trains
+        mask[i, :max(k - 1, 0)] = torch.tensor(e.loss_mask[1:], dtype=torch.float32)
+        logp[i, :max(k - 1, 0)] = torch.tensor(e.logprobs[1:], dtype=torch.float32)
     return {"sequences": seq, "attention_mask": attn, "response_mask": mask, "rollout_logp": logp,
             "lengths": mask.sum(-1)}
 
@@ -147,6 +148,10 @@ class EpisodeRollout:
         with t.phase("generate", actor=("weights",)):
             episodes, stats = self.run(examples, group_size, self.params, seed, indices)
         self.count(episodes, stats)
+        empty = sum(not e.ids and e.end == "max_total_tokens" for e in episodes)
+        if empty:
+            logger.warning("%d of %d episodes have a first observation of %d tokens or more (rollout.max_response_length "
+                           "+ 1): no turn, reward 0", empty, len(episodes), cfg.rollout.max_response_length + 1)
         rows = episode_rows(episodes, cfg.rollout.max_response_length, t.tokenizer.pad_id)
         rewards, terms = self.score(episodes, [examples[e.prompt_index] for e in episodes], rows)
         group = torch.tensor([first_group + e.prompt_index for e in episodes], dtype=torch.long)

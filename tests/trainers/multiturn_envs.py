@@ -27,18 +27,22 @@ class DigitEnv(Environment):
 
 
 class FlakyEnv(DigitEnv):
-    """DigitEnv whose step raises in the episodes whose seed is in the `fraction` share of seeds (seed % 100 <
-    100 * fraction): 1.0 raises in every episode."""
+    """DigitEnv whose `where` method ("step" or "reset") raises in the episodes whose seed is in the `fraction` share
+    of seeds (seed % 100 < 100 * fraction): 1.0 raises in every episode."""
 
-    def __init__(self, turns=2, fraction=1.0):
+    def __init__(self, turns=2, fraction=1.0, where="step"):
         super().__init__(turns)
-        self.fraction = fraction
+        self.fraction, self.where = fraction, where
+
+    def check(self, where):
+        if where == self.where and self.seed % 100 < 100 * self.fraction:
+            raise RuntimeError("the environment broke")
 
     def reset(self, row, seed):
         self.seed = seed
+        self.check("reset")
         return super().reset(row, seed)
 
     def step(self, conversation, turn):
-        if self.seed % 100 < 100 * self.fraction:
-            raise RuntimeError("the environment broke")
+        self.check("step")
         return super().step(conversation, turn)

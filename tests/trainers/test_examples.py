@@ -36,6 +36,9 @@ OVERRIDES = {
     "grpo_arith": ONLINE + DIGITS, "grpo_lora_arith": ONLINE + DIGITS, "online_dpo_arith": ONLINE + DIGITS,
     "ppo_arith": ONLINE + ["algo.critic_warmup=0"], "ppo_chain_prm": ONLINE + ["algo.critic_warmup=0"],
     "ppo_verifier_arith": ONLINE + DIGITS + ["algo.critic_warmup=0"],
+    # multi-turn episodes against ToolEnv (64 positions: an episode of 41 tokens, cut by the token limit)
+    "grpo_tools_arith": ONLINE + DIGITS + ["actor.path=runs/sft_arith/hf", "data.arith.max_operand=4",
+                                           "rollout.max_response_length=40", "rollout.env.max_turn_tokens=8"],
 }
 
 

@@ -210,6 +210,19 @@ def test_env_errors_are_counted_scored_zero_and_stop_the_run(policy, tmp_path):
     run_distributed(_flaky, policy, str(tmp_path / "run"), world_size=1)
 
 
+def _reset_fails(policy, run_dir):
+    cfg = tiny_config(policy, run_dir, *env("FlakyEnv", "{fraction: 0.3, where: reset}"), "steps=1")
+    result = GRPOTrainer(cfg).train()
+    (row,) = result.metrics
+    assert row["env/errors"] == row["env/end/error"] > 0 and row["env/turns_mean"] < 2
+    assert all(v == v for v in row.values()) and row["actor/grad_norm"] > 0  # the rows without ids train nothing
+
+
+def test_an_episode_without_ids_is_a_harmless_row(policy, tmp_path):
+    """An environment failing at reset leaves an episode with no ids: one attended pad token, nothing NaN."""
+    run_distributed(_reset_fails, policy, str(tmp_path), world_size=1)
+
+
 def _online_dpo(policy, run_dir):
     cfg = load_config(OnlineDPOConfig, None, [
         f"run_dir={run_dir}", f"actor.path={policy}", "steps=2", "seed=0", "device=cpu", "tensorboard=false",
