@@ -24,8 +24,9 @@ Design choices:
 - Metrics per step (sums over dp ranks): `env/episodes`, `env/turns_mean`, `env/errors`,
   `env/error_fraction`, `env/end/<why>` (the environment, max_turns, max_total_tokens, max_time, error),
   `env/truncated_turns` (turns at the per-turn budget), `env/policy_tokens_mean`,
-  `env/observation_tokens_mean` and every numeric `info` key the environment returns (`env/tool_calls`,
-  `env/tool_errors`, ...).
+  `env/observation_tokens_mean`, every numeric `info` key the environment returns summed (`env/tool_calls`,
+  `env/tool_errors`, ...) and the share of episodes where it is nonzero (`env/share/tool_calls`: episodes that
+  called a tool; `env/share/tool_errors`: episodes with a failed call).
 - Evaluation: greedy episodes (one per held-out prompt) scored by `eval.metric` on the last policy turn.
 - Refused at start-up, naming the keys: actor.tp / actor.pp > 1 (the environments would step on every tp rank;
   the rollout runs the whole model), sliding-window models, process reward models (their step rewards read a
@@ -185,6 +186,9 @@ class EpisodeRollout:
             self.counts[f"end/{end}"] += stats.ends[end]
         for key, value in stats.env_info.items():
             self.counts[f"info/{key}"] += value
+        for e in episodes:  # episodes with a nonzero count (e.g. that called a tool: env/share/tool_calls)
+            for key, value in e.info.items():
+                self.counts[f"share/{key}"] += float(value != 0)
         errors = [e.error for e in episodes if e.error]
         if errors:
             self.last_error = errors[-1]
@@ -215,6 +219,7 @@ class EpisodeRollout:
                "env/observation_tokens_mean": total.get("observation_tokens", 0.0) / n}
         out.update({f"env/end/{end}": total.get(f"end/{end}", 0.0) for end in ENDS})
         out.update({f"env/{k[len('info/'):]}": v for k, v in total.items() if k.startswith("info/")})
+        out.update({f"env/share/{k[len('share/'):]}": v / n for k, v in total.items() if k.startswith("share/")})
         return out
 
     def evaluate(self, examples: Sequence[Any]) -> float:

@@ -75,6 +75,7 @@ def _grpo_step(policy, run_dir):
     t.advantages(batch)
     tok, group = t.tokenizer, t.cfg.rollout.group_size
     assert batch.sequences.shape == (16, R + 1) and batch.response_mask.shape == (16, R)
+    with_digits = 0
     for i in range(len(batch)):
         example = t.train_set[seen[0][i // group]]
         ids = batch.sequences[i][batch.attention_mask[i].bool()].tolist()
@@ -84,6 +85,7 @@ def _grpo_step(policy, run_dir):
         assert torch.equal(batch.response_mask[i], want), i
         # (c) the environment's reward (each turn's digit share) plus the reward term on the last turn
         env_reward = digit_share(turns[0]) + digit_share(turns[1])
+        with_digits += any(ch.isdigit() for ch in turns[0] + turns[1])
         assert batch.terms["env"][i].item() == pytest.approx(env_reward, abs=1e-6)
         total = env_reward + digit_fraction(example.prompt_text, turns[1], example.answer, example.metadata)
         assert batch.rewards[i].item() == pytest.approx(total, abs=1e-6)
@@ -113,6 +115,7 @@ def _grpo_step(policy, run_dir):
     assert metrics["env/episodes"] == 16 and metrics["env/turns_mean"] == 2 and metrics["env/end/env"] == 16
     assert metrics["env/errors"] == 0 and metrics["env/observation_tokens_mean"] == len(tok.encode(OBSERVATION))
     assert metrics["env/policy_tokens_mean"] == pytest.approx(batch.lengths.mean().item())
+    assert metrics["env/share/digits"] == pytest.approx(with_digits / 16) and 0 < with_digits < 16
 
 
 def test_grpo_step_on_episodes(policy, tmp_path):
@@ -171,6 +174,18 @@ def test_dp2_equals_one_process_on_the_same_episodes(policy, tmp_path):
     assert (recorded[0].response_mask[:, 0] == 0).all()  # episodes: the prompt's tokens are holes too
     run_distributed(_replay, policy, str(tmp_path / "dp2"), batches, world_size=2)
     compare_runs(tmp_path / "ref", tmp_path / "dp2", 1, 1, 2, GRPO_METRICS, role="actor")
+
+
+def _live_dp2(policy, run_dir):
+    GRPOTrainer(tiny_config(policy, run_dir, *env("FlakyEnv", "{fraction: 0.3}"), "steps=1", "export_hf=false")).train()
+
+
+def test_live_dp2_sums_the_episode_counts_over_ranks(policy, tmp_path):
+    """Sampled live at dp = 2: each rank's 8 episodes, the counts (and the failure check) summed over both."""
+    run_distributed(_live_dp2, policy, str(tmp_path), world_size=2)
+    (row,) = [r for r in metric_rows(tmp_path) if "reward/mean" in r]
+    assert row["env/episodes"] == 16 and row["env/end/env"] + row["env/end/error"] == 16
+    assert 0 < row["env/errors"] == row["env/end/error"] < 8
 
 
 def _straight_then_resumed(policy, root):
