@@ -12,15 +12,22 @@
 # classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
 # (launch/sample_pairs.py) -> PPO whose only reward is that RM, the critic started from the RM; ends
 # with PPO's before/after held-out accuracy table), or ppo_verifier (SFT -> PPO whose only reward is the
-# verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk).
+# verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk),
+# or judge (issue 27: SFT -> judge rows of (problem, candidate, criterion) -> Y/N with the SFT policy's own samples
+# among the candidates (launch/judge_tools.py data) -> SFT of a judge from the SFT export
+# (examples/judge_sft_arith.yaml) -> its held-out agreement with the labels (`judge agreement  NN.N%`) -> GRPO whose
+# only reward is the judge's rubric score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed
+# and steps (the control) -> both against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets
+# both GRPO runs' steps, default 200: every step asks the judge three criteria per sample).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's pair sampling in PAIRS_OVERRIDES and its RM stage
-# in RM_OVERRIDES.
+# in RM_OVERRIDES, for judge's rows in DATA_OVERRIDES and its judge SFT in JUDGE_OVERRIDES (STAGE_OVERRIDES go
+# to both of its GRPO runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -68,6 +75,21 @@ case "$PIPELINE" in
   ppo_verifier)
     run launch/train_ppo.py --config examples/ppo_verifier_arith.yaml run_dir="$ROOT/ppo_verifier_arith" \
         actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
+  judge)
+    DATA="$ROOT/judge_data" STEPS=${JUDGE_STEPS:-200}
+    run launch/judge_tools.py data out_dir="$DATA" policy="$ROOT/sft_arith/hf" ${DATA_OVERRIDES:-}
+    run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_arith" \
+        model.path="$ROOT/sft_arith/hf" data.path="$DATA/judge_train.jsonl" ${JUDGE_OVERRIDES:-}
+    run launch/judge_tools.py agreement judge="$ROOT/judge_arith/hf" items="$DATA/judge_held_out.jsonl" \
+        summary_path="$ROOT/judge_agreement.json"
+    # the rubric config's runs/ paths (the judge's among them, inside a list) under ROOT
+    sed "s#\([ :]\)runs/#\1$ROOT/#" examples/grpo_rubric_arith.yaml > "$ROOT/grpo_rubric_arith.yaml"
+    run launch/train_grpo.py --config "$ROOT/grpo_rubric_arith.yaml" steps="$STEPS" ${STAGE_OVERRIDES:-}
+    run launch/train_grpo.py --config examples/grpo_arith.yaml run_dir="$ROOT/grpo_verifier_arith" \
+        actor.path="$ROOT/sft_arith/hf" data.path="$DATA/prompts_train.jsonl" data.eval_path="$DATA/prompts_held_out.jsonl" \
+        steps="$STEPS" ${STAGE_OVERRIDES:-}
+    run launch/judge_tools.py compare before="$ROOT/sft_arith/hf" prompts="$DATA/prompts_held_out.jsonl" \
+        "after=[$ROOT/grpo_rubric_arith/hf, $ROOT/grpo_verifier_arith/hf]" agreement="$ROOT/judge_agreement.json" ;;
   dpo)
     run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/dpo_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;

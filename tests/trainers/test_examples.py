@@ -12,6 +12,7 @@ import glob
 import json
 import math
 import os
+import shutil
 
 import pytest
 import yaml
@@ -19,7 +20,10 @@ from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import HERE, policy_and_rm
 
 from megalign.algos.registry import load as load_algorithm
-from megalign.data import ArithChainConfig, make_chain_splits, write_jsonl, write_stepwise_jsonl
+from megalign.data import (ArithChainConfig, ArithTaskConfig, CharTokenizer, make_chain_splits, make_splits, write_jsonl,
+                           write_stepwise_jsonl)
+from megalign.data.judge_rows import JUDGE_TEMPLATE, judge_items, rubric_prompt_rows, sft_row, synthetic_candidates
+from megalign.rewards.judge import JudgeTemplate
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
@@ -39,6 +43,8 @@ OVERRIDES = {
     # multi-turn episodes against ToolEnv (64 positions: an episode of 41 tokens, cut by the token limit)
     "grpo_tools_arith": ONLINE + DIGITS + ["actor.path=runs/sft_arith/hf", "data.arith.max_operand=4",
                                            "rollout.max_response_length=40", "rollout.env.max_turn_tokens=8"],
+    "judge_sft_arith": SUPERVISED + ["model.path=runs/judge_arith/hf"],  # the policy copy with 128 positions
+    "grpo_rubric_arith": ONLINE,  # the judge's rubric score is the reward
 }
 
 
@@ -59,7 +65,13 @@ def build_runs(root):
     policy, rm = policy_and_rm(root)
     with open(os.path.join(rm, "reward_stats.json"), "w") as f:
         json.dump({"reward_mean": 0.1, "reward_std": 0.5}, f)
-    for run, folder in (("sft_arith", policy), ("sft_chain", policy), ("rm_self", rm)):
+    judge = shutil.copytree(policy, root / "judge")
+    CharTokenizer().save(judge)  # a judge reads its own tokenizer from its folder
+    with open(os.path.join(judge, "config.json")) as f:
+        hf = json.load(f)
+    with open(os.path.join(judge, "config.json"), "w") as f:  # room for the judge rows (RoPE has no position weights)
+        json.dump({**hf, "max_position_embeddings": 128}, f)
+    for run, folder in (("sft_arith", policy), ("sft_chain", policy), ("rm_self", rm), ("judge_arith", judge)):
         os.makedirs(root / "runs" / run)
         os.symlink(folder, root / "runs" / run / "hf")
     data = root / "runs" / "prm_data"
@@ -68,11 +80,24 @@ def build_runs(root):
     write_jsonl(train, data / "chain_train.jsonl")
     write_jsonl(held_out, data / "chain_held_out.jsonl")
     write_stepwise_jsonl(train, data / "mc_steps.jsonl")
+    write_judge_rows(root / "runs" / "judge_data")
     # the PRM export ppo_chain_prm scores with, made by its own stage
     prm_overrides = [*OVERRIDES["prm_chain"], "export_hf=true"]
     run_distributed(_train, str(root), os.path.join(ROOT, "examples", "prm_chain.yaml"), "runs/prm_chain",
                     *prm_overrides, world_size=1, timeout_s=300)
     return str(root)
+
+
+def write_judge_rows(folder):
+    """The files of `launch/judge_tools.py data` (no policy samples) for a small arithmetic task."""
+    os.makedirs(folder)
+    splits = dict(zip(("train", "held_out"), make_splits(ArithTaskConfig(max_operand=4))))
+    template = JudgeTemplate(JUDGE_TEMPLATE)
+    for split, problems in splits.items():
+        rows = [sft_row(item, template) for p in problems for item in judge_items(p, synthetic_candidates(p), "synthetic")]
+        for name, out in ((f"judge_{split}", rows), (f"prompts_{split}", rubric_prompt_rows(problems))):
+            with open(folder / f"{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in out)
 
 
 def test_every_example_has_its_overrides():

@@ -1,0 +1,126 @@
+"""Judge data of the embedded arithmetic task: (problem, candidate response, criterion) -> "Y" / "N".
+
+A tiny model cannot judge from scratch, so the embedded `judge` pipeline (`launch/run_embedded.sh judge`)
+fine-tunes its own judge on these rows, as a user would fine-tune a small judge, then uses it as the
+only reward of GRPO through RaR's rubric reward (`megalign.rewards.judge.RubricReward`, explicit mode).
+
+Design choices:
+
+- One template (`JUDGE_TEMPLATE`) formats both the SFT rows and the judge's queries: an SFT row's
+  `prompt` is `JudgeTemplate(JUDGE_TEMPLATE).render(fields)`, the very call the judge role makes
+  (`megalign.roles.judge.Judge`), and the judge runs with `chat_template: false`, so both are BOS +
+  the same characters, byte for byte. The SFT `response` is the verdict "Y" or "N" (one character
+  token each: the judge's `answers: ["Y", "N"]`), which the SFT loader follows with EOS.
+  The template starts with the problem and the response, exactly as the policy saw them, so a judge
+  initialised from the policy's export reads them with the arithmetic it already knows, and then gives
+  the reference answer (`{reference}`, the prompt row's gold answer, which the rubric reward supplies)
+  as the same problem with the boxed answer: RaR's judges grade against a reference too, and without
+  it the tiny judge did not learn to verify (its p(Y) on the policy's right and wrong answers was 0.16
+  and 0.14: BENCHMARKS.md, "Models in the reward loop"). Written in the response's own format, the
+  comparison is character against character.
+- Criteria (`CRITERIA`, the issue's three) and their labels, from the verifier and two format rules:
+  `correct` "the final answer equals the correct result" is `math_accuracy` (the last `\\boxed{}`
+  against the gold answer: an unboxed right number is "N", as the verifier scores it 0); `boxed`
+  "the answer is in \\boxed{}" is whether a balanced `\\boxed{...}` exists (`last_boxed`); `only`
+  "the response gives only the final answer" is whether the whole response is one boxed integer.
+- Candidates per problem, fixed by (seed, problem) like `wrong_answer`: the right response, a wrong
+  one (`wrong_answer`), an unboxed number and a response with extra text around a box (each with the
+  right or the wrong answer, by a coin), plus whatever the caller adds: samples of the SFT policy on
+  the same problem (`megalign.tools.judge_data`), which are what the judge sees during GRPO.
+  Duplicate texts of a problem are kept once. Most sampled answers are wrong, so the training rows
+  of the `correct` criterion are balanced by repeating the rarer label (`balanced`).
+- `RUBRIC` is the prompt rows' rubric column for GRPO: the three criteria as RaR items with categories
+  (essential 1.0 / important 0.7 / optional 0.3), so the rubric score is
+  (c_correct + 0.7 c_boxed + 0.3 c_only) / 2.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import numpy as np
+
+from megalign.data.arith import _OP_INDEX, ArithProblem, _check_seed, wrong_answer
+from megalign.rewards.judge import JudgeTemplate
+from megalign.rewards.math import last_boxed, math_accuracy
+
+JUDGE_TEMPLATE = "{prompt}{response}\nreference: {prompt}\\boxed{{{reference}}}\n{criterion}? "
+"""The judge prompt of the embedded task (module doc); the verdict is the next token, "Y" or "N"."""
+
+VERDICTS = ("Y", "N")
+"""The two answer tokens (positive first): the judge config's `answers`."""
+
+CRITERIA = {
+    "correct": "the final answer equals the correct result",
+    "boxed": "the answer is in \\boxed{}",
+    "only": "the response gives only the final answer",
+}
+"""The criteria by key, in the issue's words."""
+
+RUBRIC = [
+    {"criterion": CRITERIA["correct"], "category": "essential"},
+    {"criterion": CRITERIA["boxed"], "category": "important"},
+    {"criterion": CRITERIA["only"], "category": "optional"},
+]
+"""The rubric column of every GRPO prompt row (module doc)."""
+
+_ONLY = re.compile(r"\\boxed\{-?\d+\}")
+_EXTRA = ("{prompt}{box}", "{box} is the answer", "so {box}", "{box}{box}")
+_UNBOXED = ("{value}", "answer {value}")
+
+
+def criterion_label(key: str, response: str, answer: int) -> bool:
+    """Whether `response` to a problem with gold `answer` meets criterion `key` (module doc)."""
+    if key == "correct":
+        return math_accuracy(response, answer) == 1.0
+    if key == "boxed":
+        return last_boxed(response) is not None
+    if key == "only":
+        return _ONLY.fullmatch(response) is not None
+    raise ValueError(f"criterion key {key!r} is not one of {list(CRITERIA)}")
+
+
+def synthetic_candidates(problem: ArithProblem, seed: int = 0) -> list[str]:
+    """The four made-up responses to `problem` (module doc), fixed by (seed, problem)."""
+    _check_seed(seed)
+    rng = np.random.default_rng([seed, 0x4A44, problem.a, _OP_INDEX[problem.op], problem.b])
+    wrong = wrong_answer(problem, seed)
+    unboxed_value = problem.answer if rng.random() < 0.5 else wrong
+    extra_value = problem.answer if rng.random() < 0.5 else wrong
+    unboxed = _UNBOXED[int(rng.integers(len(_UNBOXED)))].format(value=unboxed_value)
+    extra = _EXTRA[int(rng.integers(len(_EXTRA)))].format(prompt=problem.prompt, box=f"\\boxed{{{extra_value}}}")
+    return [problem.response, f"\\boxed{{{wrong}}}", unboxed, extra]
+
+
+def judge_items(problem: ArithProblem, responses: Sequence[str], source: str) -> list[dict]:
+    """One item per (distinct response, criterion): `prompt` (the problem), `response`, `reference` (the gold
+    answer as text), `criterion` (its text), `key`, `label` (bool), `answer`, `source` (where the response came
+    from, e.g. "synthetic" or "policy")."""
+    return [{"prompt": problem.prompt, "response": r, "reference": str(problem.answer), "criterion": CRITERIA[key],
+             "key": key, "label": criterion_label(key, r, problem.answer), "answer": problem.answer, "source": source}
+            for r in dict.fromkeys(responses) for key in CRITERIA]
+
+
+def balanced(items: Sequence[dict], key: str) -> list[dict]:
+    """`items` with each item of criterion `key` whose label is the rarer one repeated round(n_common / n_rare)
+    times (in place, the order otherwise kept): most sampled answers are wrong, and a judge trained on the raw
+    mix learns the base rate "N" instead of the comparison (BENCHMARKS.md)."""
+    labels = [item["label"] for item in items if item["key"] == key]
+    n_yes, n_no = sum(labels), len(labels) - sum(labels)
+    if not n_yes or not n_no:
+        return list(items)
+    rare, times = (True, round(n_no / n_yes)) if n_yes < n_no else (False, round(n_yes / n_no))
+    return [copy for item in items
+            for copy in [item] * (times if item["key"] == key and item["label"] == rare else 1)]
+
+
+def sft_row(item: dict, template: JudgeTemplate) -> dict:
+    """The judge's SFT row of one item: `prompt` is `template` filled with the item's fields (as the judge role
+    fills it), `response` the verdict; the item's fields are kept as extra columns (the SFT loader ignores them)."""
+    return {**item, "prompt": template.render(item), "response": VERDICTS[0] if item["label"] else VERDICTS[1],
+            "problem": item["prompt"], "candidate": item["response"]}
+
+
+def rubric_prompt_rows(problems: Sequence[ArithProblem]) -> list[dict]:
+    """GRPO prompt rows with the `rubric` column: `prompt`, `answer`, `rubric` (`RUBRIC`)."""
+    return [{"prompt": p.prompt, "answer": p.answer, "rubric": RUBRIC} for p in problems]

@@ -1,0 +1,152 @@
+"""The embedded judge's rows (`megalign.data.judge_rows`) and its data tool (`megalign.tools.judge_data`).
+
+Oracles: labels worked out by hand for each criterion; the judge role's own `Judge.encode` for the
+byte-for-byte identity of an SFT row's prompt and the judge's query; the example configs' YAML."""
+import json
+import os
+import types
+
+import pytest
+import yaml
+from parallel.dist_utils import run_distributed
+
+from megalign.data import ArithProblem, ArithTaskConfig, CharTokenizer, encode_sft, load_prompts, load_sft, make_splits
+from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, RUBRIC, VERDICTS, balanced, criterion_label,
+                                      judge_items, rubric_prompt_rows, sft_row, synthetic_candidates)
+from megalign.rewards.judge import JudgeTemplate, rubric_items
+from megalign.roles.judge import Judge, JudgeConfig
+from megalign.tools.judge_data import JudgeDataConfig, _read_items, agreement_lines, write_judge_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("response, correct, boxed, only", [
+    ("\\boxed{19}", True, True, True),
+    ("\\boxed{18}", False, True, True),  # wrong, but in the box and nothing else
+    ("19", False, False, False),  # the verifier reads only a box: an unboxed right number scores 0
+    ("answer 19", False, False, False),
+    ("\\boxed{19} is the answer", True, True, False),
+    ("12+7=\\boxed{18}", False, True, False),
+    ("\\boxed{18}\\boxed{19}", True, True, False),  # the last box is the final answer
+    ("\\boxed{19", False, False, False),  # unbalanced: no box
+    ("", False, False, False),
+])
+def test_criterion_labels_by_hand(response, correct, boxed, only):
+    assert criterion_label("correct", response, 19) is correct
+    assert criterion_label("boxed", response, 19) is boxed
+    assert criterion_label("only", response, 19) is only
+
+
+def test_negative_answers_and_unknown_criterion():
+    assert criterion_label("correct", "\\boxed{-3}", 2 - 5) and criterion_label("only", "\\boxed{-3}", -3)
+    assert not criterion_label("only", "\\boxed{x}", 3)
+    with pytest.raises(ValueError, match="'bogus' is not one of"):
+        criterion_label("bogus", "\\boxed{1}", 1)
+
+
+def test_synthetic_candidates_cover_right_wrong_unboxed_and_extra_text():
+    for p in make_splits(ArithTaskConfig())[0][:200]:
+        right, wrong, unboxed, extra = synthetic_candidates(p, seed=0)
+        assert right == f"\\boxed{{{p.answer}}}"
+        assert wrong.startswith("\\boxed{") and int(wrong[7:-1]) != p.answer
+        assert "\\boxed" not in unboxed and unboxed.split()[-1] in (str(p.answer), wrong[7:-1])
+        assert "\\boxed{" in extra and not criterion_label("only", extra, p.answer)
+        assert synthetic_candidates(p, seed=0) == [right, wrong, unboxed, extra]  # fixed by (seed, problem)
+    problems = make_splits(ArithTaskConfig())[0][:50]
+    assert any(synthetic_candidates(p, 0) != synthetic_candidates(p, 1) for p in problems)
+    with pytest.raises(ValueError, match="seed"):
+        synthetic_candidates(problems[0], seed=-1)
+
+
+def test_items_and_sft_row_by_hand():
+    p = ArithProblem(12, "+", 7)
+    items = judge_items(p, ["\\boxed{19}", "so \\boxed{20}", "\\boxed{19}"], "policy")
+    assert len(items) == 6  # the repeated response once, three criteria each
+    assert [(i["response"], i["key"], i["label"]) for i in items] == [
+        ("\\boxed{19}", "correct", True), ("\\boxed{19}", "boxed", True), ("\\boxed{19}", "only", True),
+        ("so \\boxed{20}", "correct", False), ("so \\boxed{20}", "boxed", True), ("so \\boxed{20}", "only", False)]
+    row = sft_row(items[3], JudgeTemplate(JUDGE_TEMPLATE))
+    assert row["prompt"] == ("12+7=so \\boxed{20}\nreference: 12+7=\\boxed{19}\n"
+                             "the final answer equals the correct result? ")
+    assert row["response"] == "N" and row["problem"] == "12+7=" and row["candidate"] == "so \\boxed{20}"
+    assert sft_row(items[1], JudgeTemplate(JUDGE_TEMPLATE))["response"] == "Y"
+
+
+def test_balanced_repeats_the_rarer_correct_label():
+    p = ArithProblem(12, "+", 7)
+    items = judge_items(p, ["\\boxed{19}", "\\boxed{18}", "\\boxed{17}", "\\boxed{16}", "\\boxed{20}"], "policy")
+    out = balanced(items, "correct")
+    correct = [i["label"] for i in out if i["key"] == "correct"]
+    assert correct.count(True) == 4 and correct.count(False) == 4  # 1 right, 4 wrong: the right one 4 times
+    assert [i for i in out if i["key"] != "correct"] == [i for i in items if i["key"] != "correct"]
+    assert out[:4] == [items[0]] * 4  # in place
+    assert balanced(items[:3], "correct") == items[:3]  # one label only: nothing to balance
+
+
+def test_sft_prompt_is_the_judge_query_byte_for_byte():
+    # the judge role (chat_template: false) encodes the filled template with its own method; the SFT loader
+    # encodes the row's prompt: the ids must be the same, and the verdict the one token after them
+    tok = CharTokenizer()
+    row = sft_row(judge_items(ArithProblem(3, "*", 4), ["\\boxed{12}"], "synthetic")[1], JudgeTemplate(JUDGE_TEMPLATE))
+    judge = types.SimpleNamespace(cfg=JudgeConfig(path="unused", template=JUDGE_TEMPLATE, chat_template=False),
+                                  tokenizer=tok)
+    query = JudgeTemplate(JUDGE_TEMPLATE).render({"prompt": "3*4=", "response": "\\boxed{12}", "reference": "12",
+                                                  "criterion": CRITERIA["boxed"]})
+    example = encode_sft(row["prompt"], row["response"], tok)
+    assert example.prompt_ids == Judge.encode(judge, query)
+    assert example.response_ids == [tok.encode("Y")[0], tok.eos_id]
+
+
+def test_example_configs_use_the_rows_template_and_answers():
+    with open(os.path.join(ROOT, "examples", "grpo_rubric_arith.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    (judged,) = cfg["reward"]["judges"]
+    assert judged["kind"] == "rubric" and judged["rubric_mode"] == "explicit" and cfg["reward"]["terms"] == []
+    assert judged["judge"]["template"] == JUDGE_TEMPLATE and judged["judge"]["answers"] == list(VERDICTS)
+    assert judged["judge"]["chat_template"] is False
+
+
+def test_rubric_rows_load_as_prompts_with_rar_weights(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rubric_prompt_rows([ArithProblem(2, "-", 5)])))
+    (example,) = load_prompts(str(path), CharTokenizer(), 16)
+    assert example.prompt_text == "2-5=" and example.answer == -3
+    items = rubric_items(example.metadata["rubric"], "row 0")
+    assert [(i.criterion, i.weight) for i in items] == [(CRITERIA["correct"], 1.0), (CRITERIA["boxed"], 0.7),
+                                                        (CRITERIA["only"], 0.3)]
+    assert RUBRIC[0]["category"] == "essential"
+
+
+def _write(out_dir):
+    write_judge_data(JudgeDataConfig(out_dir=out_dir, arith=ArithTaskConfig(max_operand=3), device="cpu"))
+
+
+def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
+    run_distributed(_write, str(tmp_path), world_size=1, timeout_s=120)
+    train, held_out = make_splits(ArithTaskConfig(max_operand=3))
+    rows = {split: [json.loads(line) for line in open(tmp_path / f"judge_{split}.jsonl")] for split in ("train", "held_out")}
+    assert {r["problem"] for r in rows["train"]} == {p.prompt for p in train}
+    assert {r["problem"] for r in rows["held_out"]} == {p.prompt for p in held_out}
+    raw = [i for p in train for i in judge_items(p, synthetic_candidates(p), "synthetic")]
+    assert len(rows["train"]) == len(balanced(raw, "correct")) > len(raw)  # the training rows are balanced
+    assert len(rows["held_out"]) == 3 * sum(len(set(synthetic_candidates(p))) for p in held_out)  # these are not
+    for r in rows["train"][:30]:
+        assert r["response"] == ("Y" if criterion_label(r["key"], r["candidate"], r["answer"]) else "N")
+    examples, _ = load_sft(str(tmp_path / "judge_train.jsonl"), CharTokenizer(), 128)  # the judge SFT reads them
+    assert len(examples) == len(rows["train"])
+    prompts = [json.loads(line) for line in open(tmp_path / "prompts_held_out.jsonl")]
+    assert [p["prompt"] for p in prompts] == [p.prompt for p in held_out] and prompts[0]["rubric"] == RUBRIC
+    assert len(_read_items(str(tmp_path / "judge_held_out.jsonl"))) == len(rows["held_out"])
+
+
+def test_read_items_names_the_row(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"problem": "1+1=", "candidate": "2", "criterion": "c", "key": "correct",
+                                "source": "synthetic", "label": "yes"}) + "\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl:1: .*bool label"):
+        _read_items(str(path))
+
+
+def test_agreement_lines_by_hand():
+    lines = agreement_lines({"all": (7, 8), "criterion correct": (1, 2)})
+    assert lines == ["  all                 87.5%  (7/8)", "  criterion correct   50.0%  (1/2)", "judge agreement  87.5%"]
