@@ -122,6 +122,25 @@ def test_grpo_step_on_episodes(policy, tmp_path):
     run_distributed(_grpo_step, policy, str(tmp_path), world_size=1)
 
 
+def _packed_scores(policy, run_dir):
+    scores = []
+    for pack in ("true", "false"):  # pack_max_fill=1: every forward packed
+        t = GRPOTrainer(tiny_config(policy, f"{run_dir}_{pack}", *env(), "rollout.old_logprobs=recompute",
+                                    f"rollout.pack={pack}", "rollout.pack_max_fill=1.0"))
+        batch, _, _ = t.collect()
+        t.score(batch)
+        scores.append(batch)
+    packed, padded = scores
+    assert torch.equal(packed.sequences, padded.sequences)  # the same episodes (same seed)
+    policy_tokens = padded.response_mask.bool()
+    torch.testing.assert_close(packed.old_logp[policy_tokens], padded.old_logp[policy_tokens], rtol=0, atol=2e-5)
+    torch.testing.assert_close(packed.old_logp[policy_tokens], packed.rollout_logp[policy_tokens], rtol=0, atol=2e-5)
+
+
+def test_packed_forwards_score_episodes_like_padded_rows(policy, tmp_path):
+    run_distributed(_packed_scores, policy, str(tmp_path / "run"), world_size=1)
+
+
 def _ppo_gae(policy, run_dir):
     cfg = load_config(PPOConfig, None, [
         f"run_dir={run_dir}", f"actor.path={policy}", "steps=1", "seed=0", "device=cpu", "tensorboard=false",
