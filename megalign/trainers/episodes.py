@@ -28,10 +28,10 @@ Design choices:
   `env/tool_errors`, ...) and the share of episodes where it is nonzero (`env/share/tool_calls`: episodes that
   called a tool; `env/share/tool_errors`: episodes with a failed call).
 - Evaluation: greedy episodes (one per held-out prompt) scored by `eval.metric` on the last policy turn.
-- Refused at start-up, naming the keys: actor.tp / actor.pp > 1 (the environments would step on every tp rank;
-  the rollout runs the whole model), sliding-window models, process reward models (their step rewards read a
-  single response), online DPO's pairwise judge (it reads single responses). `rollout.pack` works (the rows'
-  real tokens are packed like single responses).
+- Refused at start-up before any model loads, naming the keys: actor.tp / actor.pp > 1 (the environments would
+  step on every tp rank; the rollout runs the whole model), process reward models (their step rewards read a
+  single response), online DPO's pairwise judge (it reads single responses); sliding-window models at the
+  first rollout. `rollout.pack` works (the rows' real tokens are packed like single responses).
 """
 from __future__ import annotations
 
@@ -53,16 +53,13 @@ logger = logging.getLogger(__name__)
 COUNTS = ("episodes", "turns", "policy_tokens", "observation_tokens", "env_errors", "turn_budget")
 
 
-def check_episode_setup(cfg, model) -> None:
-    """ValueError naming the keys for what episodes do not support yet (module doc); `model`: the actor's."""
+def check_episode_setup(cfg) -> None:
+    """ValueError naming the keys for what episodes do not support yet (module doc), from the config alone."""
     env = cfg.rollout.env
     if cfg.actor.tp > 1 or cfg.actor.pp > 1:
         raise ValueError(f"rollout.env: multi-turn episodes run at actor.tp=1 and actor.pp=1 for now (got actor.tp="
                          f"{cfg.actor.tp}, actor.pp={cfg.actor.pp}): the environments step on the host of one rank "
                          f"that holds the whole model")
-    if model.model.config.sliding_window is not None:
-        raise ValueError(f"rollout.env: actor.path={cfg.actor.path} is a sliding-window model, which multi-turn "
-                         f"episodes do not support yet")
     process = [key for key, m in cfg.reward.reward_models() if m.kind == "process"]
     if process:
         raise ValueError(f"rollout.env: process reward models ({', '.join(process)}) read single responses; "
@@ -110,9 +107,11 @@ class EpisodeRollout:
     (in `collect`: the failure check and the counts), `evaluate` for the held-out prompts."""
 
     def __init__(self, trainer):
+        """Built by the trainer once it has its tokenizer, before any model loads: the config's checks and the
+        environment's (one is built) fail first."""
         cfg = trainer.cfg
         self.trainer, self.env = trainer, cfg.rollout.env
-        check_episode_setup(cfg, trainer.actor.model)
+        check_episode_setup(cfg)
         try:
             self.factory = env_factory(self.env.name, self.env.kwargs)
         except EnvSpecError as exc:
@@ -130,6 +129,9 @@ class EpisodeRollout:
     def run(self, examples, group_size: int, params: SamplingParams, seed: int, keys: Sequence[int]):
         """(episodes, stats) of `group_size` episodes per example on the actor's weights (eval mode, autocast)."""
         actor = self.trainer.actor
+        if actor.model.model.config.sliding_window is not None:
+            raise ValueError(f"rollout.env: actor.path={self.trainer.cfg.actor.path} is a sliding-window model, which "
+                             f"multi-turn episodes do not support yet")
         rows = [{"prompt": e.prompt_text, "answer": e.answer, "metadata": dict(e.metadata)} for e in examples]
         was_training = actor.model.training
         actor.model.eval()

@@ -107,6 +107,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
         check_model_path(cfg.actor.path, "actor.path")
         self.tokenizer = self.build_tokenizer(cfg.data.tokenizer, cfg.actor.path)
+        self.episodes = EpisodeRollout(self) if cfg.rollout.env is not None else None  # checked before any model loads
         self.check_role_folders()
         self.train_set, self.held_out = prompt_datasets(cfg.data, self.tokenizer, cfg.run_dir)
         if cfg.reward.gated is not None:
@@ -157,7 +158,6 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
-        self.episodes = EpisodeRollout(self) if cfg.rollout.env is not None else None  # multi-turn (rollout.env)
 
     def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
         """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
