@@ -10,7 +10,8 @@ the prompts and the rollout generator. One step:
                judge role); process reward models' step rewards for algorithms that set
                `token_level_rewards`) -> `shape_rewards` -> `keep_groups` (e.g. dynamic sampling: more
                rounds) -> a `RolloutBatch` of whole groups (`megalign.rollout.batch`)
-    score      old log-probs (the rollout's, or recomputed) and the reference's
+    score      old log-probs (the rollout's, or recomputed) and the reference's; the recomputed (or, with the
+               rollout's, the first micro-batch's in the update) against the rollout's: `rollout/logprob_*`
     advantages the algorithm's (`advantages`)
     update     the algorithm's (`update`): `train_role(role, lr, batch, RoleLoss, ...)` runs epochs x
                mini-batches of one loss per unit, accumulated over micro-batches by `megalign.trainers.updates`
@@ -66,6 +67,7 @@ from megalign.roles import DTYPES, Actor, Reference, Reward, Role, TrainableRole
 from megalign.roles.adapter_reference import AdapterOffReference
 from megalign.roles.reward import check_safety_field
 from megalign.rollout import RolloutBatch, RolloutStats, SamplingParams
+from megalign.rollout.mismatch import MismatchMeter
 from megalign.trainers.base import MetricSums, Trainer, check_model_path
 from megalign.trainers.episodes import EpisodeRollout
 from megalign.trainers.evaluation import eval_count, evaluate_generation
@@ -155,6 +157,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.register_state("trainer", RankState(self.rank, self.generator, self.reward))
         self.memory: dict[str, float] = {}
         self.rollout_stats, self.rollout_metrics = RolloutStats(), {}
+        self.mismatch = MismatchMeter()  # rollout vs trainer log-probs, every step (`megalign.rollout.mismatch`)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
@@ -294,12 +297,14 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.memory.clear()
         start = time.perf_counter()
         batch, generated, counts = self.collect()
+        self.mismatch.start(measure_in_loss=self.cfg.rollout.old_logprobs == "rollout")
         self.score(batch)
         self.advantages(batch)
         sums = self.rollout_sums(generated)
         norms = self.update(batch, sums, counts)
         total = sums.reduce(self.layout.dp_group, self.layout.device)
-        return self.step_metrics(total, generated.terms, self.metrics(total, norms, counts), start)
+        metrics = self.step_metrics(total, generated.terms, self.metrics(total, norms, counts), start)
+        return {**metrics, **self.mismatch.metrics(self.layout.device)}
 
     def score(self, batch: RolloutBatch) -> None:
         """`batch.old_logp` (recorded while sampling, or recomputed: `rollout.old_logprobs`) and, with a reference,
@@ -308,6 +313,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         if self.cfg.rollout.old_logprobs == "recompute":
             with self.phase("old_logprobs", actor=("weights",)):
                 batch.old_logp = self.score_logprobs(self.actor, batch, micro)
+            self.mismatch.add(batch.old_logp, batch.rollout_logp, batch.response_mask)
         else:
             batch.old_logp = batch.rollout_logp
         if self.reference is not None:

@@ -26,6 +26,7 @@ class PolicyGradient:
         def fn(rows, hidden=None):
             logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), temperature, hidden=hidden)
             mask = batch.response_mask[rows]
+            self.mismatch.observe(logp, batch.rollout_logp[rows], mask)  # first micro-batch, `old_logprobs: rollout`
             loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask, beta,
                                                  None if batch.ref_logp is None else batch.ref_logp[rows])
             if algo.entropy_coef:
