@@ -5,7 +5,9 @@ from an HF folder; `save_hf_checkpoint` writes one back. `apply_lora` (lora.py) 
 `TensorParallelFactory` (parallelize.py) is the tensor-parallel one (`from_pretrained(path, layout=...)`).
 MoE layers (moe.py): `moe_routing(model, record=..., replay=..., aux=...)` records or forces the experts of
 a forward and collects the statistics of `load_balancing_loss`.
+`batch_invariant` (or `MEGALIGN_BATCH_INVARIANT=1`): rollout log-probs equal to the trainer's bit for bit.
 """
+from . import batch_invariant
 from .config import ModelConfig, RopeScaling, hf_architecture
 from .decoder import Decoder, KVCache, LayerFactory, SlotKVCache
 from .heads import CausalLM, LMHead, RewardHead, RewardModel, ValueHead, ValueModel
@@ -15,6 +17,9 @@ from .lora import (LoRAConfig, adapters_disabled, apply_lora, lora_modules, lora
                    unmerge_adapters)
 from .moe import Routing, load_balancing_loss, moe_routing, routing_agreement
 from .parallelize import TensorParallelFactory, tensor_parallel_config
+
+if batch_invariant.env_switch():  # MEGALIGN_BATCH_INVARIANT=1: the mode for the whole process (batch_invariant.py)
+    batch_invariant.set_batch_invariant(True)
 
 __all__ = [
     "ModelConfig", "RopeScaling", "hf_architecture", "Decoder", "KVCache", "SlotKVCache", "LayerFactory", "CausalLM", "LMHead",

@@ -19,6 +19,7 @@ an optional sliding window, padding and packed documents:
 under `torch.autocast`). `MEGALIGN_ATTENTION` overrides it for the whole process:
   auto  (default) flash when it can run (see `select_backend`), else sdpa;
   sdpa  always sdpa (to compare, debug, or on a GPU older than Ampere, which flash-attn 2 rejects).
+In the batch-invariant mode (`batch_invariant`) neither runs: its own fixed-order attention does.
 Both paths give the same values at real tokens; at padding positions flash gives zeros and sdpa a
 finite value that nothing downstream reads.
 """
@@ -33,6 +34,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import batch_invariant
 
 ATTENTION_ENV = "MEGALIGN_ATTENTION"
 _MODES = ("auto", "sdpa")
@@ -208,6 +211,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, batc
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """q `[B, h, T, D]`, k and v `[B, h_kv, S, D]` (h_kv divides h) -> `[B, T, h, D]`, by `select_backend`'s choice."""
     dtype = compute_dtype(q)
+    if batch_invariant.enabled():  # fixed reduction order whatever the batch, padding, packing or cache (its doc)
+        return batch_invariant.attention(q, k, v, batch.sdpa_mask, dtype)
     if select_backend(q.device, dtype, q.shape[-1], batch) == "flash":
         return _flash_attention(*(x.transpose(1, 2).to(dtype) for x in (q, k, v)), batch)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.sdpa_mask, is_causal=batch.sdpa_mask is None,

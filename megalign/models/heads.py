@@ -30,6 +30,7 @@ from torch import nn
 
 from megalign.parallel.logprob import fused_linear_token_logprob
 
+from . import batch_invariant
 from .config import ModelConfig
 from .decoder import Decoder, LayerFactory
 
@@ -86,6 +87,10 @@ class LMHead(nn.Module):
         Under autocast the head runs in the autocast dtype, as `forward`'s `F.linear` would; otherwise
         in the hidden states' dtype.
         """
+        if batch_invariant.enabled():  # the engine's own head and log-softmax, in a fixed order (tp = 1 only)
+            if group is not None:
+                raise NotImplementedError("the batch-invariant mode runs at tensor-parallel size 1 only")
+            return batch_invariant.head_token_logprob(self, hidden, targets, temperature, return_entropy)
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         return fused_linear_token_logprob(hidden.to(dtype), self.proj.weight.to(dtype), targets, group,

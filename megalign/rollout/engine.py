@@ -53,7 +53,7 @@ from typing import Callable, Literal, Optional, Sequence, Union
 import torch
 
 from megalign.config import option
-from megalign.models import CausalLM
+from megalign.models import CausalLM, batch_invariant
 from megalign.models.decoder import KVCache, SlotKVCache
 
 from .generate import GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits
@@ -102,13 +102,15 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: Optional
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
-    scaled = logits / params.temperature
-    cdf = filter_logits(scaled, params.top_k, params.top_p).softmax(-1).cumsum(-1)
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)[:, 0]
-    if agree is not None:
-        tokens = agree(tokens)
-    return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    else:
+        scaled = logits / params.temperature
+        cdf = filter_logits(scaled, params.top_k, params.top_p).softmax(-1).cumsum(-1)
+        tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)[:, 0]
+        if agree is not None:
+            tokens = agree(tokens)
+    if batch_invariant.enabled():  # the trainer's recomputation runs the same function (batch_invariant's doc)
+        return tokens, batch_invariant.token_logprobs(logits, tokens, params.temperature)
+    return tokens, (logits / (params.temperature or 1.0)).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
 @dataclass
