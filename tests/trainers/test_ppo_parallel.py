@@ -52,7 +52,7 @@ def test_dp2_equals_dp1_on_the_same_global_batch(models, tmp_path):
     run_distributed(_replay, policy, reference, str(tmp_path / "dp2"), batch_file, world_size=2)
     (dp1,), (dp2,) = metric_rows(str(tmp_path / "dp1")), metric_rows(str(tmp_path / "dp2"))
     # losses, gradient norms, KL, values, returns, rewards: the same numbers from either layout
-    assert_rows_close(dp1, dp2)
+    assert_rows_close(dp1, dp2, across_layouts=True)
     assert dp1["actor/token_kl"] > 0 and dp1["actor/grad_norm"] > 0 and dp1["critic/grad_norm"] > 0
     initial = dict(from_pretrained(policy).named_parameters())  # the actor's start, and the critic's trunk
     for role in ("actor", "critic"):
