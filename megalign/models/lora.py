@@ -29,7 +29,14 @@ a LoRA subclass), so every other name in the model is unchanged and HF name rule
 
 `adapters_disabled(model)` switches the adapters off (the reference model of DPO / KTO / GRPO is the
 base model: no second copy of the weights, as TRL and verl do). `merge_adapters` / `unmerge_adapters`
-fold `scale * B A` into W and back (merge in the weights' dtype: in bf16 the unmerge is not exact).
+fold `scale * B A` into W and back. Unmerging by subtraction would drift the frozen base (W + D - D != W
+in floating point, a few ulps per cycle, worse in bf16), so the merge swaps each adapted layer's weight
+storage for a new tensor W + scale * B A (summed in fp32, rounded once to W's dtype) and keeps the original
+storage aside; the unmerge swaps it back: after any number of cycles the base is bitwise the original, and
+the Parameter objects never change (optimizers and tied references keep theirs). The cost while merged is
+one extra tensor per adapted layer (the adapted weights only: embeddings, norms, unadapted layers are not
+copied), plus one fp32 temporary of one layer during the merge. Whatever writes into W while merged is
+dropped by the unmerge.
 Dropout at tp > 1 draws its mask per rank (the row layer on its input shard), so only dropout = 0 is
 identical across tp sizes.
 """
@@ -242,26 +249,34 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> None:
-    """W += scale * B A on every adapted layer (each rank its shard: the product has W's sharding)."""
+    """W <- W + scale * B A on every adapted layer (each rank its shard: the product has W's sharding); the
+    original storage of W is kept aside for `unmerge_adapters` (module doc: bitwise restore, one extra tensor
+    per adapted layer while merged)."""
     for m in lora_modules(model).values():
         if not m.lora_merged:
-            m.weight += (m.lora_B.float() @ m.lora_A.float() * m.lora_scale).to(m.weight.dtype)
+            base = m.weight.data
+            merged = m.lora_B.float() @ m.lora_A.float()  # [out_local, in_local] fp32, reused for the sum
+            merged.mul_(m.lora_scale).add_(base)  # (B A) s + W in fp32: one rounding to W's dtype below
+            m._lora_unmerged_weight = base
+            m.weight.data = merged.to(base.dtype)
             m.lora_merged = True
 
 
 @torch.no_grad()
 def unmerge_adapters(model: nn.Module) -> None:
-    """W -= scale * B A: undo `merge_adapters`."""
+    """Undo `merge_adapters`: put W's original storage back (bit for bit, no subtraction)."""
     for m in lora_modules(model).values():
         if m.lora_merged:
-            m.weight -= (m.lora_B.float() @ m.lora_A.float() * m.lora_scale).to(m.weight.dtype)
+            m.weight.data = m._lora_unmerged_weight
+            del m._lora_unmerged_weight
             m.lora_merged = False
 
 
 @contextlib.contextmanager
 def merged_base_view(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the adapters are merged into W and their parameters are detached from the modules,
-    so `model` looks like a plain base model (for the HF export, whose name rules know no adapters)."""
+    so `model` looks like a plain base model (for the HF export, whose name rules know no adapters). On exit
+    the base weights are bitwise the ones before (`unmerge_adapters` restores the kept storage)."""
     merge_adapters(model)
     modules = lora_modules(model)
     held = {name: (m._parameters.pop("lora_A"), m._parameters.pop("lora_B")) for name, m in modules.items()}

@@ -5,6 +5,7 @@ dW = dY^T X (per output / input feature), dB = s dW A^T, dA = s B^T dW (s = alph
 PEFT (`peft.PeftModel.from_pretrained` on a `transformers` model) is the independent reference of the
 exported adapter folder.
 """
+import contextlib
 import json
 import math
 
@@ -21,6 +22,7 @@ from conftest import TOL
 from megalign.checkpoint.hf_export import export_hf, export_peft_adapter
 from megalign.models import (LoRAConfig, adapters_disabled, apply_lora, from_pretrained, lora_modules, lora_state_dict,
                              merge_adapters, unmerge_adapters)
+from megalign.models.lora import merged_base_view
 from megalign.parallel import ParallelLayout
 from megalign.parallel.layers import tp_sharded_parameters
 
@@ -112,6 +114,42 @@ def test_merge_unmerge_and_adapters_off(tmp_path):
         unmerge_adapters(model)
         for n, p in model.named_parameters():
             assert_close(p, weights[n], **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_cycles_restore_the_base_bit_for_bit(tmp_path, dtype):
+    """W + sBA - sBA != W in floating point: unmerging by subtraction drifts the frozen base a little each cycle.
+    After 20 merge / unmerge cycles (10 through `merged_base_view`, the export's path, 10 through
+    `merge_adapters` / `unmerge_adapters`) every parameter is bitwise the original; merged, the weights are
+    W + sBA within one rounding of an fp64 reference, and the merged model computes the adapted model's output."""
+    make_causal_lm(tmp_path, "qwen2_tied")
+    model = from_pretrained(tmp_path, dtype=dtype).eval()
+    apply_lora(model, LoRAConfig(rank=4, alpha=8, target_modules="all-linear"))
+    _randomise_adapters(model)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layers = lora_modules(model)
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        adapted = model(ids).float()
+    for cycle in range(20):
+        if cycle % 2:
+            merge_adapters(model)
+            view = contextlib.nullcontext(model)
+        else:
+            view = merged_base_view(model)
+        with view:
+            if cycle < 2:
+                with torch.no_grad():
+                    assert_close(model(ids).float(), adapted, **TOL[dtype])
+                for name, m in layers.items():  # merged: W + s B A (fp64) within one ulp of W's dtype
+                    w, a, b = (original[f"{name}.{k}"].double() for k in ("weight", "lora_A", "lora_B"))
+                    exact = (w + m.lora_scale * b @ a)
+                    assert_close(m.weight.double(), exact, atol=1e-6, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6)
+        if cycle % 2:
+            unmerge_adapters(model)
+        for n, p in model.named_parameters():
+            assert torch.equal(p, original[n]), f"cycle {cycle}: {n} changed"
+    assert not any(m.lora_merged for m in layers.values())
 
 
 def test_merged_export_reloads_in_transformers(tmp_path):
