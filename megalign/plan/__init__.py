@@ -20,6 +20,21 @@ The model of memory (formulas and their sources in `megalign.plan.formulas`):
   SwiGLU MLP of three h x intermediate_size matrices, RMSNorm gains (Qwen3's per-head q/k norms too),
   Qwen2's q/k/v biases, the vocabulary padded to a multiple of tp (lcm with vocab_pad_multiple), tied
   embeddings as one matrix at pp = 1 and a copy on the last stage at pp > 1. Parameter counts equal the published ones (tests/plan).
+- Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert; `megalign.plan.model`): each MoE layer's
+  router, E experts and shared expert counted per layer (dense layers where mlp_only_layers / decoder_sparse_step say);
+  total and active parameters equal the model cards'. Expert parallelism the Megatron way (`RolePlan.ep`, expert
+  tensor parallelism `etp`, and context parallelism `cp` for the peers' layouts): E / ep experts per rank, their
+  states sharded over the expert data-parallel group GPUs / (etp ep pp), the rest over dp x cp; an MoE layer's
+  activations are the SwiGLU of its k routed experts plus the router's and the dispatch's tensors
+  (`formulas.moe_dispatch_bytes`), and ep > 1 adds one layer's all-to-all send / receive buffers (balanced routing:
+  a dropless dispatcher's imbalance is not modelled). megalign's trainers run ep = 1 and no cp today: a plan with
+  them says so in its notes (`Estimate.notes`; `megalign.plan.planner`'s doc).
+- LoRA (`RolePlan.lora`, the trainers' actor.lora / critic.lora): adapters counted per target linear and tp rank
+  (`model.lora_layer_params`), gradients and optimizer state for the adapters only (and a critic's value head), the
+  frozen base in the compute dtype (megalign: its fp32 master weights, whose bf16 autocast copies are saved per
+  micro-batch in flight instead of cached); with actor.lora the reference is the actor with its adapters off: no
+  weights of its own, the actor's kept in while it scores; the notes give the adapters' optimizer + gradient bytes
+  against full fine-tuning's and the copy a separate reference would have held.
 - Placement: megalign colocates roles: every role on every rank of its pool, one computing at a time;
   the others keep their parts on the device unless their offload switch is on (`Role.need`). Roles on
   other pools (OpenRLHF / NeMo-Aligner style) do not share memory. A phase's peak is its worst step.
@@ -45,17 +60,21 @@ The model of memory (formulas and their sources in `megalign.plan.formulas`):
   dtype (fp32 for megalign's actor), B = every sequence of the rank's share of the step at once; the
   prefill's live activations over B x P tokens; three [B, V] fp32 tensors of sampling. A separate
   engine (`generator`) may reserve a fraction of the GPU (vLLM's gpu_memory_utilization) while awake.
+- A separate engine whose reservation (memory_fraction) cannot hold its weights and prefill leaves no KV cache:
+  vLLM refuses to start, so the plan does not fit whatever its peak (`Estimate.problems`).
 - Not modelled: allocator fragmentation and the CUDA context (leave headroom), communication buffers,
   the activations of a scoring pass beyond one layer, CPU memory of offloaded parts.
 Validated in tests/plan: the formula tables reproduce exactly; small CPU runs at tp = 1 / 2 and
 pp = 1 / 2 peak within 15% of the prediction (measured 2-6%); the anchors' published 70B layouts fit
-and half as many GPUs per replica do not.
+and half as many GPUs per replica do not; NeMo-RL's Qwen3-30B-A3B (32 H100) and Qwen3-235B-A22B (128 H100)
+GRPO layouts and verl's LoRA Qwen2.5-72B GRPO on 8 x 80 GB fit, the 235B layout cannot be placed on 64 GPUs and
+the LoRA run does not fit on 4 (tests/plan/test_plan_moe_lora.py).
 """
 from megalign.plan.formulas import korthikanti_layer_bytes, megalign_layer_bytes, state_bytes_per_param
-from megalign.plan.model import PRESETS, load_model, stage_params, total_params
+from megalign.plan.model import PRESETS, active_params, load_model, lora_layer_params, stage_params, total_params
 from megalign.plan.planner import Estimate, PlanConfig, Planner, RolePlan, plan_memory
 from megalign.plan.runconfig import plan_from_run_config
 
 __all__ = ["PlanConfig", "RolePlan", "Planner", "Estimate", "plan_memory", "plan_from_run_config", "PRESETS",
-           "load_model", "stage_params", "total_params", "korthikanti_layer_bytes", "megalign_layer_bytes",
-           "state_bytes_per_param"]
+           "load_model", "stage_params", "total_params", "active_params", "lora_layer_params",
+           "korthikanti_layer_bytes", "megalign_layer_bytes", "state_bytes_per_param"]

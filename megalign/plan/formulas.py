@@ -22,7 +22,9 @@
   GPT's shapes (f = 4h, a kv head per query head, dropout, materialised scores) it is the paper's
   formula exactly. `megalign_layer_bytes` counts what megalign's own decoder layer saves for backward
   (its fp32 residual stream and fp32 RMSNorm, one bf16 input cast per projection under autocast), the
-  count checked against torch's saved-tensor hooks in tests/plan.
+  count checked against torch's saved-tensor hooks in tests/plan. An MoE layer is either count with the SwiGLU
+  width a token goes through (k experts of moe_intermediate_size, plus a shared expert) and `moe_dispatch_bytes`
+  (router probabilities, routing weights, the dispatched rows): counted from the code, not measured.
 
 Sizes: s sequence length, b micro-batch size, h hidden size, a attention heads, t tensor-parallel size.
 """
@@ -115,6 +117,19 @@ def megalign_layer_bytes(s: int, b: int, h: int, a: int, kv_heads: int, ffn: int
     return tokens * (norms + inputs + attn + mlp) + mask
 
 
+def moe_dispatch_bytes(tokens: int, h: int, num_experts: int, top_k: int, compute_bytes: int, split: int = 1) -> float:
+    """What an MoE layer of `megalign.models.moe` saves for backward beyond a SwiGLU of width k x moe_intermediate_size
+    (which `megalign_layer_bytes` counts with ffn = k F), per token: the router's fp32 probabilities (4E: softmax
+    saves its output), the top-k expert ids (int64, 8k), the top-k weights, their sum and the renormalised weights
+    (fp32, 4k + 4 + 4k), the two int64 permutations of the k dispatched rows (16k), the dispatched rows of the input
+    (e k h: the grouped matmul's input) and the experts' outputs, cast to fp32 for the weighted combine (4 k h).
+    Checked against saved-tensor hooks in fp32 (tests/plan/test_plan_moe_lora.py); e is the experts' compute dtype
+    (bf16 under autocast through the per-expert loop on CUDA; CPU's grouped matmul is not autocast-listed and
+    computes in fp32). `split`: ranks the tokens are split over (Megatron's sequence parallelism with expert tp 1:
+    tp); 1 where every tp rank routes all of them (megalign). Megatron's dropless dispatcher saves the same kinds."""
+    return tokens * (4 * num_experts + 32 * top_k + 4 + (compute_bytes + 4) * top_k * h) / split
+
+
 def pipeline_in_flight(pp: int, stage: int, n_microbatches: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under 1F1B: min(pp - stage, n)
     (Narayanan et al. 2021, arXiv 2104.04473, section 2.2.1: warm-up forwards then one forward per backward)."""
@@ -132,4 +147,4 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["MEGATRON", "MEGATRON_BF16_GRADS", "ZERO", "MEGALIGN", "CAST_COPY_BYTES", "state_bytes_per_param",
-           "korthikanti_layer_bytes", "megalign_layer_bytes", "pipeline_in_flight", "gib", "ceil_div"]
+           "korthikanti_layer_bytes", "megalign_layer_bytes", "moe_dispatch_bytes", "pipeline_in_flight", "gib", "ceil_div"]

@@ -9,7 +9,8 @@ on 2 of the G samples of a prompt, so the update's activations are over-estimate
 (the reward tokens are read on the LM head of a trained causal LM).
 
 What maps: role tp / pp (and its uneven stages: first_stage_layers / last_stage_layers / stage_layers) / dtype /
-offload switches, the reference when the registry says the run
+offload switches, a trained role's `lora` (then the reference is the actor with adapters off, no copy; never ep
+or cp, which megalign's trainers do not have), the reference when the registry says the run
 builds it (`Algorithm.needs_reference`: the config attribute the trainer reads, e.g. the KL coefficient
 of GRPO, REINFORCE++ and PPO), the critic of PPO, the reward model when `reward.model` or
 `reward.models` is set (the first one only), prompts and responses (online:
@@ -40,6 +41,7 @@ def _role(cfg, offload_optimizer: bool = False) -> RolePlan:
     recompute = "full" if isinstance(cfg, TrainedRoleConfig) and cfg.activation_checkpointing else "none"
     return RolePlan(tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype, offload_weights=cfg.offload_weights,
                     offload_optimizer=offload_optimizer, activation_checkpointing=recompute,
+                    lora=getattr(cfg, "lora", None),
                     first_stage_layers=cfg.first_stage_layers, last_stage_layers=cfg.last_stage_layers,
                     stage_layers=cfg.stage_layers)
 
