@@ -24,7 +24,8 @@
   (its fp32 residual stream and fp32 RMSNorm, one bf16 input cast per projection under autocast), the
   count checked against torch's saved-tensor hooks in tests/plan. An MoE layer is either count with the SwiGLU
   width a token goes through (k experts of moe_intermediate_size, plus a shared expert) and `moe_dispatch_bytes`
-  (router probabilities, routing weights, the dispatched rows): counted from the code, not measured.
+  (router probabilities, routing weights, the dispatched rows); a LoRA layer that count plus
+  `megalign_lora_delta_bytes`; both exact against saved-tensor hooks (fp32; LoRA in bf16 too).
 
 Sizes: s sequence length, b micro-batch size, h hidden size, a attention heads, t tensor-parallel size.
 """
@@ -117,6 +118,30 @@ def megalign_layer_bytes(s: int, b: int, h: int, a: int, kv_heads: int, ffn: int
     return tokens * (norms + inputs + attn + mlp) + mask
 
 
+def megalign_lora_delta_bytes(tokens: int, h: int, q: int, kv: int, ffn: int, targets: set, rank: int, t: int = 1,
+                              compute_bytes: int = 4, qk_norm: bool = False) -> float:
+    """What megalign's `DecoderLayer` saves under LoRA minus what `megalign_layer_bytes` counts for it (negative:
+    LoRA saves less). With q = a d and kv = kv_heads d the attention widths, e = compute_bytes, per token:
+
+    a frozen weight's matmul does not save its input (autograd keeps what the gradients it needs require), and a
+    frozen RMSNorm gain not the normalised value: minus the two norms' normalised values (8h), the per-head q/k
+    norms' (e (q + kv) / t), the projections' inputs (fp32: 8h; bf16: one cast per projection, 5 x 2h), the output
+    projection's input copy (e q / t) and the SwiGLU product, the down projection's input (e f / t); plus, per
+    adapted linear, the input its A matmul saves (fp32: shared by q / k / v, and by gate / up, as the full count's;
+    bf16: one cast each, of its local input: h for q / k / v / gate / up, q / t for o, f / t for down) and the
+    [tokens, r] product x A^T its B matmul saves (e r). Checked against saved-tensor hooks (tests/plan)."""
+    e = compute_bytes
+    removed = 8 * h + (e * (q + kv) / t if qk_norm else 0) + (8 * h if e == 4 else 5 * 2 * h) + e * q / t + e * ffn / t
+    width = {"q_proj": h, "k_proj": h, "v_proj": h, "gate_proj": h, "up_proj": h, "o_proj": q / t, "down_proj": ffn / t}
+    adapted = [name for name in width if name in targets]
+    if e == 4:  # q / k / v share one fp32 input, gate / up another
+        groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)]
+        inputs = sum(4 * width[g[0]] for g in groups if any(name in targets for name in g))
+    else:
+        inputs = sum(e * width[name] for name in adapted)
+    return tokens * (inputs + e * rank * len(adapted) - removed)
+
+
 def moe_dispatch_bytes(tokens: int, h: int, num_experts: int, top_k: int, compute_bytes: int, split: int = 1) -> float:
     """What an MoE layer of `megalign.models.moe` saves for backward beyond a SwiGLU of width k x moe_intermediate_size
     (which `megalign_layer_bytes` counts with ffn = k F), per token: the router's fp32 probabilities (4E: softmax
@@ -147,4 +172,5 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["MEGATRON", "MEGATRON_BF16_GRADS", "ZERO", "MEGALIGN", "CAST_COPY_BYTES", "state_bytes_per_param",
-           "korthikanti_layer_bytes", "megalign_layer_bytes", "moe_dispatch_bytes", "pipeline_in_flight", "gib", "ceil_div"]
+           "korthikanti_layer_bytes", "megalign_layer_bytes", "megalign_lora_delta_bytes", "moe_dispatch_bytes",
+           "pipeline_in_flight", "gib", "ceil_div"]

@@ -123,7 +123,8 @@ class StageParams:
 
 def _swiglu(cfg: ModelConfig, width: int, tp: int) -> int:
     """A SwiGLU of width `width` on one rank: gate / up (column) and down (row) sliced by tp, the down bias whole."""
-    return (3 * cfg.hidden_size * width + (2 * width if cfg.mlp_bias else 0)) // tp + (cfg.hidden_size if cfg.mlp_bias else 0)
+    bias = cfg.hidden_size if cfg.mlp_bias else 0
+    return (3 * cfg.hidden_size * width + (2 * width if cfg.mlp_bias else 0)) // tp + bias
 
 
 def expert_params(cfg: ModelConfig, ep: int = 1, etp: int = 1) -> int:

@@ -14,12 +14,12 @@ from typing import Literal, Optional
 
 from megalign.config import option
 from megalign.models.config import ModelConfig
-from megalign.parallel.layout import StageSplit
 from megalign.models.lora import LoRAConfig
+from megalign.parallel.layout import StageSplit
 from megalign.plan.estimate import PARTS, Bytes, Estimate, Step, StepBytes, role_dp  # noqa: F401 (re-exported)
 from megalign.plan.formulas import (CAST_COPY_BYTES, MEGALIGN, MEGATRON, MEGATRON_BF16_GRADS, ZERO, ceil_div, gib,
-                                    korthikanti_layer_bytes, megalign_layer_bytes, moe_dispatch_bytes,
-                                    pipeline_in_flight, state_bytes_per_param)
+                                    korthikanti_layer_bytes, megalign_layer_bytes, megalign_lora_delta_bytes,
+                                    moe_dispatch_bytes, pipeline_in_flight, state_bytes_per_param)
 from megalign.plan.model import layer_params, load_model, padded_vocab, stage_params
 from megalign.plan.notes import plan_notes
 
@@ -277,7 +277,9 @@ class Planner:
 
     def layer_activation_bytes(self, name: str, b: int, recompute: Optional[str] = None, moe: bool = False) -> float:
         """Bytes one layer saves for backward for a micro-batch of b sequences (recompute: the role's unless given);
-        `moe`: an MoE layer (the k routed experts' SwiGLU intermediates per token, and `moe_dispatch_bytes`)."""
+        `moe`: an MoE layer (the k routed experts' SwiGLU intermediates per token, and `moe_dispatch_bytes`). A LoRA
+        role of megalign's recipe saves less (`megalign_lora_delta_bytes`; its MoE layers and the other recipes are
+        counted as full fine-tuning, an upper bound)."""
         role, cfg = self.roles[name], self.role_model(name)
         recompute = recompute or role.activation_checkpointing
         s = ceil_div(self.seq, role.cp)
@@ -288,6 +290,10 @@ class Planner:
             extra = moe_dispatch_bytes(s * b, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                        self.compute_bytes(name), split)
         if role.recipe == "megalign":
+            if role.lora is not None and recompute != "full" and not moe:  # frozen weights save less (formulas)
+                extra = megalign_lora_delta_bytes(s * b, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                                                  cfg.num_key_value_heads * cfg.head_dim, ffn, set(role.lora.modules()),
+                                                  role.lora.rank, role.tp, self.compute_bytes(name), cfg.qk_norm)
             return extra + megalign_layer_bytes(s, b, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                 ffn, role.tp, self.compute_bytes(name), self.plan.attention,
                                                 "full" if recompute == "full" else "none", cfg.head_dim, cfg.qk_norm)
