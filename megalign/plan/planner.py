@@ -364,15 +364,22 @@ class Planner:
     def cast_bytes(self, name: str, stage: int, n: int, in_flight: int, grad: bool) -> float:
         """megalign's bf16 autocast copies of a trained role's weights: the cached copy of every weight (full
         fine-tuning); with LoRA autocast caches only the adapters' (they require grad), and the base's copies are
-        made per use: saved for backward by each micro-batch in flight in training, one layer's at a time without."""
+        made per use (the embedding's lookup makes none): saved for backward by each micro-batch in flight in
+        training (under full recomputation the layers' only by the layer being recomputed), one layer's and the
+        head's at a time without."""
         role = self.roles[name]
         if not (name in TRAINED and role.recipe == "megalign" and role.dtype == "bf16"):
             return 0.0
         if role.lora is None:
             return CAST_COPY_BYTES * n
-        adapters = self.stage(name, stage, lora=True).total
-        base = n * in_flight if grad else layer_params(self.model, role.tp, None, role.ep, role.etp)
-        return CAST_COPY_BYTES * (base + adapters)
+        sp, adapters = self.stage(name, stage), self.stage(name, stage, lora=True).total
+        head = sp.embedding if (self.model.tie_word_embeddings and role.pp == 1) else sp.head
+        layer = layer_params(self.model, role.tp, None, role.ep, role.etp)
+        if not grad:
+            return CAST_COPY_BYTES * (layer + head + adapters)
+        if role.activation_checkpointing == "full":
+            return CAST_COPY_BYTES * (head * in_flight + layer + adapters)
+        return CAST_COPY_BYTES * ((sp.layer_params + head) * in_flight + adapters)
 
     def role_bytes(self, name: str, step: Step, stage: int) -> Bytes:
         """What `name` holds on one rank of `stage` during `step`."""
