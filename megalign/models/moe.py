@@ -32,7 +32,8 @@ router nor the stacked experts get adapters. Design choices:
 - Routing state lives in a `Routing` object the caller attaches for one forward (`moe_routing`): it
   records the chosen experts `[N, k]` per layer (`record`), forces given ones (`replay`: the
   probabilities are the current router's, gathered at the given experts and renormalised alike, so the
-  router still gets a gradient: routing replay as verl / Megatron do it), and collects what the
+  router still gets a gradient: routing replay as verl / Megatron do it; a token whose ids are -1 has no
+  record, e.g. a response's last token, never fed during sampling, and routes by the router), and collects what the
   load-balancing loss needs. Layers are keyed by their global index. Each decoder forward gets its own
   `ForwardRouting` (fresh record and statistics dicts), which the layers hold on to: activation
   checkpointing's recomputation, run during a later backward, rewrites its own forward's entries (with the
@@ -66,7 +67,7 @@ class Routing:
     record: bool = False
     """Fill `chosen` with each MoE layer's expert ids."""
     replay: Optional[dict[int, torch.Tensor]] = None
-    """Global layer index -> `[N, k]` int64 expert ids to use instead of the router's top-k."""
+    """Global layer index -> `[N, k]` integer expert ids to use instead of the router's top-k (-1: the router's)."""
     aux: bool = False
     """Collect the load-balancing statistics (`load_balancing_loss`)."""
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -285,14 +286,14 @@ class MoEMLP(nn.Module):
         """x `[N, H]` -> (expert ids `[N, k]` int64, weights `[N, k]` fp32); `routing`: record, replay, statistics."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
         replay = routing.replay.get(self.layer) if routing is not None and routing.replay is not None else None
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if replay is not None:
             if replay.shape != (x.shape[0], self.top_k):
                 raise ValueError(f"routing replay for layer {self.layer} has shape {tuple(replay.shape)}, "
                                  f"expected {(x.shape[0], self.top_k)} (tokens, experts per token)")
-            experts = replay.to(device=x.device, dtype=torch.long)
+            given = replay.to(device=x.device, dtype=torch.long)
+            experts = torch.where(given >= 0, given, experts)  # -1: no record for this token, the router's choice
             weights = probs.gather(1, experts)
-        else:
-            weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if routing is not None and routing.chosen is not None:

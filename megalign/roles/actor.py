@@ -39,6 +39,7 @@ from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline, all_fini
 from megalign.roles.base import ModelRole, optimizer_slots
 from megalign.roles.packing import PipelinePacks, pipeline_packs, response_hidden, response_positions, scatter_response
 from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, pipeline_rollout, rollout
+from megalign.rollout.routing import RoutingRecorder
 
 
 def head_logprobs(model: CausalLM, layout: ParallelLayout, hidden: torch.Tensor, targets: torch.Tensor,
@@ -240,15 +241,17 @@ class Actor(TrainableRole):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int, params: SamplingParams,
-                 generator: torch.Generator, engine: EngineConfig) -> tuple[GenerationOutput, RolloutStats]:
+                 generator: torch.Generator, engine: EngineConfig,
+                 routing: Optional[RoutingRecorder] = None) -> tuple[GenerationOutput, RolloutStats]:
         """`group_size` samples of each left-padded prompt [U, P] with the training weights (eval mode, no dropout):
         [U * G] rows, a prompt's samples adjacent. The rollout's seed is drawn from `generator` (checkpointed by the
-        trainer), so a resumed run samples the same."""
+        trainer), so a resumed run samples the same. `routing`: records an MoE actor's experts (pp = 1 only)."""
         seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device))
         with self.precision.autocast(self.layout.device):
             if self.layout.pp > 1:
                 return pipeline_rollout(self.model, input_ids, attention_mask, group_size, params, seed, self.layout, engine)
-            return rollout(self.model, input_ids, attention_mask, group_size, params, seed, engine)
+            return rollout(self.model, input_ids, attention_mask, group_size, params, seed, engine,
+                           routing=routing)
 
     def logprobs_with_grad(self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
                            temperature: float, hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

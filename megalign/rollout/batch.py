@@ -22,7 +22,8 @@ class RolloutBatch:
     (fp32 response tokens), `finished` (ended with EOS), `rewards` (fp32 total), `terms` {term: [N]
     values}, `group` (int64: the group, one prompt's G samples, of each response: numbered in the order
     the step sampled them); `token_rewards` [N, R] fp32: the process reward models' step rewards (None
-    without any).
+    without any); `routing` [N, P + R, L, k] int16: an MoE actor's experts per token and MoE layer while sampling
+    (`megalign.rollout.routing`, -1: none), what routing replay reuses (None when not recorded).
     """
 
     sequences: torch.Tensor
@@ -41,6 +42,7 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     token_rewards: Optional[torch.Tensor] = None
+    routing: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.rewards.numel()

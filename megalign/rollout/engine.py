@@ -44,6 +44,7 @@ that; decode sum_i n_i row-steps plus at most (sync_every - 1) per sample, inste
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import dataclasses
 from collections import deque
@@ -55,8 +56,10 @@ import torch
 from megalign.config import option
 from megalign.models import CausalLM, batch_invariant
 from megalign.models.decoder import KVCache, SlotKVCache
+from megalign.models.moe import moe_routing
 
 from .generate import GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits
+from .routing import RoutingRecorder
 
 _U64 = 2 ** 64
 _GOLDEN = 0x9E3779B97F4A7C15 - _U64  # as int64
@@ -258,7 +261,7 @@ class _Rollout:
 
     def __init__(self, model: CausalLM, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                  params: SamplingParams, seed: int, config: EngineConfig, prompt_keys: torch.Tensor,
-                 logits_processor: Optional[LogitsProcessor]):
+                 logits_processor: Optional[LogitsProcessor], recorder: Optional[RoutingRecorder] = None):
         config = config.resolved(input_ids.device, tp=model.model.factory.tp_size)  # no-op for `rollout`'s
         self.model, self.params, self.config, self.processor = model, params, config, logits_processor
         self.device = input_ids.device
@@ -280,6 +283,7 @@ class _Rollout:
         self.stats = RolloutStats()
         self.prefilled: dict[int, tuple[KVCache, int, torch.Tensor]] = {}  # prompt -> (cache, row, last logits)
         self.graphs: dict[int, "torch.cuda.CUDAGraph"] = {}
+        self.recorder = recorder  # MoE routing per sample (`megalign.rollout.routing`), when asked for
 
     # ----- sampling
 
@@ -308,6 +312,8 @@ class _Rollout:
             mask = (torch.arange(width, device=self.device)[None] < lengths[:, None]).long()
             cache = self.model.model.new_kv_cache(len(chunk), width)
             hidden = self.model.model(self.prompts[index, :width], mask, kv_cache=cache)
+            if self.recorder is not None:
+                self.recorder.prefill(index, width)
             last = self._logits(hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0])
             for row, p in enumerate(chunk):
                 self.prefilled[p] = (cache, row, last[row])
@@ -351,6 +357,8 @@ class _Rollout:
         rows = torch.arange(batch, device=self.device)
         hidden = self.model.model(state.tokens[:batch, None], position_ids=state.positions[:batch, None],
                                   kv_cache=self.cache)
+        if self.recorder is not None:
+            self.recorder.decode(state.sample[:batch], state.counts[:batch], state.done[:batch])
         tokens, logp = self._pick(self._logits(hidden[:, -1]), rows)
         state.record(rows, tokens, logp, self.stop_ids)
 
@@ -420,13 +428,15 @@ class _Rollout:
 def rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int,
             params: SamplingParams, seed: int = 0, config: Optional[EngineConfig] = None,
             prompt_keys: Optional[Sequence[int]] = None,
-            logits_processor: Optional[LogitsProcessor] = None) -> tuple[GenerationOutput, RolloutStats]:
+            logits_processor: Optional[LogitsProcessor] = None,
+            routing: Optional[RoutingRecorder] = None) -> tuple[GenerationOutput, RolloutStats]:
     """G = `group_size` continuations of each left-padded prompt of `input_ids` `[U, P]` (`attention_mask` `[U, P]`).
 
     Returns (output with U * G rows, prompt p's samples at rows [p G, (p + 1) G): `[U G, P + N]` sequences
     and mask, `[U G, N]` log-probs, as `generate` gives for the repeated prompts; and the prefill / decode
     statistics). `seed` (an int; every tp rank must pass the same, tp rank 0's is used) and the prompt
-    keys (default 0..U-1) fix every sample (module doc). `logits_processor` edits each step's logits.
+    keys (default 0..U-1) fix every sample (module doc). `logits_processor` edits each step's logits. `routing`: an
+    MoE model's experts are recorded per sample and position into it (`routing.sequences` `[U G, P + N, L, k]`).
     """
     config = (config or EngineConfig()).resolved(input_ids.device, tp=model.model.factory.tp_size)
     if group_size < 1:
@@ -439,6 +449,12 @@ def rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tens
         raise ValueError(f"prompt_keys must hold one key per prompt ({input_ids.shape[0]}), got {tuple(keys.shape)}")
     seed_t = model.model.factory.broadcast_from_first(torch.tensor([seed], dtype=torch.long, device=input_ids.device))
     state = _Rollout(model, input_ids, mask, group_size, params, int(seed_t.item()), config,
-                     keys.to(device=input_ids.device, dtype=torch.long), logits_processor)
-    out = state.run()
+                     keys.to(device=input_ids.device, dtype=torch.long), logits_processor, routing)
+    with moe_routing(model, record=True) if routing is not None else contextlib.nullcontext() as record:
+        if routing is not None:
+            routing.begin(record, input_ids.shape[0], input_ids.shape[1], state.n_samples, params.max_new_tokens,
+                          input_ids.device)
+        out = state.run()
+    if routing is not None:
+        routing.assemble(mask, group_size, out.logprobs.shape[1])
     return out, state.stats

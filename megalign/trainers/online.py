@@ -44,6 +44,9 @@ Design choices:
 - LoRA (`actor.lora`, `megalign.trainers.online_lora`): adapters on the actor, its base frozen; the reference is
   the actor with adapters off (its phases keep the actor's weights in); the rollout runs the LoRA forward as is;
   checkpoints hold the adapters and the base's fingerprint; export merged or as a PEFT adapter folder.
+- MoE actors (`megalign.trainers.online_moe`): the rollout records each sample's experts (`RolloutBatch.routing`);
+  `actor.routing_replay` / `reference.routing_replay` reuse them in the recomputed and trained forwards, otherwise
+  `moe/router_agreement` is logged; `actor.moe_aux_loss_coef` adds the load-balancing loss to the actor's.
 - Multi-turn episodes (`rollout.env`, `megalign.trainers.episodes`): `rollout` samples G episodes per prompt against
   the environment, one row each with holes in the response mask where the environment spoke; `evaluate` runs
   greedy episodes.
@@ -73,6 +76,7 @@ from megalign.trainers.episodes import EpisodeRollout
 from megalign.trainers.evaluation import eval_count, evaluate_generation
 from megalign.trainers.online_lora import apply_role_lora, base_fingerprint
 from megalign.trainers.online_metrics import OnlineMetrics
+from megalign.trainers.online_moe import MoEOnline
 from megalign.trainers.online_roles import OnlineRoles
 from megalign.trainers.online_state import RankState
 from megalign.trainers.online_config import OnlineConfig, check_microbatches, prompt_datasets
@@ -145,7 +149,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.reward = Reward(cfg.reward, [self.reward_model(key, model_cfg, longest, what)
                                           for key, model_cfg in cfg.reward.reward_models()], self.judge_roles())
         self.roles: list[Role] = [r for r in (self.actor, self.reference) if r is not None] + self.reward.models
-
+        self.moe = MoEOnline(self)  # routing replay, router agreement, the aux loss (`online_moe`)
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
                                      rank=self.layout.dp_rank, world_size=self.layout.dp)
         self.generator = torch.Generator(device=self.layout.device).manual_seed(cfg.seed * 1000003 + self.layout.dp_rank)
@@ -223,8 +227,9 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
             prompt_ids[row, self.prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
             prompt_mask[row, self.prompt_width - len(e.prompt_ids):] = 1
         with self.phase("generate", actor=("weights",)):
+            recorder = self.moe.recorder()
             out, stats = self.actor.generate(prompt_ids.to(device), prompt_mask.to(device), group_size,
-                                             self.params, self.generator, cfg.rollout.engine)
+                                             self.params, self.generator, cfg.rollout.engine, routing=recorder)
         self.rollout_stats += stats
         ids, mask = out.sequences[:, :self.prompt_width], out.attention_mask[:, :self.prompt_width]
         pad = cfg.rollout.max_response_length - out.logprobs.shape[1]
@@ -246,7 +251,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                              rollout_logp=torch.nn.functional.pad(out.logprobs, (0, pad)), lengths=lengths.float(),
                              finished=finished, rewards=rewards.to(device),
                              terms={name: values.to(device) for name, values in terms.items()}, group=group,
-                             group_size=group_size, token_rewards=None if step_rewards is None else step_rewards.to(device))
+                             group_size=group_size, token_rewards=None if step_rewards is None else step_rewards.to(device),
+                             routing=self.moe.batch_routing(recorder, pad))
         self.shape_rewards(batch)
         return batch
 
@@ -298,26 +304,28 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         start = time.perf_counter()
         batch, generated, counts = self.collect()
         self.mismatch.start(measure_in_loss=self.cfg.rollout.old_logprobs == "rollout")
+        self.moe.start_step()
         self.score(batch)
         self.advantages(batch)
         sums = self.rollout_sums(generated)
         norms = self.update(batch, sums, counts)
         total = sums.reduce(self.layout.dp_group, self.layout.device)
         metrics = self.step_metrics(total, generated.terms, self.metrics(total, norms, counts), start)
-        return {**metrics, **self.mismatch.metrics(self.layout.device)}
+        return {**metrics, **self.mismatch.metrics(self.layout.device), **self.moe.metrics()}
 
     def score(self, batch: RolloutBatch) -> None:
         """`batch.old_logp` (recorded while sampling, or recomputed: `rollout.old_logprobs`) and, with a reference,
         `batch.ref_logp` [N, R]."""
         micro = self.cfg.algo.micro_batch_size
         if self.cfg.rollout.old_logprobs == "recompute":
-            with self.phase("old_logprobs", actor=("weights",)):
+            with self.phase("old_logprobs", actor=("weights",)), \
+                    self.moe.actor_forwards(batch, slice(None), training=False):  # MoE: replay or agreement
                 batch.old_logp = self.score_logprobs(self.actor, batch, micro)
             self.mismatch.add(batch.old_logp, batch.rollout_logp, batch.response_mask)
         else:
             batch.old_logp = batch.rollout_logp
         if self.reference is not None:
-            with self.phase("reference", reference=("weights",)):
+            with self.phase("reference", reference=("weights",)), self.moe.reference_forwards(batch, slice(None)):
                 batch.ref_logp = self.score_logprobs(self.reference, batch, micro)
 
     def advantages(self, batch: RolloutBatch) -> None:

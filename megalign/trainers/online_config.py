@@ -55,6 +55,13 @@ class ActorConfig(TrainedRoleConfig):
                                                   "(`megalign.trainers.online_lora`); null: full fine-tuning")
     lora_export: Literal["merged", "peft"] = option(
         "merged", doc="with lora: export the adapters merged into HF weights, or as a PEFT adapter folder over actor.path")
+    routing_replay: bool = option(
+        False, doc="MoE actor: its old-log-prob recomputation and training forwards reuse the experts the rollout chose "
+                   "(`megalign.trainers.online_moe`); false: moe/router_agreement is logged instead")
+    moe_aux_loss_coef: Optional[float] = option(
+        None, doc="MoE actor: weight of the load-balancing loss added to the actor loss (logged as "
+                  "actor/moe_aux_loss); null: the checkpoint's router_aux_loss_coef when its config sets "
+                  "output_router_logits, else 0")
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,9 +70,19 @@ class ActorConfig(TrainedRoleConfig):
         if self.head_chunk_tokens < 1:
             raise ValueError(f"actor.head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         check_online_lora("actor", self.lora)
+        if self.moe_aux_loss_coef is not None and not self.moe_aux_loss_coef >= 0:
+            raise ValueError(f"actor.moe_aux_loss_coef must be >= 0 (or null), got {self.moe_aux_loss_coef}")
         if self.lora_export == "peft" and (self.lora is None or self.pp > 1):
             raise ValueError(f"actor.lora_export: peft needs actor.lora and actor.pp=1 (got "
                              f"{'no lora' if self.lora is None else f'pp={self.pp}'}); export merged otherwise")
+
+
+@dataclasses.dataclass
+class OnlineReferenceConfig(ModelRoleConfig):
+    """The frozen reference of an online run."""
+
+    routing_replay: bool = option(False, doc="MoE reference with the actor's MoE layers: its forwards reuse the experts "
+                                             "the actor's rollout chose (`megalign.trainers.online_moe`)")
 
 
 @dataclasses.dataclass
@@ -186,13 +203,37 @@ class OnlineConfig(RunConfig):
     """What every online run has besides its algorithm: roles, prompts, sampling, optimizer, evaluation."""
 
     actor: ActorConfig = option(ActorConfig(), doc="the policy")
-    reference: ModelRoleConfig = option(ModelRoleConfig(), doc="the frozen reference (built only when the algorithm needs it)")
+    reference: OnlineReferenceConfig = option(OnlineReferenceConfig(), doc="the frozen reference (built only when the "
+                                                                          "algorithm needs it)")
     reward: RewardConfig = option(RewardConfig(), doc="the reward")
     data: PromptDataConfig = option(PromptDataConfig(), doc="prompts")
     rollout: RolloutConfig = option(RolloutConfig(), doc="sampling")
     optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=5), doc="optimizer and LR schedule (per step)")
     eval: EvalConfig = option(EvalConfig(), doc="held-out greedy evaluation before training, every N steps and at the end")
     algo: UpdateSchedule = option(UpdateSchedule(), doc="the objective (each algorithm's section extends the update schedule)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_moe_keys(self)
+
+
+def moe_keys_asked(cfg: OnlineConfig) -> list[str]:
+    """The MoE settings the run turns on, as `key=value` for error messages (routing replay, a non-zero aux loss)."""
+    coef = cfg.actor.moe_aux_loss_coef
+    return [key for key, on in (("actor.routing_replay=true", cfg.actor.routing_replay),
+                                ("reference.routing_replay=true", cfg.reference.routing_replay),
+                                (f"actor.moe_aux_loss_coef={coef}", bool(coef))) if on]
+
+
+def check_moe_keys(cfg: OnlineConfig) -> None:
+    """Routing replay and the MoE aux loss (`megalign.trainers.online_moe`) need actor.pp = 1 and one turn: the
+    pipelined rollout and multi-turn episodes record no routing. ValueError naming the keys otherwise."""
+    asked = moe_keys_asked(cfg)
+    if asked and cfg.actor.pp > 1:
+        raise ValueError(f"{', '.join(asked)} needs actor.pp=1 (the pipelined rollout records no routing), got "
+                         f"actor.pp={cfg.actor.pp}")
+    if asked and cfg.rollout.env is not None:
+        raise ValueError(f"{', '.join(asked)}: multi-turn episodes (rollout.env) record no routing yet")
 
 
 

@@ -266,6 +266,11 @@ class OnlineDPOTrainer(OnlineTrainer):
                 attention_mask=pairs.attention_mask[order], batch={"targets": pairs.targets[order]})
         return logps.view(-1, 2)
 
+    def reference_pair_logps(self, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        """`pair_logps` of the reference, replaying the rollout's experts with `reference.routing_replay`."""
+        with self.moe.reference_forwards(batch, torch.cat([chosen, rejected]), slice(None, -1)):
+            return self.pair_logps(self.reference, batch, chosen, rejected)
+
     def pipeline_pairs(self, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor):
         """`train_role`'s `unit_inputs` at actor.pp > 1: the (input ids, attention mask) [2b, P + R - 1] of pairs
         [b], chosen and rejected rows interleaved (module doc)."""
@@ -292,7 +297,7 @@ class OnlineDPOTrainer(OnlineTrainer):
             # adapters_disabled: with actor.lora the reference is the actor's model with its adapters off; else nothing
             with self.phase("reference", reference=("weights",)), torch.no_grad(), adapters_disabled(self.reference.model):
                 mb = algo.micro_batch_size if self.reference.layout.pp == 1 else max(chosen.numel(), 1)
-                ref = torch.cat([self.pair_logps(self.reference, batch, chosen[s:s + mb], rejected[s:s + mb])
+                ref = torch.cat([self.reference_pair_logps(batch, chosen[s:s + mb], rejected[s:s + mb])
                                  for s in range(0, chosen.numel(), mb)] or [torch.zeros(0, 2, device=self.layout.device)])
         self.pairs = (chosen, rejected, tied, weights, ref)
 
@@ -307,8 +312,11 @@ class OnlineDPOTrainer(OnlineTrainer):
         chosen, rejected, _, weights, ref = self.pairs
 
         def fn(pairs, hidden=None):
-            if hidden is None:
-                logps = self.pair_logps(self.actor, batch, chosen[pairs], rejected[pairs])
+            routing = None
+            if hidden is None:  # MoE: replay / agreement / aux statistics over the pair rows (`online_moe`)
+                rows = torch.cat([chosen[pairs], rejected[pairs]])
+                with self.moe.actor_forwards(batch, rows, slice(None, -1)) as routing:
+                    logps = self.pair_logps(self.actor, batch, chosen[pairs], rejected[pairs])
             else:
                 rows = pair_batch(batch, chosen[pairs], rejected[pairs], self.cfg.rollout.max_response_length)
                 targets = rows.targets[interleaved_pairs(pairs.numel(), pairs.device)]
@@ -317,8 +325,9 @@ class OnlineDPOTrainer(OnlineTrainer):
                                                         batch.lengths[rejected[pairs]],
                                                         *(ref[pairs].unbind(1) if ref is not None else ())))
             values = stats.metrics(weights[pairs] > 0)
-            return losses[:, None], {**{stat: values[name].total for name, stat in zip(self.TRL_NAMES, self.STATS)},
-                                     "pairs": values["rewards/chosen"].count}
+            loss = self.moe.with_aux(losses[:, None], weights[pairs][:, None], routing)  # + coef x aux (`online_moe`)
+            return loss, {**{stat: values[name].total for name, stat in zip(self.TRL_NAMES, self.STATS)},
+                          "pairs": values["rewards/chosen"].count}
         return RoleLoss(fn, self.STATS, units=weights[:, None],
                         unit_inputs=self.pipeline_pairs(batch, chosen, rejected) if layout.pp > 1 else None)
 

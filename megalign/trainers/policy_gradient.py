@@ -24,13 +24,16 @@ class PolicyGradient:
         beta = kl_coef if algo.kl_where == "loss" else 0.0  # in the reward, the KL is only measured here
 
         def fn(rows, hidden=None):
-            logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), temperature, hidden=hidden)
+            with self.moe.actor_forwards(batch, rows) as routing:  # MoE: replay, agreement, aux statistics
+                logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), temperature,
+                                                              hidden=hidden)
             mask = batch.response_mask[rows]
             self.mismatch.observe(logp, batch.rollout_logp[rows], mask)  # first micro-batch, `old_logprobs: rollout`
             loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask, beta,
                                                  None if batch.ref_logp is None else batch.ref_logp[rows])
             if algo.entropy_coef:
                 loss = loss - algo.entropy_coef * entropy * mask
+            loss = self.moe.with_aux(loss, mask, routing)  # + coef x the load-balancing loss (`online_moe`)
             count = stats.count
             return loss, {"clipped": stats.clip_frac * count, "approx_kl": stats.approx_kl * count,
                           "kl": stats.kl_mean * count, "entropy": (entropy.detach() * mask).sum(), "tokens": count}
