@@ -25,6 +25,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megalign.data import CharTokenizer
 from megalign.models import from_pretrained, moe_routing
+from megalign.parallel.collectives import all_reduce
 from megalign.rollout import EngineConfig, SamplingParams, rollout
 from megalign.rollout.routing import RoutingRecorder
 from megalign.trainers.grpo import GRPOTrainer
@@ -103,8 +104,9 @@ def test_engine_records_each_sample_as_a_full_forward_routes_it(top2):
     assert torch.equal(record[recorded].long().sort(-1).values, full[recorded].sort(-1).values)
 
 
-def _hand_agreement(model, batch) -> float:
-    """Shared (token, layer, expert) slots of the rollout's record and a padded forward's choice, counted in Python."""
+def _hand_counts(model, batch) -> tuple[int, int]:
+    """(shared, recorded) (token, layer, expert) slots of the rollout's record and a padded forward's choice, counted
+    in Python."""
     now = _chosen(model, batch.sequences, batch.attention_mask).tolist()
     shared = total = 0
     for row, rec_row in enumerate(batch.routing.tolist()):
@@ -113,7 +115,13 @@ def _hand_agreement(model, batch) -> float:
                 if experts[0] >= 0:
                     shared += len(set(experts) & set(now[row][pos][layer]))
                     total += len(experts)
-    return shared / total
+    return shared, total
+
+
+def _expected_agreement(trainer, seen) -> float:
+    """The hand counts of every dp rank pooled."""
+    counts = all_reduce(torch.tensor(seen["counts"], dtype=torch.float64), trainer.layout.dp_group)
+    return float(counts[0] / counts[1])
 
 
 def _move_routers_before_scoring(trainer, seen):
@@ -127,7 +135,8 @@ def _move_routers_before_scoring(trainer, seen):
         with torch.no_grad():
             for router in [r for model in models for r in _routers(model)]:
                 router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * 0.5)
-        seen["batch"], seen["agreement"] = batch, _hand_agreement(trainer.actor.model, batch)
+        seen["batch"], seen["counts"] = batch, _hand_counts(trainer.actor.model, batch)
+        seen["agreement"] = seen["counts"][0] / seen["counts"][1]
         score(batch)
     trainer.score = moved
 
@@ -135,12 +144,12 @@ def _move_routers_before_scoring(trainer, seen):
 COMMON = ("steps=1", "rollout.old_logprobs=recompute", "algo.mini_batches=1")
 
 
-def _grpo_replay(top1, tmp_path, pack):
+def _grpo_replay(top1, tmp_path, pack, *layout):
     diffs = {}
     for replay in (True, False):
         seen = {}
         trainer = GRPOTrainer(tiny_config(top1, tmp_path / f"{replay}", *COMMON, pack, "rollout.pack_tokens=16",
-                                          f"actor.routing_replay={str(replay).lower()}"))
+                                          f"actor.routing_replay={str(replay).lower()}", *layout))
         _move_routers_before_scoring(trainer, seen)
         metrics = trainer.train_step()
         batch = seen["batch"]
@@ -152,30 +161,39 @@ def _grpo_replay(top1, tmp_path, pack):
             assert_close(batch.old_logp[on], batch.rollout_logp[on], atol=2e-5, rtol=2e-5)
             assert "moe/router_agreement" not in metrics
         else:
-            assert float(metrics["moe/router_agreement"]) == pytest.approx(seen["agreement"], abs=1e-9)
+            assert float(metrics["moe/router_agreement"]) == pytest.approx(_expected_agreement(trainer, seen), abs=1e-9)
     assert diffs[False] > 100 * max(diffs[True], 1e-6)
 
 
-@pytest.mark.parametrize("pack", ["rollout.pack=false", "rollout.pack_max_fill=1.0"])
-def test_grpo_replay_recomputes_the_rollout_logprobs_after_the_router_moves(top1, tmp_path, pack):
+PADDED, PACKED = "rollout.pack=false", "rollout.pack_max_fill=1.0"
+
+
+@pytest.mark.parametrize("pack, world, layout", [(PADDED, 1, ()), (PACKED, 1, ()), (PADDED, 2, ()),
+                                                 (PACKED, 2, ("actor.tp=2",))],
+                         ids=["padded", "packed", "padded-dp2", "packed-tp2"])
+def test_grpo_replay_recomputes_the_rollout_logprobs_after_the_router_moves(top1, tmp_path, pack, world, layout):
     """Top-1 routing renormalised: a token's output depends on which expert, not on the router's probabilities, so
     with the rollout's experts the recomputation must give the rollout's log-probs, whatever the router became;
-    padded rows, and packs of one or two rows (several forwards a micro-batch)."""
-    run_distributed(_grpo_replay, top1, tmp_path, pack, world_size=1, timeout_s=120)
+    padded rows, and packs of one or two rows (several forwards a micro-batch); dp = 2 (the agreement pooled over
+    ranks) and tp = 2 (every tp rank records and replays the same experts)."""
+    run_distributed(_grpo_replay, top1, tmp_path, pack, *layout, world_size=world, timeout_s=120)
 
 
-def _agreement(top2, tmp_path):
+def _agreement(top2, tmp_path, old_logprobs):
     seen = {}
-    trainer = GRPOTrainer(tiny_config(top2, tmp_path / "run", *COMMON, "rollout.pack_max_fill=1.0"))
+    trainer = GRPOTrainer(tiny_config(top2, tmp_path / "run", "steps=1", "algo.mini_batches=1", PACKED,
+                                      f"rollout.old_logprobs={old_logprobs}"))
     _move_routers_before_scoring(trainer, seen)
     metrics = trainer.train_step()
     assert 0.0 < seen["agreement"] < 0.9
     assert float(metrics["moe/router_agreement"]) == pytest.approx(seen["agreement"], abs=1e-9)
 
 
-def test_router_agreement_counts_shared_slots_of_two_experts(top2, tmp_path):
-    """k = 2: a token keeping one of its two experts counts 1/2 (the sets, not the order, are compared)."""
-    run_distributed(_agreement, top2, tmp_path, world_size=1, timeout_s=120)
+@pytest.mark.parametrize("old_logprobs", ["recompute", "rollout"])
+def test_router_agreement_counts_shared_slots_of_two_experts(top2, tmp_path, old_logprobs):
+    """k = 2: a token keeping one of its two experts counts 1/2 (the sets, not the order, are compared); measured on
+    the recomputation, or without one on the training forwards before the first update (one mini-batch: all rows)."""
+    run_distributed(_agreement, top2, tmp_path, old_logprobs, world_size=1, timeout_s=120)
 
 
 def _reference(top1, tmp_path):
