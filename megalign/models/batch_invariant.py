@@ -34,7 +34,9 @@ LLM inference" (2025): every reduction whose order could depend on the batch is 
 Scope: CPU, tp = 1 (under tensor parallelism the head refuses the mode). The switch is process-wide (the aten
 override changes every CPU matmul: the reference, critic and reward models run slower too): `set_batch_invariant`,
 the `batch_invariant()` context, or `MEGALIGN_BATCH_INVARIANT=1` in the environment when `megalign.models` is
-imported. Gradients flow through every function here (the training forward must equal the rollout too, for
+imported. The online trainers turn it on for their whole `train()` with `actor.batch_invariant: true` (the variable,
+when set, overrides the key either way; `megalign.trainers.online_config.batch_invariant_switch` refuses a CUDA
+device and a tensor-parallel actor or reference at start-up). Gradients flow through every function here (the training forward must equal the rollout too, for
 `old_logprobs: rollout`).
 """
 from __future__ import annotations
@@ -88,12 +90,18 @@ def batch_invariant(on: bool = True) -> Iterator[None]:
         set_batch_invariant(before)
 
 
-def env_switch() -> bool:
-    """`MEGALIGN_BATCH_INVARIANT` as a bool (unset = off); any value but 0/1/true/false is an error naming it."""
-    value = os.environ.get(ENV, "0").strip().lower()
+def env_override() -> Optional[bool]:
+    """`MEGALIGN_BATCH_INVARIANT` as a bool, None when unset or empty (then a trainer's `actor.batch_invariant`
+    decides); any value but 0/1/true/false is an error naming it."""
+    value = os.environ.get(ENV, "").strip().lower()
     if value not in ("0", "1", "true", "false", ""):
         raise ValueError(f"{ENV}={value!r}: expected 0, 1, true or false")
-    return value in ("1", "true")
+    return None if value == "" else value in ("1", "true")
+
+
+def env_switch() -> bool:
+    """`MEGALIGN_BATCH_INVARIANT` as a bool (unset = off)."""
+    return bool(env_override())
 
 
 def rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

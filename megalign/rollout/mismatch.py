@@ -70,9 +70,13 @@ class MismatchMeter:
     def __init__(self):
         self.sums: Optional[torch.Tensor] = None
         self.pending = False
+        self.skip = 0
 
-    def start(self, measure_in_loss: bool) -> None:
-        self.sums, self.pending = None, measure_in_loss
+    def start(self, measure_in_loss: bool, skip: int = 0) -> None:
+        """`skip`: loss calls to pass over before the first micro-batch's: 1 at pp > 1, where the pipeline's shape
+        inference runs micro-batch 0's loss once on uninitialised activations before the real run
+        (`megalign.parallel.pipeline`, "Schedules")."""
+        self.sums, self.pending, self.skip = None, measure_in_loss, skip
 
     def add(self, recomputed: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
         sums = mismatch_sums(recomputed.detach(), rollout, mask)
@@ -81,7 +85,9 @@ class MismatchMeter:
         self.sums = sums
 
     def observe(self, recomputed: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
-        if self.pending:
+        if self.pending and self.skip:
+            self.skip -= 1
+        elif self.pending:
             self.pending = False
             self.add(recomputed, rollout, mask)
 

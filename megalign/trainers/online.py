@@ -44,6 +44,8 @@ Design choices:
 - LoRA (`actor.lora`, `megalign.trainers.online_lora`): adapters on the actor, its base frozen; the reference is
   the actor with adapters off (its phases keep the actor's weights in); the rollout runs the LoRA forward as is;
   checkpoints hold the adapters and the base's fingerprint; export merged or as a PEFT adapter folder.
+- `actor.batch_invariant` (`megalign.models.batch_invariant`): the whole `train()` runs in the batch-invariant mode,
+  so the rollout's log-probs, the recomputed ones and the training forward's agree bit for bit.
 - MoE actors (`megalign.trainers.online_moe`): the rollout records each sample's experts (`RolloutBatch.routing`);
   `actor.routing_replay` / `reference.routing_replay` reuse them in the recomputed and trained forwards, otherwise
   `moe/router_agreement` is logged; `actor.moe_aux_loss_coef` adds the load-balancing loss to the actor's.
@@ -53,6 +55,7 @@ Design choices:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -65,6 +68,7 @@ from megalign.algos.aggregation import aggregate_loss, loss_normalizer
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.checkpoint.hf_export import export_peft_adapter
 from megalign.data import PromptSampler
+from megalign.models.batch_invariant import batch_invariant
 from megalign.parallel import MixedPrecision, ParallelLayout
 from megalign.roles import DTYPES, Actor, Reference, Reward, Role, TrainableRole
 from megalign.roles.adapter_reference import AdapterOffReference
@@ -79,7 +83,7 @@ from megalign.trainers.online_metrics import OnlineMetrics
 from megalign.trainers.online_moe import MoEOnline
 from megalign.trainers.online_roles import OnlineRoles
 from megalign.trainers.online_state import RankState
-from megalign.trainers.online_config import OnlineConfig, check_microbatches, prompt_datasets
+from megalign.trainers.online_config import OnlineConfig, check_actor, prompt_datasets
 from megalign.trainers.optim import OptimConfig, build_optimizer, lr_at, set_lr
 from megalign.trainers.updates import RoleLoss, accumulate
 
@@ -107,7 +111,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
 
     def __init__(self, cfg: OnlineConfig):
         super().__init__(cfg)
-        check_microbatches("actor", cfg.actor)
+        self.batch_invariant = check_actor(cfg, self.device_type, self.needs_reference())  # before any model loads
         self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor", cfg.actor.stage_split("actor"))
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
@@ -165,6 +169,11 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+
+    def train(self):
+        """`Trainer.train`, in the batch-invariant mode when the run asks for it (`online_config.batch_invariant_switch`)."""
+        with batch_invariant() if self.batch_invariant else contextlib.nullcontext():
+            return super().train()
 
     def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
         """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
@@ -303,7 +312,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.memory.clear()
         start = time.perf_counter()
         batch, generated, counts = self.collect()
-        self.mismatch.start(measure_in_loss=self.cfg.rollout.old_logprobs == "rollout")
+        self.mismatch.start(measure_in_loss=self.cfg.rollout.old_logprobs == "rollout", skip=int(self.layout.pp > 1))
         self.moe.start_step()
         self.score(batch)
         self.advantages(batch)

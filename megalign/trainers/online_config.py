@@ -8,12 +8,14 @@ check of a role.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Literal, Optional
 
 from megalign.algos.aggregation import LOSS_AGGREGATIONS
 from megalign.config import option
 from megalign.data import PromptDataset, Tokenizer, load_prompts, make_splits, write_jsonl
+from megalign.models import batch_invariant
 from megalign.models.lora import LoRAConfig
 from megalign.parallel import ParallelLayout
 from megalign.roles import ModelRoleConfig, RewardConfig, TrainedRoleConfig
@@ -55,6 +57,11 @@ class ActorConfig(TrainedRoleConfig):
                                                   "(`megalign.trainers.online_lora`); null: full fine-tuning")
     lora_export: Literal["merged", "peft"] = option(
         "merged", doc="with lora: export the adapters merged into HF weights, or as a PEFT adapter folder over actor.path")
+    batch_invariant: bool = option(
+        False, doc="the batch-invariant mode (`megalign.models.batch_invariant`) for the whole run: the rollout's "
+                   "log-probs equal the recomputation and the training forward bit for bit (ratios exactly 1 with "
+                   "old_logprobs: rollout), at a cost in speed (BENCHMARKS.md); CPU, tp = 1 (any pp, dp); "
+                   "MEGALIGN_BATCH_INVARIANT, when set, overrides it")
     routing_replay: bool = option(
         False, doc="MoE actor: its old-log-prob recomputation and training forwards reuse the experts the rollout chose "
                    "(`megalign.trainers.online_moe`); false: moe/router_agreement is logged instead")
@@ -235,6 +242,38 @@ def check_moe_keys(cfg: OnlineConfig) -> None:
     if asked and cfg.rollout.env is not None:
         raise ValueError(f"{', '.join(asked)}: multi-turn episodes (rollout.env) record no routing yet")
 
+
+
+def batch_invariant_switch(cfg: OnlineConfig, device_type: str, needs_reference: bool) -> bool:
+    """Whether the run uses the batch-invariant mode: `MEGALIGN_BATCH_INVARIANT` when set (either way), else
+    `actor.batch_invariant`. ValueError naming the setting where the mode cannot hold: a device other than the CPU
+    (it fixes the order of the CPU's matmuls only; cuBLAS picks its kernels by shape) or a tensor-parallel actor or
+    reference (their vocabulary-sharded head reduces the log-softmax over shards, which the mode does not fix)."""
+    env = batch_invariant.env_override()
+    on = cfg.actor.batch_invariant if env is None else env
+    if not on:
+        return False
+    asked = "actor.batch_invariant=true" if env is None else f"{batch_invariant.ENV}={os.environ[batch_invariant.ENV]}"
+    if device_type != "cpu":
+        raise ValueError(f"{asked}: the batch-invariant mode runs on the CPU only (it fixes the order of the CPU's "
+                         f"matmuls); device={device_type}")
+    tps = {"actor.tp": cfg.actor.tp}
+    if needs_reference and cfg.actor.lora is None:
+        tps["reference.tp"] = cfg.reference.tp
+    wide = [f"{key}={tp}" for key, tp in tps.items() if tp > 1]
+    if wide:
+        raise ValueError(f"{asked}: the batch-invariant mode needs tp=1 (the vocabulary-parallel head's log-softmax "
+                         f"is not order-fixed); got {', '.join(wide)}")
+    logging.getLogger(__name__).info("%s: the batch-invariant mode for the whole run (megalign.models.batch_invariant)",
+                                     asked)
+    return True
+
+
+def check_actor(cfg: OnlineConfig, device_type: str, needs_reference: bool) -> bool:
+    """The actor's start-up checks that read only the configuration (`check_microbatches`, `batch_invariant_switch`);
+    returns whether the run uses the batch-invariant mode."""
+    check_microbatches("actor", cfg.actor)
+    return batch_invariant_switch(cfg, device_type, needs_reference)
 
 
 def prompt_datasets(cfg: PromptDataConfig, tokenizer: Tokenizer, run_dir: str) -> tuple[PromptDataset, Optional[PromptDataset]]:
