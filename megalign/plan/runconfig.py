@@ -15,7 +15,8 @@ builds it (`Algorithm.needs_reference`: the config attribute the trainer reads, 
 of GRPO, REINFORCE++ and PPO), the critic of PPO, the reward model when `reward.model` or
 `reward.models` is set (the first one only), prompts and responses (online:
 data.max_prompt_length and rollout.max_response_length; supervised: data.max_length, all of it
-scored), G, prompts per step, mini-batches, the micro-batch (online: algo.micro_batch_size;
+scored), G, prompts per step, mini-batches, the rollout engine's slot cache (rollout.engine.max_batch, 0: every
+sample of the rank), the micro-batch (online: algo.micro_batch_size;
 supervised: batch_size / dp in one forward), old-log-prob recomputation, the trained roles'
 `activation_checkpointing` (full recomputation). megalign's recipe throughout: fp32 master weights,
 ZeRO-1, the eager loss path.
@@ -69,6 +70,7 @@ def plan_from_run_config(path: str, gpus: int, model: Optional[str] = None, over
                       group_size=cfg.rollout.group_size, prompts_per_step=cfg.rollout.prompts_per_step,
                       mini_batches=cfg.algo.mini_batches, micro_batch_size=cfg.algo.micro_batch_size,
                       recompute_old_logprobs=cfg.rollout.old_logprobs == "recompute",
+                      rollout_micro_batch_size=cfg.rollout.engine.max_batch or None,
                       actor=_role(actor, actor.offload_optimizer),
                       # the planner has one reward role: the first reward model (several are not summed yet)
                       reward=_role(cfg.reward.reward_models()[0][1]) if cfg.reward.reward_models() else None)

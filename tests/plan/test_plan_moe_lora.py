@@ -387,3 +387,24 @@ def test_lora_training_step_peak_within_15_percent(tmp_path, pp, dtype):
     update = Step("update", "actor", "update")
     errors = [planner.role_bytes("actor", update, r["stage"]).total / r["peak"] - 1 for r in ranks]
     assert all(abs(err) <= TOLERANCE for err in errors), (errors, ranks)
+
+
+def test_lora_72b_example_is_the_run_its_launch_line_starts():
+    """examples/plan/grpo_lora_qwen2.5_72b.yaml: megalign's own LoRA GRPO on 8 x 80 GB; its launch line's overrides,
+    read as a run config, plan the same rollout (the peak) and the same adapter-off reference."""
+    from megalign.config import load_config
+    example = load_config(PlanConfig, os.path.join(ROOT, "examples", "plan", "grpo_lora_qwen2.5_72b.yaml"))
+    keys = ["actor.tp=8", "actor.dtype=bf16", "actor.activation_checkpointing=true", "actor.lora.rank=32",
+            "actor.lora.alpha=32", "algo.kl_coef=0.001", "data.max_prompt_length=512",
+            "rollout.max_response_length=1024", "rollout.group_size=5", "rollout.prompts_per_step=176",
+            "rollout.engine.max_batch=64", "algo.micro_batch_size=1"]
+    run, model = plan_from_run_config(os.path.join(ROOT, "examples", "grpo_lora_arith.yaml"), gpus=8,
+                                      model="qwen2.5-72b", overrides=keys)
+    planned, launched = plan_memory(example), plan_memory(run, model)
+    assert planned.fits and launched.fits
+    assert planned.peak().step.phase == launched.peak().step.phase == "rollout"
+    assert planned.peak().total == launched.peak().total
+    assert Planner(run, model).shared_reference
+    half = plan_memory(dataclasses.replace(example, gpus=4, actor=dataclasses.replace(example.actor, tp=4),
+                                           reference=dataclasses.replace(example.reference, tp=4)))
+    assert not half.fits
