@@ -24,7 +24,10 @@ Why this difficulty (defaults max_operand=20, ops "+-*"; 3 * 21 * 21 = 1323 prob
 
 The split is fixed by `seed`: all problems are enumerated, shuffled once and cut, so train and
 held-out never share a problem (`3+4` and `4+3` are different problems: getting the held-out one
-right from the train one is the kind of generalisation we want to measure).
+right from the train one is the kind of generalisation we want to measure). A large task (e.g.
+`max_operand=999` with `*`: a million problems) sets `num_problems`: that many distinct problems are
+drawn by index (`Generator.choice` without replacement, never enumerating the rest) and the first
+drawn are held out, so the prompt files stay a few thousand rows and train and held-out stay disjoint.
 
 Offline alignment data comes from the same problems (give it `make_splits(cfg)[0]`, the training
 split). A pair's rejected answer and a stepwise row are fixed by (seed, problem) whatever list the
@@ -58,7 +61,7 @@ import json
 import math
 import operator
 import os
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 
@@ -96,8 +99,10 @@ class ArithTaskConfig:
 
     max_operand: int = option(20, doc="operands are drawn from 0..max_operand inclusive")
     ops: list[Op] = option(["+", "-", "*"], doc="operators to use")
-    held_out_fraction: float = option(0.2, doc="fraction of all problems held out for evaluation")
-    seed: int = option(0, doc="seed of the train/held-out split")
+    held_out_fraction: float = option(0.2, doc="fraction of the problems held out for evaluation")
+    seed: int = option(0, doc="seed of the train/held-out split (and of the draw with num_problems)")
+    num_problems: Optional[int] = option(None, doc="distinct problems to draw, train and held out together (the "
+                                                   "first drawn are held out); null: every problem")
 
     def __post_init__(self):
         if self.max_operand < 1:
@@ -108,21 +113,36 @@ class ArithTaskConfig:
             raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        possible = len(self.ops) * (self.max_operand + 1) ** 2
+        if self.num_problems is not None and not (isinstance(self.num_problems, int)
+                                                  and 2 <= self.num_problems <= possible):
+            raise ValueError(f"num_problems must be null or an integer in [2, {possible}] (the distinct problems of "
+                             f"max_operand={self.max_operand}, ops={self.ops}), got {self.num_problems!r}")
+        n = possible if self.num_problems is None else self.num_problems
+        if _held_out_count(self.held_out_fraction, n) >= n:
+            raise ValueError(f"held_out_fraction={self.held_out_fraction} of {n} problems leaves no training problem")
+
+
+def _held_out_count(fraction: float, n: int) -> int:
+    return max(1, round(fraction * n))
 
 
 def make_splits(cfg: ArithTaskConfig) -> tuple[list[ArithProblem], list[ArithProblem]]:
-    """(train, held_out): every problem of `cfg` exactly once, split by a fixed-seed shuffle."""
-    problems = [
-        ArithProblem(a, op, b)
-        for op in cfg.ops
-        for a in range(cfg.max_operand + 1)
-        for b in range(cfg.max_operand + 1)
-    ]
-    order = np.random.default_rng(cfg.seed).permutation(len(problems))
-    n_held_out = max(1, round(cfg.held_out_fraction * len(problems)))
-    held_out = [problems[i] for i in order[:n_held_out]]
-    train = [problems[i] for i in order[n_held_out:]]
-    return train, held_out
+    """(train, held_out): every problem of `cfg` exactly once, split by a fixed-seed shuffle; with
+    `num_problems`, that many distinct problems drawn with `seed` (the first drawn held out).
+
+    A problem's index enumerates op, then a, then b (`op_index * side**2 + a * side + b`, side =
+    max_operand + 1); only the chosen indices become problems."""
+    side = cfg.max_operand + 1
+    rng = np.random.default_rng(cfg.seed)
+    total = len(cfg.ops) * side * side
+    if cfg.num_problems is None:
+        order = rng.permutation(total)
+    else:
+        order = rng.choice(total, size=cfg.num_problems, replace=False)
+    problems = [ArithProblem(int(i) // side % side, cfg.ops[int(i) // (side * side)], int(i) % side) for i in order]
+    n_held_out = _held_out_count(cfg.held_out_fraction, len(problems))
+    return problems[n_held_out:], problems[:n_held_out]
 
 
 def write_jsonl(problems: Sequence[ArithProblem], path: str | os.PathLike) -> None:

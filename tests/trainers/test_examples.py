@@ -41,7 +41,7 @@ OVERRIDES = {
     "ppo_arith": ONLINE + ["algo.critic_warmup=0"], "ppo_chain_prm": ONLINE + ["algo.critic_warmup=0"],
     "ppo_verifier_arith": ONLINE + DIGITS + ["algo.critic_warmup=0"],
     # multi-turn episodes against ToolEnv (64 positions: an episode of 41 tokens, cut by the token limit)
-    "grpo_tools_arith": ONLINE + DIGITS + ["actor.path=runs/sft_arith/hf", "data.arith.max_operand=4",
+    "grpo_tools_arith": ONLINE + DIGITS + ["actor.path=runs/sft_arith/hf",  # its own 5000 drawn prompts
                                            "rollout.max_response_length=40", "rollout.env.max_turn_tokens=8"],
     "judge_sft_arith": SUPERVISED + ["model.path=runs/judge_arith/hf"],  # the policy copy with 128 positions
     "grpo_rubric_arith": ONLINE,  # the judge's rubric score is the reward
