@@ -408,3 +408,17 @@ def test_lora_72b_example_is_the_run_its_launch_line_starts():
     half = plan_memory(dataclasses.replace(example, gpus=4, actor=dataclasses.replace(example.actor, tp=4),
                                            reference=dataclasses.replace(example.reference, tp=4)))
     assert not half.fits
+
+
+def test_bad_moe_and_lora_layouts_are_refused_naming_the_key():
+    def plan(model="qwen3-30b-a3b", gpus=8, **actor):
+        return PlanConfig(model=model, algorithm="sft", gpus=gpus, actor=RolePlan(**actor))
+    with pytest.raises(ValueError, match=r"actor.ep=3 must divide the model's 128 experts"):
+        plan_memory(plan(gpus=6, ep=3))
+    with pytest.raises(ValueError, match=r"actor.ep=2: llama3-8b is not a mixture-of-experts model"):
+        plan_memory(plan(model="llama3-8b", ep=2))
+    with pytest.raises(ValueError, match=r"actor: tp \* pp \* cp = 16 must divide the 8 GPUs"):
+        plan(tp=8, cp=2)
+    with pytest.raises(ValueError, match=r"reference.lora: only trained roles"):
+        PlanConfig(model="llama3-8b", algorithm="dpo", gpus=8, actor=RolePlan(),
+                   reference=RolePlan(lora=LoRAConfig()))
