@@ -12,6 +12,9 @@ clamped low_var_kl) or in the per-token reward as -beta * KL_t (PPO, REINFORCE++
 placement defaults to the reward for PPO and the reinforce_plus_plus* estimators (which train on per-token
 rewards) and to the loss for the group estimators, which have no per-token reward to put it in.
 
+`off_policy` (`megalign.algos.offpolicy`) weighs the policy-gradient term by the proximal / behaviour importance
+weight (TIS, MIS, sequence masking, AReaL's decoupled PPO); its default, none, leaves the loss untouched.
+
 Defaults are the papers': CISPO with no lower bound on the weight and 1 + 0.28 above (MiniMax-M1 tunes only
 the upper bound; 0.28 is DAPO's clip-higher; SkyRL, citing ScaleRL's recipe, clips the weight at 5 instead),
 GSPO with 3e-4 / 4e-4.
@@ -23,6 +26,7 @@ from typing import ClassVar, Literal, Optional
 
 import torch
 
+from megalign.algos.offpolicy import OffPolicyConfig, weighted_policy_loss
 from megalign.algos.policy_losses import POLICY_LOSSES, select_policy_loss
 from megalign.algos.ppo import KL_IN_REWARD
 from megalign.config import option
@@ -66,6 +70,9 @@ class PolicyLossOptions:
                                                    f"in the reward one of {', '.join(KL_ESTIMATORS['reward'])}; "
                                                    f"null: k3 in the loss, k1 in the reward")
     entropy_coef: float = option(0.0, doc="entropy bonus: loss -= entropy_coef * entropy per token")
+    off_policy: OffPolicyConfig = option(OffPolicyConfig(), doc="off-policy correction {mode: none|tis|mis|seq_mask|"
+                                                                "decoupled, cap, band, seq_ratio} between the recomputed "
+                                                                "and the rollout's log-probs (`megalign.algos.offpolicy`)")
 
     def check_policy_loss(self, token_rewards: bool) -> None:
         """Cross-field checks, and the KL as resolved from its null defaults: `kl_where` ("loss" or "reward"),
@@ -102,13 +109,17 @@ class PolicyLossOptions:
                 "gspo": (self.gspo_eps_low, self.gspo_eps_high)}[self.policy_loss]
 
     def actor_policy_loss(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                          mask: torch.Tensor, beta: float = 0.0, ref_logp: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, PolicyLossStats]:
+                          mask: torch.Tensor, beta: float = 0.0, ref_logp: Optional[torch.Tensor] = None,
+                          weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, PolicyLossStats]:
         """Per-token loss [b, R] and PolicyLossStats of the chosen variant (`megalign.algos.policy_losses`), plus
         `beta` x the `kl_kind` KL to `ref_logp` [b, R] per token. k3 (and beta = 0, where the KL is only
         measured: `kl_mean`, k3, whenever `ref_logp` is given) runs in the variant's own pass; another estimator
-        is added here, its mean then in `kl_mean`."""
+        is added here, its mean then in `kl_mean`. `weight` [b, R]: the off-policy weight of the policy-gradient term
+        (`megalign.algos.offpolicy.weighted_policy_loss`; None: no correction, the path above)."""
         eps_low, eps_high = self.clip_range()
+        if weight is not None:
+            return weighted_policy_loss(POLICY_LOSSES[self.policy_loss], weight, logp, old_logp, advantages, mask,
+                                        eps_low, eps_high, self.dual_clip, beta, ref_logp, self.kl_kind)
         if ref_logp is None or not beta or self.kl_kind == FUSED_KL:
             return POLICY_LOSSES[self.policy_loss](logp, old_logp, advantages, mask, eps_low, eps_high, self.dual_clip,
                                                    beta, ref_logp)

@@ -13,6 +13,7 @@ import os
 from typing import Any, Literal, Optional
 
 from megalign.algos.aggregation import LOSS_AGGREGATIONS
+from megalign.algos.offpolicy import OffPolicyConfig, check_off_policy
 from megalign.config import option
 from megalign.data import PromptDataset, Tokenizer, load_prompts, make_splits, write_jsonl
 from megalign.models import batch_invariant
@@ -221,6 +222,8 @@ class OnlineConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(getattr(self.algo, "off_policy", None), OffPolicyConfig):  # GRPO, PPO (online DPO has none)
+            check_off_policy(self.algo.off_policy, self.algo.policy_loss, self.rollout.old_logprobs)
         check_moe_keys(self)
 
 

@@ -1,12 +1,16 @@
 """The policy-gradient actor loss GRPO and PPO share (`PolicyGradient`, a mixin of their trainers): the clipped
 surrogate of `algo.policy_loss` on the batch's advantages, the KL to the reference when `algo.kl_in` is the loss,
-the entropy bonus, and the actor metrics they log (`megalign.algos.policy_loss_options` holds the options).
+the entropy bonus, and the actor metrics they log (`megalign.algos.policy_loss_options` holds the options). With
+`algo.off_policy` the step's importance weights (`megalign.algos.offpolicy`: recomputed over rollout log-probs) weigh
+the policy-gradient term, the tokens they drop leave the loss and its denominator, and `offpolicy/*` is logged.
 """
 from __future__ import annotations
 
 import torch
 
+from megalign.algos.offpolicy import off_policy_metrics, off_policy_weights
 from megalign.rollout import RolloutBatch
+from megalign.rollout.mismatch import reduce_sums
 from megalign.trainers.updates import RoleLoss
 
 
@@ -18,26 +22,32 @@ class PolicyGradient:
     def policy_loss(self, batch: RolloutBatch, kl_coef: float) -> RoleLoss:
         """The actor's policy-gradient loss: `algo.actor_policy_loss` (the chosen surrogate on `batch.advantages`, plus
         `kl_coef` x KL to the reference per token when `algo.kl_in` is "loss"), minus `algo.entropy_coef` x entropy
-        per token; its sums are `POLICY_STATS` (token counts and totals). `hidden`: the last pipeline stage's output
-        for the rows at actor.pp > 1 (`accumulate`)."""
+        per token, the policy-gradient term weighed by `algo.off_policy` (module doc); its sums are `POLICY_STATS`
+        (token counts and totals). `hidden`: the last pipeline stage's output for the rows at actor.pp > 1
+        (`accumulate`)."""
         algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
         beta = kl_coef if algo.kl_where == "loss" else 0.0  # in the reward, the KL is only measured here
+        off = (off_policy_weights(batch.old_logp, batch.rollout_logp, batch.response_mask, algo.off_policy)
+               if algo.off_policy.active else None)
+        self.off_policy_sums = None if off is None else off.sums
+        loss_mask = batch.response_mask if off is None else off.mask
 
         def fn(rows, hidden=None):
             with self.moe.actor_forwards(batch, rows) as routing:  # MoE: replay, agreement, aux statistics
                 logp, entropy = self.actor.logprobs_with_grad(*self.logprob_inputs(batch, rows), temperature,
                                                               hidden=hidden)
-            mask = batch.response_mask[rows]
-            self.mismatch.observe(logp, batch.rollout_logp[rows], mask)  # first micro-batch, `old_logprobs: rollout`
+            mask = loss_mask[rows]
+            self.mismatch.observe(logp, batch.rollout_logp[rows], batch.response_mask[rows])  # `old_logprobs: rollout`
             loss, stats = algo.actor_policy_loss(logp, batch.old_logp[rows], batch.advantages[rows], mask, beta,
-                                                 None if batch.ref_logp is None else batch.ref_logp[rows])
+                                                 None if batch.ref_logp is None else batch.ref_logp[rows],
+                                                 None if off is None else off.weight[rows])
             if algo.entropy_coef:
                 loss = loss - algo.entropy_coef * entropy * mask
             loss = self.moe.with_aux(loss, mask, routing)  # + coef x the load-balancing loss (`online_moe`)
             count = stats.count
             return loss, {"clipped": stats.clip_frac * count, "approx_kl": stats.approx_kl * count,
                           "kl": stats.kl_mean * count, "entropy": (entropy.detach() * mask).sum(), "tokens": count}
-        return RoleLoss(fn, self.POLICY_STATS)
+        return RoleLoss(fn, self.POLICY_STATS, units=None if off is None else off.mask)
 
     def policy_metrics(self, total: dict[str, float], norms: list[torch.Tensor], lr: float) -> dict[str, float]:
         """The actor's metrics of `policy_loss` (means over the trained tokens; with a reference `actor/kl`, the mean
@@ -50,4 +60,6 @@ class PolicyGradient:
         }
         if self.reference is not None:
             metrics["actor/kl"] = total["actor/kl"] / tokens
+        if getattr(self, "off_policy_sums", None) is not None:  # this step's correction, over dp
+            metrics.update(off_policy_metrics(reduce_sums(self.off_policy_sums, self.layout.dp_group)))
         return metrics
