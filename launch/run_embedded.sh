@@ -19,6 +19,13 @@
 # only reward is the judge's rubric score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed
 # and steps (the control) -> both against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets
 # both GRPO runs' steps, default 200: every step asks the judge three criteria per sample).
+# or tools (issue 28: SFT from scratch on tool-using traces driven through ToolEnv (launch/tool_traces.py data,
+# examples/sft_tools_arith.yaml) -> GRPO with the calculator (examples/grpo_tools_arith.yaml, turns ending at eos
+# as the traces do: no '</tool_call>' stop string, 96 tokens a turn for a 86-token call) -> the control: a plain SFT
+# with direct answers on the same training problems and steps, then GRPO without tools on the same prompts with the
+# same steps -> held-out table of all four, with the share of episodes that called the tool correctly, ending with
+# `change` = GRPO with tools minus GRPO without (launch/tool_traces.py compare); TOOLS_STEPS sets both GRPO runs'
+# steps, default 200).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's pair sampling in PAIRS_OVERRIDES and its RM stage
 # in RM_OVERRIDES, for judge's rows in DATA_OVERRIDES and its judge SFT in JUDGE_OVERRIDES (STAGE_OVERRIDES go
@@ -27,7 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|tools) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -47,6 +54,24 @@ if [ "$PIPELINE" = prm ]; then
   done
   run launch/prm_tools.py best_of_n policy="$ROOT/sft_chain/hf" \
       prm="$ROOT/prm_chain/hf" orm="$ROOT/orm_chain/hf" out="$ROOT/best_of_n.json"
+  exit 0
+fi
+if [ "$PIPELINE" = tools ]; then
+  DATA="$ROOT/tool_traces" STEPS=${TOOLS_STEPS:-200} SFT_STEPS=$(sed -n 's/^steps: //p' examples/sft_tools_arith.yaml)
+  run launch/tool_traces.py data out_dir="$DATA"
+  run launch/train_sft.py --config examples/sft_tools_arith.yaml run_dir="$ROOT/sft_tools_arith" \
+      data.path="$DATA/tool_traces_train.jsonl" ${SFT_OVERRIDES:-}
+  run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_plain_arith" steps="$SFT_STEPS" \
+      data.arith.max_operand=999 "data.arith.ops=['*']" data.arith.num_problems=5000 ${SFT_OVERRIDES:-}
+  run launch/train_grpo.py --config examples/grpo_tools_arith.yaml run_dir="$ROOT/grpo_tools_arith" \
+      actor.path="$ROOT/sft_tools_arith/hf" "rollout.env.stop_strings=[]" rollout.env.max_turn_tokens=96 \
+      steps="$STEPS" ${STAGE_OVERRIDES:-}
+  run launch/train_grpo.py --config examples/grpo_tools_arith.yaml run_dir="$ROOT/grpo_no_tools_arith" \
+      actor.path="$ROOT/sft_plain_arith/hf" rollout.env=null rollout.max_response_length=16 \
+      steps="$STEPS" ${STAGE_OVERRIDES:-}
+  run launch/tool_traces.py compare tools_before="$ROOT/sft_tools_arith/hf" tools_after="$ROOT/grpo_tools_arith/hf" \
+      plain_before="$ROOT/sft_plain_arith/hf" plain_after="$ROOT/grpo_no_tools_arith/hf" \
+      prompts="$DATA/arith_held_out.jsonl" summary_path="$ROOT/tools_compare.json"
   exit 0
 fi
 run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}

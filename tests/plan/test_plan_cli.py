@@ -52,7 +52,7 @@ EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "
                  "rm_arith": {"actor"}, "sft_arith": {"actor"}, "sft_chain": {"actor"},
                  "ppo_verifier_arith": {"actor", "critic"}, "grpo_tools_arith": {"actor"}, "judge_sft_arith": {"actor"},
                  # the run also builds the judge role of reward.judges, which the planner does not plan yet
-                 "grpo_rubric_arith": {"actor"}}
+                 "grpo_rubric_arith": {"actor"}, "sft_tools_arith": {"actor"}}
 
 
 def test_every_registered_algorithm_has_a_phase_model():

@@ -23,6 +23,7 @@ from megalign.algos.registry import load as load_algorithm
 from megalign.data import (ArithChainConfig, ArithTaskConfig, CharTokenizer, make_chain_splits, make_splits, write_jsonl,
                            write_stepwise_jsonl)
 from megalign.data.judge_rows import JUDGE_TEMPLATE, judge_items, rubric_prompt_rows, sft_row, synthetic_candidates
+from megalign.data.tool_traces import ToolTracesConfig, write_tool_traces
 from megalign.rewards.judge import JudgeTemplate
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -45,6 +46,7 @@ OVERRIDES = {
                                            "rollout.max_response_length=40", "rollout.env.max_turn_tokens=8"],
     "judge_sft_arith": SUPERVISED + ["model.path=runs/judge_arith/hf"],  # the policy copy with 128 positions
     "grpo_rubric_arith": ONLINE,  # the judge's rubric score is the reward
+    "sft_tools_arith": SUPERVISED + SCRATCH,  # traces of runs/tool_traces, written in build_runs
 }
 
 
@@ -81,6 +83,7 @@ def build_runs(root):
     write_jsonl(held_out, data / "chain_held_out.jsonl")
     write_stepwise_jsonl(train, data / "mc_steps.jsonl")
     write_judge_rows(root / "runs" / "judge_data")
+    write_tool_traces(ToolTracesConfig(str(root / "runs" / "tool_traces"), ArithTaskConfig(999, ["*"], num_problems=20)))
     # the PRM export ppo_chain_prm scores with, made by its own stage
     prm_overrides = [*OVERRIDES["prm_chain"], "export_hf=true"]
     run_distributed(_train, str(root), os.path.join(ROOT, "examples", "prm_chain.yaml"), "runs/prm_chain",
