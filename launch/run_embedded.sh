@@ -24,8 +24,8 @@
 # as the traces do: no '</tool_call>' stop string, 96 tokens a turn for a 86-token call) -> the control: a plain SFT
 # with direct answers on the same training problems and steps, then GRPO without tools on the same prompts with the
 # same steps -> held-out table of all four, with the share of episodes that called the tool correctly, ending with
-# `change` = GRPO with tools minus GRPO without (launch/tool_traces.py compare); TOOLS_STEPS sets both GRPO runs'
-# steps, default 200).
+# `change` = GRPO with tools minus GRPO without (launch/tool_traces.py compare, overrides in COMPARE_OVERRIDES);
+# TOOLS_STEPS sets both GRPO runs' steps, default 200).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's pair sampling in PAIRS_OVERRIDES and its RM stage
 # in RM_OVERRIDES, for judge's rows in DATA_OVERRIDES and its judge SFT in JUDGE_OVERRIDES (STAGE_OVERRIDES go
@@ -71,7 +71,7 @@ if [ "$PIPELINE" = tools ]; then
       steps="$STEPS" ${STAGE_OVERRIDES:-}
   run launch/tool_traces.py compare tools_before="$ROOT/sft_tools_arith/hf" tools_after="$ROOT/grpo_tools_arith/hf" \
       plain_before="$ROOT/sft_plain_arith/hf" plain_after="$ROOT/grpo_no_tools_arith/hf" \
-      prompts="$DATA/arith_held_out.jsonl" summary_path="$ROOT/tools_compare.json"
+      prompts="$DATA/arith_held_out.jsonl" summary_path="$ROOT/tools_compare.json" ${COMPARE_OVERRIDES:-}
   exit 0
 fi
 run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}
