@@ -13,7 +13,10 @@
 #             torch, the NaN-row and GAE lam = 0 cases, CUDA-event timings beside amax / clone
 #   4 e2e     benchmarks/gpu_e2e.py: GRPO and PPO end to end for two steps (bf16, static rollout
 #             with CUDA graphs, SDPA, NCCL at world size 1) and the rollout engine's tokens/s
-#   5 sanitize benchmarks/gpu_sanitize.py under compute-sanitizer memcheck (every op at odd sizes)
+#   5 models  benchmarks/gpu_models.py (issues 29, 30; budget 270 s, not yet run on a GPU): GRPO of a Qwen3-1.7B-sized
+#             random model in bf16, a LoRA step of a Qwen3-8B-sized one (planner checked first), a tiny Qwen3-MoE
+#             with routing replay off and on; generation / update tokens/s, peak memory, rollout/logprob_* probes
+#   6 sanitize benchmarks/gpu_sanitize.py under compute-sanitizer memcheck (every op at odd sizes)
 #             and racecheck (gae, token_logprob)
 # The device tool brings back at most 8 files: one log per step plus summary.txt.
 set -uo pipefail
@@ -67,6 +70,10 @@ step probe 150 "$PY" benchmarks/gpu_probe.py --device "$MODE" --out "$(mktemp -d
 e2e_args=(--out "$(mktemp -d)")
 [ "$MODE" = cpu ] && e2e_args+=(--device cpu --tiny)
 step e2e 200 "$PY" benchmarks/gpu_e2e.py "${e2e_args[@]}"
+
+models_args=(--out "$(mktemp -d)")
+[ "$MODE" = cpu ] && models_args+=(--device cpu --tiny)
+step models 290 "$PY" benchmarks/gpu_models.py "${models_args[@]}"
 
 if [ "$MODE" = cuda ] && command -v compute-sanitizer >/dev/null; then
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
