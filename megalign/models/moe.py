@@ -159,6 +159,23 @@ def routing_agreement(recorded: dict[int, torch.Tensor], recomputed: dict[int, t
     return shared / total
 
 
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype autocast runs matmuls in on `device`'s type; None when autocast is off there."""
+    kind = device.type
+    if torch._C._is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return None
+
+
+def _as_matmul_operand(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """`t` cast as autocast casts a matmul operand (`dtype` from `_autocast_dtype`): float64 and non-floating
+    tensors are left alone, as autocast leaves them. `torch._grouped_mm` is not on autocast's cast list, so the
+    experts cast by hand; the cast is differentiable, its gradient returns in the parameter's dtype."""
+    if dtype is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
+
+
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` takes these operands: its dtypes, and rows of both a multiple of 16 bytes."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
@@ -231,10 +248,14 @@ class GroupedExperts(nn.Module):
         self.ep_shard_dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 0} if ep_size > 1 else {}
 
     def _swiglu(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows `[M, H]` sorted by local expert, `counts` `[E_local]` -> `[M, H]`."""
+        """Rows `[M, H]` sorted by local expert, `counts` `[E_local]` -> `[M, H]` (in the autocast dtype under
+        autocast: the stacked weights are cast once here, each expert a slice of the cast copy)."""
+        dtype = _autocast_dtype(xs.device)
+        xs = _as_matmul_operand(xs, dtype)
+        gate, up, down = (_as_matmul_operand(w, dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         ends = counts.cumsum(0).to(torch.int32)
-        h = F.silu(grouped_linear(xs, self.gate_proj, counts, ends)) * grouped_linear(xs, self.up_proj, counts, ends)
-        return grouped_linear(h, self.down_proj, counts, ends)
+        h = F.silu(grouped_linear(xs, gate, counts, ends)) * grouped_linear(xs, up, counts, ends)
+        return grouped_linear(h, down, counts, ends)
 
     def _dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: rows sorted by global expert, `counts` `[E]` -> their outputs, in the same order."""
@@ -254,7 +275,7 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        xs = x[order // k]
+        xs = _as_matmul_operand(x, _autocast_dtype(x.device))[order // k]  # cast before the k-fold gather
         ys = self._swiglu(xs, counts) if self.ep_size == 1 else self._dispatch(xs, counts)
         y = ys[_inverse(order)].view(n, k, -1)
         return (y.float() * weights[..., None]).sum(1).to(x.dtype)

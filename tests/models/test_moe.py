@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from models.hf_fixtures import VOCAB, _randomise_norms, random_ids
 from parallel.dist_utils import run_distributed
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen3_moe import modeling_qwen3_moe
@@ -87,18 +88,20 @@ def _ce(logits, ids, mask):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
 
 
-def _hf_run(hf, ids, mask):
-    """transformers' (logits, aux loss, CE + coef * aux, {name: grad}) on the batch."""
+def _hf_run(hf, ids, mask, autocast: bool = False):
+    """transformers' (logits, aux loss, CE + coef * aux, {name: grad}) on the batch; forward under CPU bf16
+    autocast when `autocast`."""
     hf.zero_grad()
-    out = hf(ids, attention_mask=mask, output_router_logits=True)
-    loss = _ce(out.logits, ids, mask) + hf.config.router_aux_loss_coef * out.aux_loss
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = hf(ids, attention_mask=mask, output_router_logits=True)
+        loss = _ce(out.logits, ids, mask) + hf.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
     return out.logits.detach(), out.aux_loss.detach(), loss.detach(), grads
 
 
-def _our_run(model, ids, mask, gather=lambda logits: logits):
-    with moe_routing(model, aux=True) as routing:
+def _our_run(model, ids, mask, gather=lambda logits: logits, autocast: bool = False):
+    with moe_routing(model, aux=True) as routing, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         logits = gather(model(ids, attention_mask=mask))
         aux = load_balancing_loss(routing, model.config.num_experts)
         loss = _ce(logits[..., :VOCAB], ids, mask) + model.config.router_aux_loss_coef * aux
@@ -159,14 +162,53 @@ def test_bf16_no_worse_than_transformers(tmp_path):
     model = from_pretrained(tmp_path, dtype=torch.bfloat16).train()
     logits, _, _ = _our_run(model, ids, mask)
     assert logits.dtype == torch.bfloat16
+    _assert_no_worse_than_2x(model, logits[real], hf_logits[real], hf_grads, ref_logits[real], ref_grads)
 
+
+def _assert_no_worse_than_2x(model, logits, hf_logits, hf_grads, ref_logits, ref_grads):
+    """megalign's logits and gradients (`model`'s `.grad`) no further than 2x transformers' (`hf_*`) from the fp32
+    reference (`ref_*`), in the 2-norm (the gradients' over every parameter)."""
     def err(a, b):
         return (a.double() - b.double()).norm().item()
 
-    assert err(logits[real], ref_logits[real]) <= 2 * err(hf_logits[real], ref_logits[real])
+    assert err(logits, ref_logits) <= 2 * err(hf_logits, ref_logits), (err(logits, ref_logits), err(hf_logits, ref_logits))
     ours = sum(err(p.grad, hf_param(n, ref_grads)) ** 2 for n, p in model.named_parameters()) ** 0.5
     theirs = sum(err(hf_param(n, hf_grads), hf_param(n, ref_grads)) ** 2 for n, _ in model.named_parameters()) ** 0.5
     assert ours <= 2 * theirs, (ours, theirs)
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the operand dtypes of every `aten._grouped_mm` call below autocast (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._grouped_mm:
+            self.calls.append(tuple(a.dtype for a in args[:2]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_autocast_runs_experts_grouped_in_bf16_and_matches_transformers(tmp_path):
+    """fp32 weights under CPU bf16 autocast (the trainers' precision): `torch._grouped_mm` is not on autocast's cast
+    list, so the experts cast their operands themselves; every grouped matmul, forward and backward, then runs on
+    bf16 operands (2 MoE layers x 3 projections x (1 forward + 2 backward) = 18 calls), and logits and every gradient
+    are no further from the fp32 reference than 2x transformers' under the same autocast (its `eager` experts:
+    `F.linear` per expert, which autocast runs in bf16; its `grouped_mm` experts would stay fp32)."""
+    hf = make_moe(tmp_path, "qwen3_moe").train()
+    ids, mask = _batch()
+    real = mask.bool()
+    ref_logits, _, _, ref_grads = _hf_run(hf, ids, mask)
+    for layer in (0, 2):
+        hf.model.layers[layer].mlp.experts.config._experts_implementation = "eager"
+    hf_logits, _, _, hf_grads = _hf_run(hf, ids, mask, autocast=True)
+    model = from_pretrained(tmp_path).train()
+    with _MatmulDtypes() as seen:
+        logits, _, _ = _our_run(model, ids, mask, autocast=True)
+    assert seen.calls == [(torch.bfloat16, torch.bfloat16)] * 18, seen.calls
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())  # into the fp32 master weights
+    _assert_no_worse_than_2x(model, logits[real], hf_logits[real], hf_grads, ref_logits[real], ref_grads)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
