@@ -149,8 +149,8 @@ def moe_dispatch_bytes(tokens: int, h: int, num_experts: int, top_k: int, comput
     (fp32, 4k + 4 + 4k), the two int64 permutations of the k dispatched rows (16k), the dispatched rows of the input
     (e k h: the grouped matmul's input) and the experts' outputs, cast to fp32 for the weighted combine (4 k h).
     Checked against saved-tensor hooks in fp32 (tests/plan/test_plan_moe_lora.py); e is the experts' compute dtype
-    (bf16 under autocast through the per-expert loop on CUDA; CPU's grouped matmul is not autocast-listed and
-    computes in fp32). `split`: ranks the tokens are split over (Megatron's sequence parallelism with expert tp 1:
+    (the autocast dtype, bf16, on CPU and CUDA alike: `torch._grouped_mm` is not on autocast's cast list, so
+    `GroupedExperts` casts its operands itself; fp32 without autocast). `split`: ranks the tokens are split over (Megatron's sequence parallelism with expert tp 1:
     tp); 1 where every tp rank routes all of them (megalign). Megatron's dropless dispatcher saves the same kinds."""
     return tokens * (4 * num_experts + 32 * top_k + 4 + (compute_bytes + 4) * top_k * h) / split
 
