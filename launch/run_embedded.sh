@@ -64,8 +64,7 @@ if [ "$PIPELINE" = tools ]; then
   run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_plain_arith" steps="$SFT_STEPS" \
       data.arith.max_operand=999 "data.arith.ops=['*']" data.arith.num_problems=5000 ${SFT_OVERRIDES:-}
   run launch/train_grpo.py --config examples/grpo_tools_arith.yaml run_dir="$ROOT/grpo_tools_arith" \
-      actor.path="$ROOT/sft_tools_arith/hf" "rollout.env.stop_strings=[]" rollout.env.max_turn_tokens=96 \
-      steps="$STEPS" ${STAGE_OVERRIDES:-}
+      actor.path="$ROOT/sft_tools_arith/hf" steps="$STEPS" ${STAGE_OVERRIDES:-}
   run launch/train_grpo.py --config examples/grpo_tools_arith.yaml run_dir="$ROOT/grpo_no_tools_arith" \
       actor.path="$ROOT/sft_plain_arith/hf" rollout.env=null rollout.max_response_length=16 \
       steps="$STEPS" ${STAGE_OVERRIDES:-}
