@@ -11,8 +11,9 @@ One step (every rank, after `megalign.trainers.cli.init_distributed`):
     reinforce_plus_plus, reinforce_plus_plus_baseline) -> ppo_epochs x mini-batches of the policy
     loss (`algo.policy_loss`: ppo, cispo, gspo; `megalign.algos.policy_loss_options`, shared with PPO
     through `megalign.trainers.policy_gradient`) + loss aggregation -> metrics (then checkpoint / eval cadence
-    from the skeleton). `GRPOTrainer` fills in the online step template: `shape_rewards`, `keep_groups`,
-    `advantages`, `update`, `metrics`.
+    from the skeleton). `GRPOTrainer` fills in the online step template: `shape_rewards`, `advantages`,
+    `update`, `metrics`; `keep_groups` and `sampling_rounds` are dynamic sampling's, shared with PPO
+    (`megalign.trainers.dynamic_sampling`).
 
 Design choices:
 
@@ -35,13 +36,13 @@ from typing import Literal
 import torch
 
 from megalign.algos.advantages import ADVANTAGE_ESTIMATORS, estimator
-from megalign.algos.grpo import informative_groups, overlong_mask, overlong_penalty
+from megalign.algos.grpo import overlong_mask, overlong_penalty
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
-from megalign.parallel.collectives import all_reduce_count
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult
+from megalign.trainers.dynamic_sampling import DynamicSampling, DynamicSamplingOptions
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.online_config import OnlineConfig, UpdateSchedule
 from megalign.trainers.policy_gradient import PolicyGradient
@@ -50,15 +51,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class AlgoConfig(PolicyLossOptions, UpdateSchedule):
+class AlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
     """The objective: the update schedule, policy loss and KL (shared with PPO), advantages, dynamic sampling,
     overlong handling."""
 
     advantage: str = option("grpo", doc=f"advantage estimator: {', '.join(ADVANTAGE_ESTIMATORS)}")
     advantage_eps: float = option(1e-6, doc="added to the group std (grpo mode)")
     gamma: float = option(1.0, doc="reinforce_plus_plus*: discount of the returns G_t = r_t + gamma G_t+1")
-    dynamic_sampling: bool = option(False, doc="drop groups whose rewards are all equal and generate more (DAPO)")
-    max_sampling_rounds: int = option(3, doc="dynamic sampling: generation rounds per step at most")
     overlong: Literal["none", "mask", "penalty"] = option(
         "none", doc="responses cut at max_response_length: keep, mask out of the loss, or DAPO's soft length penalty")
     overlong_buffer: int = option(4, doc="penalty: tokens before the limit over which the penalty ramps to -1")
@@ -66,11 +65,11 @@ class AlgoConfig(PolicyLossOptions, UpdateSchedule):
     def __post_init__(self):
         UpdateSchedule.__post_init__(self)
         self.check_policy_loss(token_rewards=estimator(self.advantage).token_kl)
+        self.check_dynamic_sampling()
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
-        for name in ("max_sampling_rounds", "overlong_buffer"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.overlong_buffer < 1:
+            raise ValueError(f"overlong_buffer must be >= 1, got {self.overlong_buffer}")
 
     @property
     def uses_reference(self) -> bool:
@@ -87,7 +86,7 @@ class GRPOConfig(OnlineConfig):
     algo: AlgoConfig = option(AlgoConfig(), doc="objective")
 
 
-class GRPOTrainer(PolicyGradient, OnlineTrainer):
+class GRPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
     """GRPO on the online trainer (module doc)."""
 
     name = "GRPO"
@@ -103,14 +102,6 @@ class GRPOTrainer(PolicyGradient, OnlineTrainer):
         elif algo.overlong == "mask":
             batch.response_mask = overlong_mask(batch.response_mask, batch.finished)
 
-    def keep_groups(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.cfg.algo.dynamic_sampling:
-            return informative_groups(batch.rewards, batch.group_size)
-        return super().keep_groups(batch)
-
-    def sampling_rounds(self) -> int:
-        return self.cfg.algo.max_sampling_rounds if self.cfg.algo.dynamic_sampling else 1
-
     def advantages(self, batch: RolloutBatch) -> None:
         algo = self.cfg.algo
         in_reward = algo.kl_where == "reward" and self.reference is not None
@@ -120,18 +111,12 @@ class GRPOTrainer(PolicyGradient, OnlineTrainer):
             kl_coef=algo.kl_beta, kl_estimator=algo.kl_kind, gamma=algo.gamma, group=self.layout.dp_group)
 
     def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
-        sums.add("dropped_groups", counts["dropped_groups"])
-        sums.add("kept_groups", counts["kept_groups"])
-        empty = self.cfg.algo.dynamic_sampling and all_reduce_count(counts["kept_groups"], self.layout.dp_group,
-                                                                    self.layout.device) == 0
-        return {"actor": self.update_actor(batch, sums, self.policy_loss(batch, self.cfg.algo.kl_beta),
-                                           "dynamic sampling kept no group with unequal rewards on any rank" if empty
-                                           else None)}
+        skip = self.sampling_sums(sums, counts)
+        return {"actor": self.update_actor(batch, sums, self.policy_loss(batch, self.cfg.algo.kl_beta), skip)}
 
     def metrics(self, total: dict[str, float], norms: dict[str, list[torch.Tensor]],
                 counts: dict[str, float]) -> dict[str, float]:
-        return {"sampling/rounds": counts["rounds"], "sampling/dropped_groups": total["dropped_groups"],
-                "sampling/kept_groups": total["kept_groups"], **self.policy_metrics(total, norms["actor"], self.lr())}
+        return {**self.sampling_metrics(total, counts), **self.policy_metrics(total, norms["actor"], self.lr())}
 
 
 def train_grpo(cfg: GRPOConfig) -> TrainResult:

@@ -407,7 +407,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
     def update_actor(self, batch: RolloutBatch, sums: MetricSums, loss: RoleLoss, skip: Optional[str] = None,
                      counter: str = "empty_updates") -> list[torch.Tensor]:
         """The actor's update on `loss` (`train_role` in the "update" phase), unless `skip` says why not: then its sums
-        are added as zeros so every rank's sums line up, the step counted as `counter` (none when empty) and warned
+        are added as zeros (`left_out`), the step counted as `counter` (none when empty) and warned
         with `skip` (a step on zero gradients would still move AdamW's weights through its momentum). Returns the
         actor's gradient norms ([0] when skipped)."""
         if skip is None:
@@ -415,8 +415,14 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                 return self.train_role(self.actor, self.lr(), batch, loss, sums, "actor")
         if counter:
             self.skip_update(counter, skip)
+        return self.left_out(loss, sums, "actor")
+
+    @staticmethod
+    def left_out(loss: RoleLoss, sums: MetricSums, prefix: str) -> list[torch.Tensor]:
+        """A role left out of this step's update: its sums (`prefix`/loss and `loss.stats`) added as zeros so every
+        rank's sums line up; its gradient norms ([0])."""
         for name in ("loss",) + loss.stats:
-            sums.add(f"actor/{name}", 0.0)
+            sums.add(f"{prefix}/{name}", 0.0)
         return [torch.zeros(())]
 
     def score_logprobs(self, role, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:

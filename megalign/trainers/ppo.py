@@ -3,6 +3,9 @@
 `PPOTrainer` adds the critic (`megalign.roles.critic`, its own tp x pp, dtype, optimizer and offload switches;
 exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the step:
 
+    keep_groups    with `algo.dynamic_sampling`, DAPO's filter of groups of equal rewards and more sampling rounds,
+                   shared with GRPO (`megalign.trainers.dynamic_sampling`, which says why it applies to PPO)
+
     shape_rewards  each outcome RM's score normalised with its own `reward_stats.json` (`algo.reward_normalize`,
                    not the gated pair's), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, the total clipped
     advantages     the critic's values -> per-token rewards (the score at the last response token, the process
@@ -49,6 +52,7 @@ from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConf
 from megalign.roles.reward_exports import reward_stats
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path, check_stages
+from megalign.trainers.dynamic_sampling import DynamicSampling, DynamicSamplingOptions
 from megalign.trainers.model_checks import check_tokenizer
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.updates import RoleLoss
@@ -80,9 +84,9 @@ class CriticConfig(TrainedRoleConfig):
 
 
 @dataclasses.dataclass
-class PPOAlgoConfig(PolicyLossOptions, UpdateSchedule):
-    """The objective: the update schedule, policy loss and KL (shared with GRPO), rewards, GAE, value clip,
-    adaptive KL, warm-up."""
+class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
+    """The objective: the update schedule, policy loss and KL, dynamic sampling (shared with GRPO), rewards, GAE,
+    value clip, adaptive KL, warm-up."""
 
     gamma: float = option(1.0, doc="GAE discount")
     lam: float = option(0.95, doc="GAE lambda (InstructGPT / TRL; verl and OpenRLHF now default 1.0)")
@@ -100,6 +104,7 @@ class PPOAlgoConfig(PolicyLossOptions, UpdateSchedule):
     def __post_init__(self):
         UpdateSchedule.__post_init__(self)
         self.check_policy_loss(token_rewards=True)
+        self.check_dynamic_sampling()
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
         for name in ("cliprange_value", "reward_clip", "kl_target"):
@@ -130,7 +135,7 @@ class PPOConfig(OnlineConfig):
                              f"never be trained (the warm-up steps train only the critic)")
 
 
-class PPOTrainer(PolicyGradient, OnlineTrainer):
+class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
     """PPO on the online trainer with a critic (module doc)."""
 
     name = "PPO"
@@ -236,14 +241,19 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         return RoleLoss(fn, self.CRITIC_STATS)
 
     def update(self, batch: RolloutBatch, sums: MetricSums, counts: dict[str, float]) -> dict[str, list[torch.Tensor]]:
-        """The critic's update, then the actor's (after `critic_warmup` steps); then the adaptive KL controller."""
+        """The critic's update, then the actor's (after `critic_warmup` steps); then the adaptive KL controller. A step
+        whose dynamic sampling kept no group on any rank updates neither (counted as `empty_updates`)."""
         cfg, mask = self.cfg, batch.response_mask
-        with self.phase("critic_update", critic=("weights", "optimizer")):
-            norms = {"critic": self.train_role(self.critic, self.lr(cfg.critic.optim), batch, self.critic_loss(batch),
-                                               sums, "critic")}
-        warming_up = self.progress["step"] < cfg.algo.critic_warmup
-        norms["actor"] = self.update_actor(batch, sums, self.policy_loss(batch, self.kl.beta),
-                                           "critic warm-up" if warming_up else None, counter="")
+        skip, counter = self.sampling_sums(sums, counts), "empty_updates"
+        if skip is None:
+            with self.phase("critic_update", critic=("weights", "optimizer")):
+                norms = {"critic": self.train_role(self.critic, self.lr(cfg.critic.optim), batch,
+                                                   self.critic_loss(batch), sums, "critic")}
+            if self.progress["step"] < cfg.algo.critic_warmup:
+                skip, counter = "critic warm-up", ""
+        else:
+            norms = {"critic": self.left_out(self.critic_loss(batch), sums, "critic")}
+        norms["actor"] = self.update_actor(batch, sums, self.policy_loss(batch, self.kl.beta), skip, counter=counter)
         self.step_kl = (self.kl.beta, float(sequence_mean_kl(self.rollout_kl, mask, self.layout.dp_group)))
         self.kl.update(self.step_kl[1], cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         valid = mask.double()
@@ -261,7 +271,7 @@ class PPOTrainer(PolicyGradient, OnlineTrainer):
         diagnostics = critic_diagnostics({k[len("diagnostic/"):]: v for k, v in total.items()
                                           if k.startswith("diagnostic/")})
         return {
-            **diagnostics,
+            **diagnostics, **self.sampling_metrics(total, counts),
             **self.policy_metrics(total, norms["actor"], self.lr()),
             "actor/kl_coef": self.step_kl[0], "actor/rollout_kl": self.step_kl[1],
             "actor/token_kl": total["kl_tokens"] / tokens,

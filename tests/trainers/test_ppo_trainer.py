@@ -8,10 +8,11 @@ import torch
 import transformers
 from parallel.dist_utils import RankFailure, run_distributed
 from trainers.grpo_helpers import HERE, tiny_policy
-from trainers.helpers import ROUNDING_PROBES, checkpoint_params, metric_rows
+from trainers.helpers import ROUNDING_PROBES, capture_warnings, checkpoint_params, metric_rows
 
 from megalign.config import load_config
 from megalign.models import from_pretrained
+from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.ppo import PPOConfig, train_ppo
 
 
@@ -126,6 +127,33 @@ def test_critic_warmup_leaves_the_actor_alone(policy, tmp_path):
     assert any(not torch.equal(critic[2][k], critic[1][k]) for k in critic[1])  # the critic trained meanwhile
     rows = _rows(str(tmp_path))
     assert rows[1]["actor/loss"] == 0 and rows[3]["actor/loss"] != 0
+
+
+def _no_informative_group(policy, run_dir):
+    warnings = capture_warnings("megalign.trainers")
+    with pytest.raises(SkippedUpdatesError, match=r"PPO: the policy was never updated: updated in 0 of 2 steps"):
+        _train(policy, run_dir, "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2", "save_every=1",
+               f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', weight: 1.0}}]")
+    assert sum("kept no group" in w and "skipping the update" in w for w in warnings) == 2, warnings
+
+
+def test_dynamic_sampling_without_informative_groups_skips_both_updates(policy, tmp_path):
+    # every group's 4 rewards are 1: both rounds drop all 4 groups; the critic's GAE advantages (1 - V) would be
+    # nonzero, but with the filter neither the critic nor the actor takes an optimizer step (AdamW's momentum and
+    # weight decay would move them on zero gradients)
+    run_distributed(_no_informative_group, policy, str(tmp_path), world_size=1)
+    rows = _rows(str(tmp_path))
+    assert [rows[s]["empty_updates"] for s in (1, 2)] == [1, 2]
+    assert all(rows[s]["sampling/kept_groups"] == 0 and rows[s]["sampling/dropped_groups"] == 8 for s in (1, 2))
+    assert all(rows[s]["sampling/rounds"] == 2 for s in (1, 2))
+    for role in ("actor", "critic"):
+        initial = checkpoint_params(str(tmp_path), 1, role=role)
+        for name, value in checkpoint_params(str(tmp_path), 2, role=role).items():
+            torch.testing.assert_close(value, initial[name], rtol=0, atol=0)  # no optimizer step moved anything
+    actor = checkpoint_params(str(tmp_path), 1, role="actor")
+    initial = dict(from_pretrained(policy).named_parameters())
+    for key, value in actor.items():
+        torch.testing.assert_close(value, initial[key.split(".", 2)[2]].detach(), rtol=0, atol=0, msg=key)
 
 
 def test_start_up_checks(policy, tmp_path):
