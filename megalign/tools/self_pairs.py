@@ -5,8 +5,11 @@ For every prompt the policy (e.g. the SFT export) samples `samples_per_prompt` r
 given temperature; the verifier (`metric`, default `math_accuracy`) scores each; a prompt with both
 a passing (score >= `threshold`) and a failing finished response yields up to `pairs_per_prompt`
 pairs (chosen passing, rejected failing, drawn without repeats from the seed). Rows are TRL's
-explicit-prompt format (`prompt`, `chosen`, `rejected`, `answer`), which `launch/train_rm.py` reads
-with `data.path=` / `data.eval_path=`. This is RLAIF's idea (Bai et al. 2022; Lee et al. 2023) with
+explicit-prompt format (`prompt`, `chosen`, `rejected`, `answer`), which `launch/train_rm.py` and
+`launch/train_dpo.py` read with `data.path=` / `data.eval_path=`. The same samples also give KTO's
+unpaired rows (TRL's `prompt`, `completion`, `label`, `answer`; `unpaired_rows`): every usable sample
+once, label = the verifier's verdict, so KTO (Ethayarajh et al. 2024) and DPO can be compared on one
+set of on-policy samples. This is RLAIF's idea (Bai et al. 2022; Lee et al. 2023) with
 a rule verifier as the labeller, and it gives the RM the policy's own distribution of responses,
 which a reward model trained on hand-made pairs has never seen (and PPO then exploits; see
 BENCHMARKS.md).
@@ -18,8 +21,13 @@ Design choices:
 - Prompts are split over the dp ranks (rank d takes d, d + dp, ...), each rank samples with a
   generator seeded by (seed, rank); rank 0 gathers the rows and writes both files atomically
   (`megalign.config.atomic_write_text`), the training and the held-out split each from its own prompts.
-- The counts (prompts, responses, finished, usable passing ones, prompts with a pair, pairs) are logged
-  and returned.
+- The unpaired rows keep repeats (a response sampled 5 times is 5 rows): they are the policy's own
+  distribution, which is what KTO's on-policy setting asks for. Rank 0 shuffles them with the seed before
+  writing, because the KTO trainer pairs row i with row i + 1's completion for its reference point z0
+  (`megalign.trainers.kto`) and unshuffled rows i and i + 1 mostly share a prompt.
+- The counts (prompts, responses, finished, usable passing ones, prompts with a pair, pairs, desirable and
+  undesirable unpaired rows) are logged and returned; KTO's weights follow from desirable / undesirable
+  (`megalign.algos.kto.kto_weight_ratio`).
 """
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ class SelfPairsConfig:
     """Where the policy and the prompts come from, how many samples and pairs, where the rows go."""
 
     model_path: str = option("runs/sft_arith/hf", doc="HF checkpoint folder of the policy that samples")
-    out_dir: str = option("runs/self_pairs", doc="folder for pairs.jsonl (training prompts) and pairs_held_out.jsonl")
+    out_dir: str = option("runs/self_pairs", doc="folder for pairs.jsonl / unpaired.jsonl (training prompts) and pairs_held_out.jsonl / unpaired_held_out.jsonl")
     data: PromptDataConfig = option(PromptDataConfig(), doc="prompts with answers (the arithmetic task by default)")
     samples_per_prompt: int = option(8, doc="responses sampled per prompt")
     pairs_per_prompt: int = option(2, doc="pairs kept per prompt at most")
@@ -88,9 +96,17 @@ def pairs_of(example: PromptExample, responses: list[str], usable: list[bool], s
             for c, r in combos[:limit]]
 
 
+def unpaired_rows(example: PromptExample, responses: list[str], usable: list[bool], scores: list[float],
+                  threshold: float) -> list[dict[str, Any]]:
+    """One KTO row per usable, non-empty sample of one prompt, repeats kept: label True (desirable) when its score
+    is >= threshold."""
+    return [{"prompt": example.prompt_text, "completion": r, "label": s >= threshold, "answer": example.answer}
+            for r, u, s in zip(responses, usable, scores) if u and r]
+
+
 def _rows(cfg: SelfPairsConfig, model, examples: list[PromptExample], tokenizer, layout: ParallelLayout,
-          split: str) -> tuple[list[dict], dict[str, int]]:
-    """This rank's pair rows and counts for its share of `examples`."""
+          split: str) -> tuple[list[dict], list[dict], dict[str, int]]:
+    """This rank's pair rows, unpaired rows and counts for its share of `examples`."""
     metric = get_reward(cfg.metric)
     mine = examples[layout.dp_rank::layout.dp]
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -99,7 +115,8 @@ def _rows(cfg: SelfPairsConfig, model, examples: list[PromptExample], tokenizer,
     rng = random.Random(f"{cfg.seed}/{split}/{layout.dp_rank}")
     k = cfg.samples_per_prompt
     per_batch = max(1, cfg.batch_size // k)
-    rows, counts = [], {"prompts": 0, "responses": 0, "finished": 0, "passing": 0, "paired_prompts": 0}
+    rows, unpaired = [], []
+    counts = {"prompts": 0, "responses": 0, "finished": 0, "passing": 0, "paired_prompts": 0}
     for start in range(0, len(mine), per_batch):
         chunk = mine[start:start + per_batch]
         repeated = [e for e in chunk for _ in range(k)]
@@ -112,32 +129,38 @@ def _rows(cfg: SelfPairsConfig, model, examples: list[PromptExample], tokenizer,
             found = pairs_of(e, texts[part], usable[part], scores[part], cfg.threshold, cfg.pairs_per_prompt, rng)
             rows += found
             counts["paired_prompts"] += bool(found)
+            unpaired += unpaired_rows(e, texts[part], usable[part], scores[part], cfg.threshold)
         counts["prompts"] += len(chunk)
         counts["responses"] += len(repeated)
         counts["finished"] += sum(finished)
         counts["passing"] += sum(u and s >= cfg.threshold for u, s in zip(usable, scores))
-    return rows, counts
+    return rows, unpaired, counts
 
 
 def sample_pairs(cfg: SelfPairsConfig) -> dict[str, dict[str, int]]:
-    """Write out_dir/pairs.jsonl and pairs_held_out.jsonl (module doc); returns {split: counts}. Every rank calls it."""
+    """Write out_dir/pairs.jsonl, unpaired.jsonl and their *_held_out.jsonl (module doc); returns {split: counts}.
+    Every rank calls it."""
     check_model_path(cfg.model_path, "model_path")
     layout = ParallelLayout.build(tp=1, device_type=resolve_device(cfg.device))
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model_path)
     train, held_out = prompt_datasets(cfg.data, tokenizer, cfg.out_dir)
     model = from_pretrained(cfg.model_path, layout=layout).eval()
     report = {}
-    for split, dataset, name in (("train", train, "pairs.jsonl"), ("held_out", held_out, "pairs_held_out.jsonl")):
+    for split, dataset, suffix in (("train", train, ""), ("held_out", held_out, "_held_out")):
         if dataset is None:
             continue
-        rows, counts = _rows(cfg, model, dataset.examples, tokenizer, layout, split)
         gathered = [None] * layout.dp
-        dist.all_gather_object(gathered, (rows, counts))
-        rows = [r for part, _ in gathered for r in part]
-        counts = {key: sum(c[key] for _, c in gathered) for key in counts}
+        dist.all_gather_object(gathered, _rows(cfg, model, dataset.examples, tokenizer, layout, split))
+        rows = [r for part, _, _ in gathered for r in part]
+        unpaired = [r for _, part, _ in gathered for r in part]
+        random.Random(f"{cfg.seed}/{split}/unpaired").shuffle(unpaired)  # module doc: z0's mismatched pairs
+        counts = {key: sum(c[key] for _, _, c in gathered) for key in gathered[0][2]}
         counts["pairs"] = len(rows)
+        counts["desirable"] = sum(r["label"] for r in unpaired)
+        counts["undesirable"] = len(unpaired) - counts["desirable"]
         if dist.get_rank() == 0:
-            atomic_write_text(os.path.join(cfg.out_dir, name), "".join(json.dumps(row) + "\n" for row in rows))
+            for name, written in ((f"pairs{suffix}.jsonl", rows), (f"unpaired{suffix}.jsonl", unpaired)):
+                atomic_write_text(os.path.join(cfg.out_dir, name), "".join(json.dumps(r) + "\n" for r in written))
         logger.info("%s: %s", split, counts)
         report[split] = counts
     dist.barrier()

@@ -1,5 +1,5 @@
-"""Verifier-labelled pairs from a policy's own samples: the pairing rule by hand, and a 2-rank run whose
-files the RM loader reads, every pair ordered by the verifier."""
+"""Verifier-labelled pairs and KTO rows from a policy's own samples: the pairing and labelling rules by hand, and a
+2-rank run whose files the RM and KTO loaders read, every pair ordered and every row labelled by the verifier."""
 import json
 import os
 import random
@@ -9,8 +9,8 @@ from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
 
 from megalign.config import load_config
-from megalign.data import CharTokenizer, PromptExample, load_preferences
-from megalign.tools.self_pairs import SelfPairsConfig, pairs_of, sample_pairs
+from megalign.data import CharTokenizer, PromptExample, load_preferences, load_unpaired
+from megalign.tools.self_pairs import SelfPairsConfig, pairs_of, sample_pairs, unpaired_rows
 
 
 def test_pairs_of_by_hand():
@@ -24,6 +24,17 @@ def test_pairs_of_by_hand():
     assert all(r["prompt"] == "1+1=" and r["answer"] == 2 for r in rows)
     assert len(pairs_of(example, responses, finished, scores, 1.0, 1, random.Random(0))) == 1
     assert pairs_of(example, ["a", "b"], [True, True], [1.0, 1.0], 1.0, 5, random.Random(0)) == []
+
+
+def test_unpaired_rows_by_hand():
+    example = PromptExample([1, 2], "1+1=", 2, {}, "x")
+    responses = ["a", "b", "c", "a", ""]
+    finished = [True, True, False, True, True]
+    scores = [1.0, 0.5, 1.0, 1.0, 0.0]
+    # "c" is cut off, "" is no response; the repeated "a" stays twice; 0.5 < threshold 0.6 is undesirable
+    rows = unpaired_rows(example, responses, finished, scores, 0.6)
+    assert [(r["completion"], r["label"]) for r in rows] == [("a", True), ("b", False), ("a", True)]
+    assert all(r["prompt"] == "1+1=" and r["answer"] == 2 for r in rows)
 
 
 def _sample(policy, out):
@@ -56,3 +67,16 @@ def test_sample_pairs_two_ranks(tmp_path):
             examples, _ = load_preferences(out / name, tokenizer=tok, max_length=64)
             assert len(examples) == len(rows)
     assert report["train"]["pairs"] > 0  # 20 training prompts: some have a passing and a failing sample
+    prompts = {}
+    for split, name in (("train", "unpaired.jsonl"), ("held_out", "unpaired_held_out.jsonl")):
+        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        desirable = [r for r in rows if r["label"]]
+        assert (len(desirable), len(rows) - len(desirable)) == (report[split]["desirable"], report[split]["undesirable"])
+        assert len(rows) <= report[split]["responses"]  # every non-empty sample once (drop_unfinished false)
+        for row in rows:  # the verifier, called again here, gives every label
+            assert row["label"] is (digit_fraction(row["prompt"], row["completion"], row["answer"], {}) >= 0.2)
+        examples, _ = load_unpaired(out / name, tokenizer=tok, max_length=64)
+        assert len(examples) == len(rows)
+        prompts[split] = {r["prompt"] for r in rows}
+    assert report["train"]["desirable"] > 0 and report["train"]["undesirable"] > 0
+    assert not prompts["train"] & prompts["held_out"]  # the held-out rows come from other problems
