@@ -11,13 +11,16 @@ Design choices:
   (`megalign.roles.judge.Judge`), and the judge runs with `chat_template: false`, so both are BOS +
   the same characters, byte for byte. The SFT `response` is the verdict "Y" or "N" (one character
   token each: the judge's `answers: ["Y", "N"]`), which the SFT loader follows with EOS.
-  The template starts with the problem and the response, exactly as the policy saw them, so a judge
-  initialised from the policy's export reads them with the arithmetic it already knows, and then gives
-  the reference answer (`{reference}`, the prompt row's gold answer, which the rubric reward supplies)
-  as the same problem with the boxed answer: RaR's judges grade against a reference too, and without
-  it the tiny judge did not learn to verify (its p(Y) on the policy's right and wrong answers was 0.16
-  and 0.14: BENCHMARKS.md, "Models in the reward loop"). Written in the response's own format, the
-  comparison is character against character.
+  The template is laid out so that a tiny character-level judge can compare: the criterion first (the
+  judge knows what it checks before it reads the response), then the problem and the response exactly as
+  the policy saw them, and right after the response the reference answer (`{reference}`, the prompt row's
+  gold answer, which the rubric reward supplies; RaR's judges grade against a reference too) in the
+  response's own format, ` vs \\boxed{reference}`, so that the verdict follows the compared text and a
+  response digit and its reference digit are a fixed distance apart for numbers of one length (13 + the
+  number's length characters). Earlier layouts (criterion last, the reference a line below as
+  `reference: {prompt}\\boxed{reference}`) taught the format criteria but never the comparison: 40.8% on
+  the "Y" rows and 84.4% on the "N" rows of `correct`, at the loss of the base rate even on the judge's
+  own training rows (BENCHMARKS.md, "Models in the reward loop").
 - Criteria (`CRITERIA`, the issue's three) and their labels, from the verifier and two format rules:
   `correct` "the final answer equals the correct result" is `math_accuracy` (the last `\\boxed{}`
   against the gold answer: an unboxed right number is "N", as the verifier scores it 0); `boxed`
@@ -28,7 +31,9 @@ Design choices:
   right or the wrong answer, by a coin), plus whatever the caller adds: samples of the SFT policy on
   the same problem (`megalign.tools.judge_data`), which are what the judge sees during GRPO.
   Duplicate texts of a problem are kept once. Most sampled answers are wrong, so the training rows
-  of the `correct` criterion are balanced by repeating the rarer label (`balanced`).
+  of the `correct` criterion are balanced by repeating the rarer label (`balanced`), and then repeated
+  as a whole (`repeated`): the judge learns the two format criteria within a few tens of steps, after
+  which their rows carry almost no loss, while the comparison takes hundreds of steps of `correct` rows.
 - `RUBRIC` is the prompt rows' rubric column for GRPO: the three criteria as RaR items with categories
   (essential 1.0 / important 0.7 / optional 0.3), so the rubric score is
   (c_correct + 0.7 c_boxed + 0.3 c_only) / 2.
@@ -44,7 +49,7 @@ from megalign.data.arith import _OP_INDEX, ArithProblem, _check_seed, wrong_answ
 from megalign.rewards.judge import JudgeTemplate
 from megalign.rewards.math import last_boxed, math_accuracy
 
-JUDGE_TEMPLATE = "{prompt}{response}\nreference: {prompt}\\boxed{{{reference}}}\n{criterion}? "
+JUDGE_TEMPLATE = "{criterion}? {prompt}{response} vs \\boxed{{{reference}}}\n"
 """The judge prompt of the embedded task (module doc); the verdict is the next token, "Y" or "N"."""
 
 VERDICTS = ("Y", "N")
@@ -112,6 +117,14 @@ def balanced(items: Sequence[dict], key: str) -> list[dict]:
     rare, times = (True, round(n_no / n_yes)) if n_yes < n_no else (False, round(n_yes / n_no))
     return [copy for item in items
             for copy in [item] * (times if item["key"] == key and item["label"] == rare else 1)]
+
+
+def repeated(items: Sequence[dict], key: str, times: int) -> list[dict]:
+    """`items` with each item of criterion `key` repeated `times` times in place (module doc: the judge's steps
+    go to the criterion it learns slowest); ValueError for `times` < 1."""
+    if times < 1:
+        raise ValueError(f"times must be >= 1, got {times}")
+    return [copy for item in items for copy in [item] * (times if item["key"] == key else 1)]
 
 
 def sft_row(item: dict, template: JudgeTemplate) -> dict:

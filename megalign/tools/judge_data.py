@@ -4,7 +4,8 @@
 (`megalign.data.judge_rows` for the rows and their labels):
 
 - `judge_train.jsonl`: the judge's SFT rows from the training problems (`prompt` = the filled judge
-  template, `response` = "Y" / "N"), for `launch/train_sft.py data.path=...`;
+  template, `response` = "Y" / "N"), the `correct` rows balanced and repeated (`correct_repeats`), for
+  `launch/train_sft.py data.path=...`;
 - `judge_held_out.jsonl`: the same rows from the held-out problems, never trained on, for `agreement`;
 - `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column.
 
@@ -38,8 +39,8 @@ import torch.distributed as dist
 
 from megalign.config import atomic_write_text, option
 from megalign.data import ArithTaskConfig, PromptExample, build_tokenizer, load_prompts, make_splits
-from megalign.data.judge_rows import (JUDGE_TEMPLATE, VERDICTS, balanced, judge_items, rubric_prompt_rows, sft_row,
-                                      synthetic_candidates)
+from megalign.data.judge_rows import (JUDGE_TEMPLATE, VERDICTS, balanced, judge_items, repeated, rubric_prompt_rows,
+                                      sft_row, synthetic_candidates)
 from megalign.data.prompts import read_rows
 from megalign.data.tokenizer import TokenizerConfig
 from megalign.models import from_pretrained
@@ -68,11 +69,14 @@ class JudgeDataConfig:
     batch_size: int = option(512, doc="sequences sampled together on each rank")
     balance: bool = option(True, doc="repeat the training rows of the rarer `correct` label to balance it "
                                      "(`judge_rows.balanced`); the held-out rows are never repeated")
+    correct_repeats: int = option(3, doc="then write every training row of the `correct` criterion this many times "
+                                         "(`judge_rows.repeated`: the comparison, not the format criteria, needs the "
+                                         "judge's steps); the held-out rows are never repeated")
     seed: int = option(0, doc="seed of the made-up candidates and of the sampling")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
 
     def __post_init__(self):
-        for name in ("samples_per_prompt", "max_new_tokens", "batch_size"):
+        for name in ("samples_per_prompt", "max_new_tokens", "batch_size", "correct_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
@@ -130,8 +134,10 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
             items += judge_items(p, sampled, "policy")
             items += judge_items(p, [s for s in synthetic_candidates(p, cfg.seed) if s not in sampled], "synthetic")
         report[split] = label_counts(items)
-        rows = balanced(items, "correct") if split == "train" and cfg.balance else items
-        logger.info("judge rows %s: %d items of %d problems, %d rows written (balanced: %s); labels %s", split,
+        rows = items
+        if split == "train":
+            rows = repeated(balanced(rows, "correct") if cfg.balance else rows, "correct", cfg.correct_repeats)
+        logger.info("judge rows %s: %d items of %d problems, %d rows written (balanced / repeated: %s); labels %s", split,
                     len(items), len(problems), len(rows), len(rows) != len(items), report[split])
         if dist.get_rank() == 0:
             _write(os.path.join(cfg.out_dir, f"judge_{split}.jsonl"), [sft_row(item, template) for item in rows])

@@ -12,7 +12,7 @@ from parallel.dist_utils import run_distributed
 
 from megalign.data import ArithProblem, ArithTaskConfig, CharTokenizer, encode_sft, load_prompts, load_sft, make_splits
 from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, RUBRIC, VERDICTS, balanced, criterion_label,
-                                      judge_items, rubric_prompt_rows, sft_row, synthetic_candidates)
+                                      judge_items, repeated, rubric_prompt_rows, sft_row, synthetic_candidates)
 from megalign.rewards.judge import JudgeTemplate, rubric_items
 from megalign.roles.judge import Judge, JudgeConfig
 from megalign.tools.judge_data import JudgeDataConfig, _read_items, agreement_lines, write_judge_data
@@ -66,8 +66,7 @@ def test_items_and_sft_row_by_hand():
         ("\\boxed{19}", "correct", True), ("\\boxed{19}", "boxed", True), ("\\boxed{19}", "only", True),
         ("so \\boxed{20}", "correct", False), ("so \\boxed{20}", "boxed", True), ("so \\boxed{20}", "only", False)]
     row = sft_row(items[3], JudgeTemplate(JUDGE_TEMPLATE))
-    assert row["prompt"] == ("12+7=so \\boxed{20}\nreference: 12+7=\\boxed{19}\n"
-                             "the final answer equals the correct result? ")
+    assert row["prompt"] == "the final answer equals the correct result? 12+7=so \\boxed{20} vs \\boxed{19}\n"
     assert row["response"] == "N" and row["problem"] == "12+7=" and row["candidate"] == "so \\boxed{20}"
     assert sft_row(items[1], JudgeTemplate(JUDGE_TEMPLATE))["response"] == "Y"
 
@@ -81,6 +80,16 @@ def test_balanced_repeats_the_rarer_correct_label():
     assert [i for i in out if i["key"] != "correct"] == [i for i in items if i["key"] != "correct"]
     assert out[:4] == [items[0]] * 4  # in place
     assert balanced(items[:3], "correct") == items[:3]  # one label only: nothing to balance
+
+
+def test_repeated_writes_the_criterion_rows_times_over_in_place():
+    items = judge_items(ArithProblem(2, "+", 2), ["\\boxed{4}", "5"], "synthetic")  # 2 responses x 3 criteria
+    out = repeated(items, "correct", 3)
+    assert [(i["response"], i["key"]) for i in out] == [("\\boxed{4}", "correct")] * 3 + [
+        ("\\boxed{4}", "boxed"), ("\\boxed{4}", "only")] + [("5", "correct")] * 3 + [("5", "boxed"), ("5", "only")]
+    assert repeated(items, "correct", 1) == items
+    with pytest.raises(ValueError, match="times must be >= 1"):
+        repeated(items, "correct", 0)
 
 
 def test_sft_prompt_is_the_judge_query_byte_for_byte():
@@ -128,7 +137,10 @@ def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
     assert {r["problem"] for r in rows["train"]} == {p.prompt for p in train}
     assert {r["problem"] for r in rows["held_out"]} == {p.prompt for p in held_out}
     raw = [i for p in train for i in judge_items(p, synthetic_candidates(p), "synthetic")]
-    assert len(rows["train"]) == len(balanced(raw, "correct")) > len(raw)  # the training rows are balanced
+    # the training rows are balanced, then the `correct` ones written correct_repeats (3) times
+    assert len(rows["train"]) == len(repeated(balanced(raw, "correct"), "correct", 3)) > len(balanced(raw, "correct"))
+    n_correct = sum(i["key"] == "correct" for i in balanced(raw, "correct"))
+    assert sum(r["key"] == "correct" for r in rows["train"]) == 3 * n_correct
     assert len(rows["held_out"]) == 3 * sum(len(set(synthetic_candidates(p))) for p in held_out)  # these are not
     for r in rows["train"][:30]:
         assert r["response"] == ("Y" if criterion_label(r["key"], r["candidate"], r["answer"]) else "N")
