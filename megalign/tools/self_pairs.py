@@ -21,6 +21,10 @@ Design choices:
 - Prompts are split over the dp ranks (rank d takes d, d + dp, ...), each rank samples with a
   generator seeded by (seed, rank); rank 0 gathers the rows and writes both files atomically
   (`megalign.config.atomic_write_text`), the training and the held-out split each from its own prompts.
+- `unpaired_prompts=paired` keeps KTO to the prompts DPO's pairs come from (a passing and a failing sample):
+  a prompt whose samples all fail gives only undesirable rows, which push its whole distribution down with
+  nothing to move the mass to (the prompts GRPO's group advantage leaves out as well); measured in
+  BENCHMARKS.md, "KTO on the SFT model's own samples".
 - The unpaired rows keep repeats (a response sampled 5 times is 5 rows): they are the policy's own
   distribution, which is what KTO's on-policy setting asks for. Rank 0 shuffles them with the seed before
   writing, because the KTO trainer pairs row i with row i + 1's completion for its reference point z0
@@ -70,6 +74,8 @@ class SelfPairsConfig:
     metric: str = option("math_accuracy", doc="verifier that labels a response (registered name or 'module:function')")
     threshold: float = option(1.0, doc="a response passes when its score is >= threshold")
     drop_unfinished: bool = option(True, doc="leave out responses cut at max_new_tokens (no EOS)")
+    unpaired_prompts: Literal["all", "paired"] = option(
+        "all", doc="whose samples become KTO rows: every prompt's, or only those of prompts that yield a pair (as DPO's data)")
     seed: int = option(0, doc="seed of sampling and pair selection")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
 
@@ -129,7 +135,8 @@ def _rows(cfg: SelfPairsConfig, model, examples: list[PromptExample], tokenizer,
             found = pairs_of(e, texts[part], usable[part], scores[part], cfg.threshold, cfg.pairs_per_prompt, rng)
             rows += found
             counts["paired_prompts"] += bool(found)
-            unpaired += unpaired_rows(e, texts[part], usable[part], scores[part], cfg.threshold)
+            if found or cfg.unpaired_prompts == "all":
+                unpaired += unpaired_rows(e, texts[part], usable[part], scores[part], cfg.threshold)
         counts["prompts"] += len(chunk)
         counts["responses"] += len(repeated)
         counts["finished"] += sum(finished)

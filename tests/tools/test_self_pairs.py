@@ -37,9 +37,9 @@ def test_unpaired_rows_by_hand():
     assert all(r["prompt"] == "1+1=" and r["answer"] == 2 for r in rows)
 
 
-def _sample(policy, out):
+def _sample(policy, out, *overrides):
     cfg = load_config(SelfPairsConfig, None, [
-        f"model_path={policy}", f"out_dir={out}", "device=cpu", "data.arith.max_operand=4", "data.arith.ops=['+']",
+        *overrides, f"model_path={policy}", f"out_dir={out}", "device=cpu", "data.arith.max_operand=4", "data.arith.ops=['+']",
         "samples_per_prompt=4", "pairs_per_prompt=2", "max_new_tokens=8", f"metric={HERE}/grpo_helpers.py:digit_fraction",
         "threshold=0.2", "batch_size=16",
         "drop_unfinished=false"])  # a random policy rarely samples EOS in 8 tokens
@@ -80,3 +80,20 @@ def test_sample_pairs_two_ranks(tmp_path):
         prompts[split] = {r["prompt"] for r in rows}
     assert report["train"]["desirable"] > 0 and report["train"]["undesirable"] > 0
     assert not prompts["train"] & prompts["held_out"]  # the held-out rows come from other problems
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_unpaired_prompts_paired_keeps_the_prompts_with_a_pair(tmp_path):
+    policy = tiny_policy(tmp_path / "policy")
+    run_distributed(_sample, policy, str(tmp_path / "all"))
+    run_distributed(_sample, policy, str(tmp_path / "paired"), "unpaired_prompts=paired")
+    for suffix in ("_held_out", ""):  # the same seeded samples: the pairs alike, the KTO rows those of paired prompts
+        assert _rows(tmp_path / "paired" / f"pairs{suffix}.jsonl") == _rows(tmp_path / "all" / f"pairs{suffix}.jsonl")
+        paired = {r["prompt"] for r in _rows(tmp_path / "all" / f"pairs{suffix}.jsonl")}
+        expected = [r for r in _rows(tmp_path / "all" / f"unpaired{suffix}.jsonl") if r["prompt"] in paired]
+        key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+        assert sorted(map(key, _rows(tmp_path / "paired" / f"unpaired{suffix}.jsonl"))) == sorted(map(key, expected))
+    assert expected and len(expected) < len(_rows(tmp_path / "all" / "unpaired.jsonl"))  # training rows left out
