@@ -6,7 +6,9 @@
 # PIPELINE: grpo (SFT -> GRPO), online_dpo (SFT -> online DPO on pairs of its own samples ranked by the
 # verifier), dpo (SFT -> DPO on the arithmetic pairs), one of the other pairwise
 # losses on the same pairs (ipo, hinge, robust, simpo, cpo, orpo), or rm (SFT -> reward model on the pairs,
-# ending with held-out pairwise accuracy), or kto (SFT -> KTO on unpaired arithmetic rows), or prm (SFT on
+# ending with held-out pairwise accuracy), or kto (SFT -> the SFT model's own samples labelled by the verifier
+# (launch/sample_pairs.py, KTO rows of the prompts with a passing and a failing sample) -> KTO on them
+# (examples/kto_arith.yaml) -> the control: DPO without the NLL term on the pairs of the same samples), or prm (SFT on
 # the multi-step chains -> Monte-Carlo step labels of its own samples -> a process RM and an outcome RM on
 # them -> held-out best-of-16 reranked by each, ending with the PRM's change over greedy), or ppo (the
 # classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
@@ -27,7 +29,8 @@
 # `change` = GRPO with tools minus GRPO without (launch/tool_traces.py compare, overrides in COMPARE_OVERRIDES);
 # TOOLS_STEPS sets both GRPO runs' steps, default 200).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
-# name for grpo), for SFT in SFT_OVERRIDES, for ppo's pair sampling in PAIRS_OVERRIDES and its RM stage
+# name for grpo), for SFT in SFT_OVERRIDES, for ppo's and kto's sampling in PAIRS_OVERRIDES, for kto's DPO
+# control in CONTROL_OVERRIDES, for ppo's RM stage
 # in RM_OVERRIDES, for judge's rows in DATA_OVERRIDES and its judge SFT in JUDGE_OVERRIDES (STAGE_OVERRIDES go
 # to both of its GRPO runs).
 set -euo pipefail
@@ -82,8 +85,14 @@ case "$PIPELINE" in
     run launch/train_online_dpo.py --config examples/online_dpo_arith.yaml run_dir="$ROOT/online_dpo_arith" \
         actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   kto)
+    run launch/sample_pairs.py model_path="$ROOT/sft_arith/hf" out_dir="$ROOT/kto_samples" \
+        samples_per_prompt=8 pairs_per_prompt=4 unpaired_prompts=paired ${PAIRS_OVERRIDES:-}
     run launch/train_kto.py --config examples/kto_arith.yaml run_dir="$ROOT/kto_arith" \
-        model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
+        model.path="$ROOT/sft_arith/hf" data.path="$ROOT/kto_samples/unpaired.jsonl" \
+        data.eval_path="$ROOT/kto_samples/data/arith_held_out.jsonl" ${STAGE_OVERRIDES:-}
+    run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/kto_control_dpo" \
+        model.path="$ROOT/sft_arith/hf" data.path="$ROOT/kto_samples/pairs.jsonl" \
+        data.eval_path="$ROOT/kto_samples/data/arith_held_out.jsonl" algo.nll_coef=0 ${CONTROL_OVERRIDES:-} ;;
   rm)
     run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;

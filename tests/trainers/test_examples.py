@@ -21,7 +21,7 @@ from trainers.grpo_helpers import HERE, policy_and_rm
 
 from megalign.algos.registry import load as load_algorithm
 from megalign.data import (ArithChainConfig, ArithTaskConfig, CharTokenizer, make_chain_splits, make_splits, write_jsonl,
-                           write_stepwise_jsonl)
+                           write_stepwise_jsonl, write_unpaired_jsonl)
 from megalign.data.judge_rows import JUDGE_TEMPLATE, judge_items, rubric_prompt_rows, sft_row, synthetic_candidates
 from megalign.data.tool_traces import ToolTracesConfig, write_tool_traces
 from megalign.rewards.judge import JudgeTemplate
@@ -83,6 +83,10 @@ def build_runs(root):
     write_jsonl(held_out, data / "chain_held_out.jsonl")
     write_stepwise_jsonl(train, data / "mc_steps.jsonl")
     write_judge_rows(root / "runs" / "judge_data")
+    # launch/sample_pairs.py's KTO rows (same columns; here the arithmetic ones, no policy samples) and held-out prompts
+    train, held_out = make_splits(ArithTaskConfig(max_operand=4))
+    write_unpaired_jsonl(train, root / "runs" / "kto_samples" / "unpaired.jsonl")
+    write_jsonl(held_out, root / "runs" / "kto_samples" / "data" / "arith_held_out.jsonl")
     write_tool_traces(ToolTracesConfig(str(root / "runs" / "tool_traces"), ArithTaskConfig(999, ["*"], num_problems=20)))
     # the PRM export ppo_chain_prm scores with, made by its own stage
     prm_overrides = [*OVERRIDES["prm_chain"], "export_hf=true"]
