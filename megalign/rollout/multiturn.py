@@ -37,19 +37,30 @@ Design choices:
 - Rewards: `turn_rewards[i]` is what the environment returned for turn i (plus `finish`'s reward on the last
   turn); the episode's `reward` is their sum. An environment that raises ends its episode with reward 0 and
   every turn reward 0, `end = "error"`, the error logged and counted (`env/errors`).
-- Not yet: tensor / pipeline parallelism and sliding-window models (a masked column would shorten the
-  window's distances) are refused at the start with a message.
+- Tensor parallelism: every tp rank runs the same schedule in lock step, as the engine does
+  (`megalign.rollout.engine`): the logits are all-gathered exactly, each sampled token is tp rank 0's
+  (`factory.broadcast_from_first`; log-probs are computed on every rank for the agreed token from identical
+  logits) and the seed is broadcast once. The environments exist and run on tp rank 0 only: each phase's
+  `reset` / `step` / `finish` calls (and the wall-time decisions of `max_time_s`, made on tp rank 0's clock) run
+  there, and their results (first observations, observations, rewards, done, info, errors, the conversation's
+  new messages) reach the other tp ranks in one `broadcast_object_list` over the tp group per phase, so the
+  episodes are identical on every tp rank even with environments that are not deterministic (a sandbox, a
+  clock). At tp > 1 what an environment returns must therefore pickle (messages, numbers, token ids do).
+- Not yet: pipeline parallelism and sliding-window models (a masked column would shorten the window's
+  distances) are refused at the start with a message.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megalign.config import option
 from megalign.envs.base import (as_messages, check_observation_ids, first_observation_ids, optional_float,
@@ -147,7 +158,7 @@ class MultiTurnStats:
 
 
 class _Live:
-    """Host state of one episode in flight."""
+    """Host state of one episode in flight (`env` is None on tp ranks other than 0: the environments run there)."""
 
     def __init__(self, episode: Episode, env: Any, key: int, env_seed: int):
         self.ep, self.env, self.key, self.env_seed = episode, env, key, env_seed
@@ -163,8 +174,13 @@ class _MultiTurn:
     """One `multiturn_rollout` call (module doc)."""
 
     def __init__(self, model: CausalLM, tokenizer, params: SamplingParams, seed: int, config: MultiTurnConfig):
-        self.model, self.tok, self.params, self.cfg, self.seed = model, tokenizer, params, config, seed
+        self.model, self.tok, self.params, self.cfg = model, tokenizer, params, config
         self.device = next(model.parameters()).device
+        factory = model.model.factory
+        self.agree = factory.broadcast_from_first  # tp rank 0's tensor on every tp rank (identity at tp = 1)
+        self.group = factory.group if factory.tp_size > 1 else None  # the tp group the environments' results cross
+        self.leader = factory.tp_rank == 0  # the tp rank whose environments run
+        self.seed = int(self.agree(torch.tensor([seed], dtype=torch.long, device=self.device)).item())
         self.vocab = model.model.config.vocab_size
         self.stop_ids = set(params.stop_ids)
         self.max_total = min(config.max_total_tokens, model.model.config.max_position_embeddings)
@@ -173,13 +189,36 @@ class _MultiTurn:
         self.cache = None
         self.valid: Optional[torch.Tensor] = None  # [rows, cache.max_len] keys each row attends
 
-    # ----- environment calls
+    # ----- environment calls (on tp rank 0 only, through `_on_leader`)
+
+    def _on_leader(self, calls: Sequence[tuple[_Live, Callable[[], Any]]]) -> list[Any]:
+        """Each `call()` of `calls` (one per episode: environment calls that set its episode's `conversation`,
+        `turn_rewards`, `end`, `error`, `info`) run on tp rank 0 only; every tp rank gets the calls' results and
+        those fields in one broadcast over the tp group (module doc). Returns the results, in order."""
+        t0 = time.perf_counter()
+        if self.group is None:
+            results = [call() for _, call in calls]
+        else:
+            box: list[Any] = [None]
+            if self.leader:
+                before = [len(x.ep.conversation) for x, _ in calls]
+                out = [call() for _, call in calls]
+                box = [[(r, x.ep.conversation[n:], x.ep.turn_rewards, x.ep.end, x.ep.error, x.ep.info)
+                        for r, (x, _), n in zip(out, calls, before)]]
+            dist.broadcast_object_list(box, group_src=0, group=self.group, device=self.device)
+            results = []
+            for (live, _), (result, added, rewards, end, error, info) in zip(calls, box[0]):
+                if not self.leader:
+                    live.ep.conversation.extend(added)
+                    live.ep.turn_rewards, live.ep.end, live.ep.error, live.ep.info = rewards, end, error, info
+                results.append(result)
+        self.stats.env_s += time.perf_counter() - t0
+        return results
 
     def _fail(self, live: _Live, where: str, exc: BaseException) -> None:
         ep = live.ep
         ep.end, ep.error = "error", f"{where}: {type(exc).__name__}: {exc}"
         ep.turn_rewards = [0.0] * len(ep.action_ranges)
-        self.stats.env_errors += 1
         logger.warning("environment %s raised in %s (prompt %d, sample %d): %s: %s; episode scored 0",
                        type(live.env).__name__, where, ep.prompt_index, ep.sample, type(exc).__name__, exc)
 
@@ -195,7 +234,8 @@ class _MultiTurn:
         except Exception as exc:  # noqa: BLE001 - any environment failure scores the episode 0
             self._fail(live, "finish", exc)
 
-    def _reset(self, live: _Live, row: Mapping) -> bool:
+    def _reset(self, live: _Live, row: Mapping) -> Optional[list[int]]:
+        """The environment's first observation as ids (its conversation set), or None: it raised (scored 0)."""
         try:
             obs = live.env.reset(row, live.env_seed)
             ids = first_observation_ids(self.tok, obs, getattr(live.env, "tools", ()))
@@ -205,6 +245,12 @@ class _MultiTurn:
             live.ep.conversation = as_messages(obs, self.tok)
         except Exception as exc:  # noqa: BLE001
             self._fail(live, "reset", exc)
+            return None
+        return ids
+
+    def _open(self, live: _Live, ids: Optional[list[int]]) -> bool:
+        """Start the episode on its first observation `ids` (None: reset failed); False: it ends before a turn."""
+        if ids is None:
             return False
         if len(ids) >= self.max_total:
             live.ep.end = "max_total_tokens"  # no room for a policy token: no turn, reward 0
@@ -255,6 +301,13 @@ class _MultiTurn:
     def _timed_out(self, live: _Live) -> bool:
         return self.cfg.max_time_s > 0 and time.perf_counter() - live.t0 > self.cfg.max_time_s
 
+    def _late(self, lives: list[_Live]) -> list[bool]:
+        """Which of `lives` ran past `max_time_s`, decided on tp rank 0's clock for every tp rank."""
+        if self.cfg.max_time_s == 0:
+            return [False] * len(lives)
+        late = torch.tensor([self._timed_out(x) for x in lives], dtype=torch.uint8, device=self.device)
+        return self.agree(late).bool().tolist()
+
     # ----- the cache
 
     def _forward(self, tokens: torch.Tensor, valid_new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -296,8 +349,8 @@ class _MultiTurn:
             keys = torch.tensor([x.key for x in lives], dtype=torch.long, device=self.device)
             steps = torch.tensor([x.steps for x in lives], dtype=torch.long, device=self.device)
             uniforms = stream_uniforms(keys, steps)
-        tokens, logp = pick_tokens(logits, self.params, uniforms)
-        for live, token, lp in zip(lives, tokens.tolist(), logp.tolist()):
+        tokens, logp = pick_tokens(logits, self.params, uniforms, self.agree)
+        for live, token, lp, late in zip(lives, tokens.tolist(), logp.tolist(), self._late(lives)):
             ep = live.ep
             ep.ids.append(token)
             ep.loss_mask.append(1)
@@ -312,7 +365,7 @@ class _MultiTurn:
                 ep.turn_truncated[-1] = True
             elif len(ep.ids) >= self.max_total:
                 live.cut = "max_total_tokens"
-            elif self._timed_out(live):
+            elif late:
                 live.cut = "max_time"
             else:
                 continue
@@ -333,7 +386,8 @@ class _MultiTurn:
 
     def start(self, lives: list[_Live], rows: Sequence[Mapping]) -> None:
         """Reset the environments, prefill the distinct first prompts once, draw every first token."""
-        lives = [x for x, row in zip(lives, rows) if self._reset(x, row)]
+        firsts = self._on_leader([(x, functools.partial(self._reset, x, row)) for x, row in zip(lives, rows)])
+        lives = [x for x, ids in zip(lives, firsts) if self._open(x, ids)]
         if not lives:
             return
         distinct = list(dict.fromkeys(tuple(x.ep.ids) for x in lives))
@@ -377,19 +431,18 @@ class _MultiTurn:
     def observe(self) -> None:
         """Every environment answers its turn; the episodes that go on prefill [last turn token] + observation and
         draw the first token of their next turn; the others leave the cache."""
-        t0 = time.perf_counter()
-        feeds: dict[int, list[int]] = {}
-        for r, live in enumerate(self.rows):
+        for live in self.rows:
             live.ep.action_ranges.append((live.turn_start, len(live.ep.ids)))
             self.stats.turns += 1
-            obs = self._step_env(live)
+        answers = self._on_leader([(x, functools.partial(self._step_env, x)) for x in self.rows])
+        feeds: dict[int, list[int]] = {}
+        for r, (live, obs) in enumerate(zip(self.rows, answers)):
             if obs is not None:
                 feeds[r] = [live.pending[0]] + obs
                 live.ep.ids += obs
                 live.ep.loss_mask += [0] * len(obs)
                 live.ep.logprobs += [0.0] * len(obs)
                 self.stats.observation_tokens += len(obs)
-        self.stats.env_s += time.perf_counter() - t0
         keep = sorted(feeds)
         self._keep(keep)
         if not keep:
@@ -412,9 +465,6 @@ class _MultiTurn:
 
 def _check_model(model: CausalLM) -> None:
     decoder = model.model
-    if decoder.factory.tp_size != 1:
-        raise ValueError(f"multiturn_rollout runs at tp = 1 for now (the environments would step on every tp rank); "
-                         f"got tp = {decoder.factory.tp_size}")
     if decoder.embed is None or decoder.norm is None:
         raise ValueError("multiturn_rollout needs the whole model on this rank (pp = 1); pipeline stages are not "
                          "supported yet")
@@ -433,6 +483,8 @@ def multiturn_rollout(model: CausalLM, tokenizer, env_factory: Callable[[], Any]
     with the config's arguments); `tokenizer` is megalign's `Tokenizer` (encode, decode, apply_chat_template,
     eos_id); `params` are the per-turn sampling parameters (`max_new_tokens`: the turn budget; stop tokens end
     a turn); `seed` and `prompt_keys` (default 0..len(rows)-1) fix every sample and every environment seed.
+    With a tensor-parallel `model`, every tp rank calls it with the same rows and gets the same episodes (tp rank
+    0's `seed` is used; `env_factory` is called on tp rank 0 only, where the environments run).
     Returns (episodes, prompt-major: row p's at [p G, (p + 1) G); the counts).
     """
     config = config or MultiTurnConfig()
@@ -447,10 +499,11 @@ def multiturn_rollout(model: CausalLM, tokenizer, env_factory: Callable[[], Any]
     run = _MultiTurn(model, tokenizer, params, seed, config)
     p = torch.tensor(keys, dtype=torch.long).repeat_interleave(group_size)
     g = torch.arange(group_size).repeat(len(rows))
-    streams = stream_keys(seed, p, g)
+    streams = stream_keys(run.seed, p, g)
     env_seeds = (splitmix64_mix(streams) & ((1 << 63) - 1)).tolist()
     episodes = [Episode(i // group_size, i % group_size, s) for i, s in enumerate(env_seeds)]
-    lives = [_Live(ep, env_factory(), key, s) for ep, key, s in zip(episodes, streams.tolist(), env_seeds)]
+    lives = [_Live(ep, env_factory() if run.leader else None, key, s)
+             for ep, key, s in zip(episodes, streams.tolist(), env_seeds)]
     run.start(lives, [rows[i // group_size] for i in range(len(p))])
     while run.rows:
         run.decode()
@@ -458,6 +511,7 @@ def multiturn_rollout(model: CausalLM, tokenizer, env_factory: Callable[[], Any]
     for ep in episodes:
         ep.reward = float(sum(ep.turn_rewards))
         run.stats.ends[ep.end] += 1
+        run.stats.env_errors += ep.end == "error"
         for k, v in ep.info.items():
             run.stats.env_info[k] += v
     run.stats.episodes = len(episodes)

@@ -28,10 +28,14 @@ Design choices:
   `env/tool_errors`, ...) and the share of episodes where it is nonzero (`env/share/tool_calls`: episodes that
   called a tool; `env/share/tool_errors`: episodes with a failed call).
 - Evaluation: greedy episodes (one per held-out prompt) scored by `eval.metric` on the last policy turn.
-- Refused at start-up before any model loads, naming the keys: actor.tp / actor.pp > 1 (the environments would
-  step on every tp rank; the rollout runs the whole model), process reward models (their step rewards read a
-  single response), online DPO's pairwise judge (it reads single responses); sliding-window models at the
-  first rollout. `rollout.pack` works (the rows' real tokens are packed like single responses).
+- Tensor parallelism (actor.tp > 1): every tp rank of a dp rank rolls out the same episodes in lock step; the
+  environments run on tp rank 0 only and their results are broadcast over the tp group
+  (`megalign.rollout.multiturn`), so the counts and rewards are the same on every tp rank and the metrics sum
+  over dp only.
+- Refused at start-up before any model loads, naming the keys: actor.pp > 1 (the rollout runs the whole model on
+  each rank), process reward models (their step rewards read a single response), online DPO's pairwise judge (it
+  reads single responses); sliding-window models at the first rollout. `rollout.pack` works (the rows' real
+  tokens are packed like single responses).
 """
 from __future__ import annotations
 
@@ -56,10 +60,9 @@ COUNTS = ("episodes", "turns", "policy_tokens", "observation_tokens", "env_error
 def check_episode_setup(cfg) -> None:
     """ValueError naming the keys for what episodes do not support yet (module doc), from the config alone."""
     env = cfg.rollout.env
-    if cfg.actor.tp > 1 or cfg.actor.pp > 1:
-        raise ValueError(f"rollout.env: multi-turn episodes run at actor.tp=1 and actor.pp=1 for now (got actor.tp="
-                         f"{cfg.actor.tp}, actor.pp={cfg.actor.pp}): the environments step on the host of one rank "
-                         f"that holds the whole model")
+    if cfg.actor.pp > 1:
+        raise ValueError(f"rollout.env: multi-turn episodes run at actor.pp=1 for now (got actor.pp={cfg.actor.pp}): "
+                         f"the rollout needs the whole model on each rank")
     process = [key for key, m in cfg.reward.reward_models() if m.kind == "process"]
     if process:
         raise ValueError(f"rollout.env: process reward models ({', '.join(process)}) read single responses; "

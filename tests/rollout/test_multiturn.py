@@ -1,9 +1,14 @@
 """Multi-turn rollouts (`megalign.rollout.multiturn`) against hand-built conversations, a turn-by-turn transformers
 greedy replay, a full forward over the finished episodes, the GAE recursion over the loss mask's holes, and the
-counted failures and truncations."""
+counted failures and truncations; at tp = 2 against the tp = 1 episodes, with environments that run on tp rank 0 only."""
+import itertools
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 from models.hf_fixtures import make_causal_lm
+from parallel.dist_utils import run_distributed
 from transformers import GenerationConfig
 
 from megalign.data.tokenizer import CharTokenizer
@@ -11,6 +16,8 @@ from megalign.envs.base import Environment, StepResult
 from megalign.envs.tool_env import ToolEnv
 from megalign.models import from_pretrained
 from megalign.ops import gae
+from megalign.parallel import ParallelLayout
+from megalign.rollout import multiturn as multiturn_mod
 from megalign.rollout import MultiTurnConfig, SamplingParams, episodes_to_batch, multiturn_rollout, rollout
 
 TOK = CharTokenizer()
@@ -18,9 +25,15 @@ ROWS = [{"q": "hi"}, {"q": "what is 12 + 7?"}]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def llama(tmp_path_factory):
+    """(folder, transformers model): a random Llama over the character vocabulary, saved in the folder."""
     path = tmp_path_factory.mktemp("llama")
-    hf = make_causal_lm(path, "llama3_gqa", vocab_size=TOK.vocab_size, max_position_embeddings=1024)
+    return path, make_causal_lm(path, "llama3_gqa", vocab_size=TOK.vocab_size, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def models(llama):
+    path, hf = llama
     return hf, from_pretrained(path).eval()
 
 
@@ -336,3 +349,93 @@ def test_the_simulated_user_zeroes_replies_that_break_the_format(models):
     episodes, stats = multiturn_rollout(model, TOK, ArithmeticUser, [{"numbers": [3, 4], "op": "+"}], 3, params)
     assert all(e.end == "env" and e.reward == 0.0 and len(e.action_ranges) == 1 for e in episodes)
     assert stats.env_info["format_errors"] == 3
+
+
+# ----- tensor parallelism: every tp rank in lock step, the environments on tp rank 0 only
+
+TP_CASES = [  # (environment, sampling, limits): the reference runs them at tp = 1 with seed 7
+    (ScriptedUser, SamplingParams(max_new_tokens=5, temperature=1.0, top_k=9, eos_token_id=TOK.eos_id),
+     MultiTurnConfig(max_time_s=1e3)),
+    (Endless, SamplingParams(max_new_tokens=3, temperature=0.0, eos_token_id=TOK.eos_id),
+     MultiTurnConfig(max_turns=3, max_time_s=1e3)),
+]
+
+
+def _skewed_clock_on_tp_rank(layout, rank):
+    """On tp rank `rank`, a clock that jumps 10^6 s per read: every `max_time_s` there would be spent at once, so
+    episodes agree with tp rank 0's only if tp rank 0's time decisions are the ones used."""
+    if layout.tp_rank == rank:
+        ticks = itertools.count()
+        multiturn_mod.time = type("SkewedClock", (), {"perf_counter": staticmethod(lambda: next(ticks) * 1e6)})
+
+
+def _tp_equals_tp1(path, refs):
+    layout = ParallelLayout.build(tp=2)
+    model = from_pretrained(path, layout=layout, vocab_pad_multiple=64).eval()  # kv heads and vocab sharded
+    _skewed_clock_on_tp_rank(layout, 1)
+    for (env, params, config), (ref, ref_stats) in zip(TP_CASES, refs):
+        episodes, stats = multiturn_rollout(model, TOK, env, ROWS, 2, params, seed=7 if layout.tp_rank == 0 else 99,
+                                            config=config)  # tp rank 0's seed is the one used
+        for got, want in zip(episodes, ref, strict=True):
+            assert (got.ids, got.loss_mask, got.action_ranges) == (want.ids, want.loss_mask, want.action_ranges)
+            assert (got.end, got.env_seed, got.conversation) == (want.end, want.env_seed, want.conversation)
+            assert got.turn_rewards == pytest.approx(want.turn_rewards) and got.reward == pytest.approx(want.reward)
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=1e-5, atol=1e-5)
+        assert (stats.turns, stats.ends, stats.turn_budget) == (ref_stats.turns, ref_stats.ends, ref_stats.turn_budget)
+
+
+def test_tp2_episodes_equal_tp1(models, llama):
+    _, model = models
+    refs = [multiturn_rollout(model, TOK, env, ROWS, 2, params, seed=7, config=config)
+            for env, params, config in TP_CASES]
+    assert len({tuple(e.ids) for e in refs[0][0]}) == 4 and refs[0][1].ends["env"] == 4  # sampled, no time cut
+    assert refs[1][1].ends["max_turns"] == 4  # greedy, cut by max_turns: finish's reward
+    run_distributed(_tp_equals_tp1, llama[0], refs)
+
+
+class Unrepeatable(ScriptedUser):
+    """Not deterministic: observations name the global rank that stepped it, rewards read the wall clock, and
+    odd environment seeds raise at turn 2, so tp ranks that each stepped their own copy would disagree. Building
+    one anywhere but on tp rank 0 raises."""
+
+    raise_at = (1, 2)
+
+    def __init__(self):
+        if dist.get_rank() != 0:
+            raise AssertionError(f"an environment was built on rank {dist.get_rank()}")
+
+    def reset(self, row, seed):
+        self.k, self.seed = 0, seed
+        return [{"role": "user", "content": f"{row['q']} @{dist.get_rank()}"}]
+
+    def step(self, conversation, turn):
+        result = super().step(conversation, turn)
+        return StepResult(f"[o{self.k}@{dist.get_rank()}]", result.reward + time.time() % 1, result.done,
+                          {"rank": dist.get_rank()})
+
+
+def _unrepeatable_env(path):
+    layout = ParallelLayout.build(tp=2)
+    model = from_pretrained(path, layout=layout, vocab_pad_multiple=64).eval()
+    _skewed_clock_on_tp_rank(layout, 1)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, eos_token_id=TOK.eos_id)
+    episodes, stats = multiturn_rollout(model, TOK, Unrepeatable, ROWS, 2, params, seed=3,
+                                        config=MultiTurnConfig(max_time_s=1e3))
+    mine = [(e.ids, e.loss_mask, e.logprobs, e.turn_rewards, e.reward, e.end, e.error, e.info, e.conversation)
+            for e in episodes]
+    both: list = [None, None]
+    dist.all_gather_object(both, (mine, stats.env_errors, dict(stats.ends)), group=layout.tp_group)
+    assert both[0] == both[1]  # identical on both tp ranks, log-probs to the bit (the same logits, the same token)
+    failed = [e for e in episodes if e.end == "error"]
+    assert 0 < len(failed) < len(episodes) and stats.env_errors == len(failed)
+    assert all(e.error == "step: RuntimeError: the environment broke" for e in failed)
+    assert all(e.end == "env" and len(e.action_ranges) == 3 for e in episodes if e not in failed)
+    text = " ".join(m["content"] for e in episodes for m in e.conversation if m["role"] == "user")
+    assert "@0" in text and "@1" not in text  # every observation came from tp rank 0's environments
+    assert all(e.info == {"rank": 0} for e in episodes if e not in failed)
+
+
+def test_tp2_environments_step_on_tp_rank_0_only(llama):
+    """An environment that is not deterministic still gives the same episodes on both tp ranks: its calls, their
+    errors and the time-limit decisions are tp rank 0's, broadcast over the tp group."""
+    run_distributed(_unrepeatable_env, llama[0])

@@ -3,8 +3,9 @@ deterministic environment (`multiturn_envs.DigitEnv`: the prompt as text, each t
 observation, each turn rewarded by its digit share): the batch's loss mask against the layout worked out by hand
 from the sampled ids, zero gradient on every environment token, recomputed old log-probs against the rollout's,
 rewards against the environment's by hand; PPO's GAE over the holes against a hand recursion; dp = 2 against one
-process on recorded episodes; exact resume; an environment that raises (counted, scored 0, the run stopped above
-reward.max_failure_fraction); online DPO on episodes; start-up refusals."""
+process on recorded episodes; actor tp = 2 against one process on live episodes; exact resume; an environment that
+raises (counted, scored 0, the run stopped above reward.max_failure_fraction); online DPO on episodes; start-up
+refusals."""
 import json
 import os
 
@@ -195,6 +196,29 @@ def test_dp2_equals_one_process_on_the_same_episodes(policy, tmp_path):
     compare_runs(tmp_path / "ref", tmp_path / "dp2", 1, 1, 2, GRPO_METRICS, role="actor")
 
 
+TP_OVERRIDES = ("steps=1", "algo.kl_coef=0.1", "algo.mini_batches=1", "rollout.old_logprobs=recompute", "save_every=1",
+                "export_hf=false", *env())
+
+
+def _grpo(policy, run_dir, *overrides):
+    GRPOTrainer(tiny_config(policy, run_dir, *TP_OVERRIDES, *overrides)).train()
+
+
+def test_tp2_grpo_step_on_live_episodes_equals_one_process(policy, tmp_path):
+    """Sampled live at actor.tp=2 (dp=1 both times: the same prompts and seed): the same episodes as one process
+    (every env/ count, the rewards), one update to the same weights (one: a second would start from weights AdamW
+    moved by lr in near-zero gradient elements, where the tp sums' rounding decides the sign). The weights agree to
+    1e-4 (1% of the lr = 0.01 step): AdamW's first step is lr g / (|g| + eps), so an element whose gradient is a few eps
+    (measured: a k_proj element moved 0.0084, |g| ~ 5e-8) carries its gradient's rounding into the weight."""
+    run_distributed(_grpo, policy, str(tmp_path / "tp2"), "actor.tp=2")
+    run_distributed(_grpo, policy, str(tmp_path / "tp1"), world_size=1)
+    (row,) = [r for r in metric_rows(tmp_path / "tp1") if "reward/mean" in r]
+    counts = [k for k in row if k.startswith("env/") and not k.endswith("_s")]
+    assert row["env/episodes"] == 16 and row["env/end/env"] == 16 and "env/share/digits" in counts
+    compare_runs(tmp_path / "tp1", tmp_path / "tp2", 1, 2, 2, (*GRPO_METRICS, *counts), steps=1, role="actor",
+                 atol=1e-4)
+
+
 def _live_dp2(policy, run_dir):
     GRPOTrainer(tiny_config(policy, run_dir, *env("FlakyEnv", "{fraction: 0.3}"), "steps=1", "export_hf=false")).train()
 
@@ -284,7 +308,7 @@ def test_start_up_refusals_name_the_keys(policy, tmp_path):
     run_distributed(_refusals, policy, str(tmp_path), world_size=1)
     with pytest.raises(ValueError, match="rollout.env.max_turns must be an integer >= 1"):
         tiny_config(policy, str(tmp_path), *env(extra=", max_turns: 0"))
-    with pytest.raises(RankFailure, match=r"rollout.env: multi-turn episodes run at actor.tp=1 and actor.pp=1 for now "
-                                          r"\(got actor.tp=1, actor.pp=2\)"):
+    with pytest.raises(RankFailure, match=r"rollout.env: multi-turn episodes run at actor.pp=1 for now "
+                                          r"\(got actor.pp=2\)"):
         run_distributed(lambda: GRPOTrainer(tiny_config(policy, str(tmp_path / "pp"), *env(), "actor.pp=2")),
                         world_size=2)
