@@ -7,8 +7,11 @@ on a small generated code task, side by side with an unisolated baseline.
 - `plain subprocess, W threads`: the same program as `python -I -S -c PROGRAM` through `subprocess.run`
   with setrlimit in a preexec and a timeout, W threads at once: what a peer's `setrlimit + alarm` sandbox
   costs (no namespaces, no fork server: an interpreter start-up per execution).
-- `code_tests`: the reward on responses to "write f(x) = 3x^2 + 2x - 1" (half right, half off by one), 8
-  hidden assert tests per response, each test an execution; executions/s = responses x 8 / seconds.
+- `code_tests`: the reward term (`SafeReward` over `CodeTests`, as the trainer builds it) on a batch of responses
+  to "write f(x) = 3x^2 + 2x - 1" (half right, half off by one), 8 hidden assert tests per response, each test an
+  execution; executions/s = responses x 8 / seconds. `batched`: the term's staged path, every test of the batch
+  submitted at once; `one response at a time`: the per-sample order the term used before (each response's 8 tests
+  in parallel, the responses in turn), for the ratio. Both on the same pool, scores checked 1 / 0.
 
 Target (issue 28): >= 200 executions/s on 2 cores for a tiny program. Median of `--repeats` rounds after a
 warm-up round. Prints the CPU (`lscpu`'s model name) and the load average: the machine is shared.
@@ -27,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import cpu_model  # noqa: E402
 
-from megalign.rewards.code_tests import make_code_tests  # noqa: E402
+from megalign.rewards import SafeReward  # noqa: E402
+from megalign.rewards.code_tests import CodeTests  # noqa: E402
 from megalign.sandbox import Sandbox, SandboxPool  # noqa: E402
 
 PROGRAM = "print(sum(range(10)))"
@@ -81,13 +85,19 @@ def main():
         print(f"| plain subprocess (rlimits only) | {w} | {plain_subprocess_rate(w, args.n, args.repeats):.0f} |",
               flush=True)
     responses, meta = code_task(args.n // 8)
+    expected = [1.0 if i % 2 == 0 else 0.0 for i in range(len(responses))]
+    n = len(responses)
     for w in (2, 4):
-        reward = make_code_tests(timeout_s=2, workers=w)
-        scores = []
-        r = rate(lambda: scores.append([reward("", resp, None, meta) for resp in responses]), len(responses) * 8,
-                 args.repeats)
-        assert all(s == (1.0 if i % 2 == 0 else 0.0) for i, s in enumerate(scores[-1])), scores[-1]
-        print(f"| code_tests reward (8 tests per response, one response at a time) | {w} | {r:.0f} |", flush=True)
+        fn = CodeTests(timeout_s=2, workers=w)
+        term = SafeReward(fn, "code_tests")
+        sides = {"batched, the whole batch submitted at once": lambda: term([""] * n, responses, [None] * n, [meta] * n),
+                 "one response at a time (per-sample order)": lambda: [fn("", r, None, meta) for r in responses]}
+        for side, score in sides.items():
+            scores = []
+            r = rate(lambda: scores.append(score()), n * 8, args.repeats)
+            assert scores[-1] == expected and term.errors == 0, (scores[-1], term.metrics())
+            print(f"| code_tests reward, 8 tests per response, {side} | {w} | {r:.0f} |", flush=True)
+        fn.close()
     print(f"load average after: {os.getloadavg()}")
 
 

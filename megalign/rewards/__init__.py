@@ -2,10 +2,11 @@
 
 `build_reward([RewardTerm("math_accuracy", 1.0), RewardTerm("format", 0.2)])` gives a batched
 `CombinedReward`; `.score(prompts, responses, answers, metadata)` returns the total and per-term
-rewards, `.metrics()` the per-term error counters.
+rewards, `.metrics()` the per-term error counters. A term whose work runs elsewhere (`code_tests` in the sandbox
+pool) is a `StagedReward`, started for the whole batch before any result is awaited.
 """
 from megalign.rewards.base import (DEFAULT_TIMEOUT_S, CombinedReward, RewardBreakdown, RewardFunction, RewardTimeout,
-                                   SafeReward, SampleReward)
+                                   SafeReward, SampleReward, StagedReward)
 from megalign.rewards.math import (
     FORMAT_PATTERN,
     answers_match,
@@ -20,7 +21,7 @@ from megalign.rewards.user import RewardSpecError, load_function
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "CombinedReward", "RewardBreakdown", "RewardFunction", "RewardTimeout", "SafeReward",
-    "SampleReward",
+    "SampleReward", "StagedReward",
     "FORMAT_PATTERN", "answers_match", "extract_answer", "format_reward", "math_accuracy",
     "normalize_answer", "parse_number",
     "REWARDS", "RewardTerm", "build_reward", "get_reward", "register_reward",

@@ -17,6 +17,12 @@ Design choices:
   and leaves no thread running behind, as math_verify's and verl's verifier timeouts do; signals reach
   only the main thread, so a timed `SafeReward` refuses to run elsewhere. C code that holds the GIL
   (a catastrophic regex) is not interrupted: the trainers' step watchdog is the backstop.
+- A per-sample reward whose work runs elsewhere (a sandbox pool, a server) may also be staged
+  (`StagedReward`: `fn.start(prompt, response, answer, metadata)` returns a zero-argument callable that
+  gives the float). `SafeReward` then starts every sample of the batch before it waits on any, so the
+  work of the whole batch is in flight at once, then collects the results in order. The semantics are
+  the per-sample ones: a sample's start and its wait share its `timeout_s` (the wait gets what its start
+  left), and a failure in either scores 0 and is counted.
 - `CombinedReward` is a weighted sum of named terms and returns the per-term values beside the
   total (`RewardBreakdown`), so the trainer logs accuracy and format separately without keeping
   state between calls.
@@ -29,6 +35,7 @@ import logging
 import math
 import signal
 import threading
+import time
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
@@ -39,6 +46,16 @@ calls a judge over the network needs its config's `reward.timeout_s` raised."""
 
 SampleReward = Callable[[str, str, Any, Mapping[str, Any]], float]
 """A per-sample reward: `fn(prompt, response, answer, metadata) -> float`."""
+
+
+class StagedReward(Protocol):
+    """A per-sample reward (`SampleReward`) whose work can be started for a whole batch before any result is
+    awaited: `start(...)` submits the sample's work and returns `finish`, and `finish()` waits for it and returns
+    the float. `SafeReward` starts every sample, then finishes them in order (module doc)."""
+
+    def __call__(self, prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> float: ...
+
+    def start(self, prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> Callable[[], float]: ...
 
 
 class RewardFunction(Protocol):
@@ -70,11 +87,15 @@ class RewardTimeout(BaseException):
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: float, name: str):
-    """Raise `RewardTimeout` in the body when it runs past `seconds` (SIGALRM; the previous handler and timer are
-    put back, so an enclosing user of SIGALRM keeps working)."""
-    def expire(signum, frame):
-        raise RewardTimeout(f"reward {name!r} ran past its timeout of {seconds:g} s on a sample (reward.timeout_s)")
+def _time_limit(seconds: float, name: str, limit: float):
+    """Raise `RewardTimeout` in the body when it runs past `seconds` (what is left of the sample's `limit`; at once
+    when nothing is left) (SIGALRM; the previous handler and timer are put back, so an enclosing user of SIGALRM
+    keeps working)."""
+    def expire(signum=None, frame=None):
+        raise RewardTimeout(f"reward {name!r} ran past its timeout of {limit:g} s on a sample (reward.timeout_s)")
+
+    if seconds <= 0:
+        expire()
 
     previous = signal.signal(signal.SIGALRM, expire)
     outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -87,8 +108,23 @@ def _time_limit(seconds: float, name: str):
             signal.setitimer(signal.ITIMER_REAL, outer)
 
 
+_FAILED = object()
+"""What `SafeReward._attempt` returns for a failed call (a sample that then scores 0)."""
+
+
+def _finite(value: Any) -> float:
+    """`value` as a finite float; a reward that returns anything else is failing."""
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"returned {value!r}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"returned a non-finite reward {value}")
+    return value
+
+
 class SafeReward:
-    """Batched `RewardFunction` over a per-sample function `fn`, isolating each sample's failure.
+    """Batched `RewardFunction` over a per-sample function `fn`, isolating each sample's failure; a staged `fn`
+    (`StagedReward`) has the whole batch started before any sample is awaited.
 
     `name` keys the metrics: `reward/<name>/errors` (failed samples so far, timed-out ones included) and
     `reward/<name>/samples` (samples scored so far), both cumulative over the wrapper's life. `timeout_s`:
@@ -106,19 +142,14 @@ class SafeReward:
         self.last_error: Optional[BaseException] = None
         """The latest exception a sample raised (the trainer re-raises it when too many samples fail)."""
 
-    def _score(self, prompt: str, response: str, answer: Any, meta: Mapping[str, Any]) -> float:
+    def _attempt(self, call: Callable[[], Any], seconds: float) -> Any:
+        """`call()` within `seconds` (when this reward has a timeout); a failure is counted, logged the first time,
+        and returned as `_FAILED`."""
         try:
             if self.timeout_s:
-                with _time_limit(self.timeout_s, self.name):
-                    value = self.fn(prompt, response, answer, meta)
-            else:
-                value = self.fn(prompt, response, answer, meta)
-            if value is None or isinstance(value, (str, bytes)):
-                raise TypeError(f"returned {value!r}, not a number")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"returned a non-finite reward {value}")
-            return value
+                with _time_limit(seconds, self.name, self.timeout_s):
+                    return call()
+            return call()
         except (Exception, RewardTimeout) as exc:
             self.errors += 1
             self.last_error = exc
@@ -130,7 +161,21 @@ class SafeReward:
                     self.name,
                     exc_info=True,
                 )
-            return 0.0
+            return _FAILED
+
+    def _score(self, call: Callable[[], Any], seconds: float) -> float:
+        """The finite float `call()` returns within `seconds`, else 0.0 (a counted failure)."""
+        value = self._attempt(lambda: _finite(call()), seconds)
+        return 0.0 if value is _FAILED else value
+
+    def _staged(self, prompts, responses, answers, metadata) -> list[float]:
+        """Start every sample (`StagedReward.start`), then finish each with what its start left of `timeout_s`."""
+        pending = []
+        for p, r, a, m in zip(prompts, responses, answers, metadata):
+            began = time.monotonic()
+            finish = self._attempt(lambda: self.fn.start(p, r, a, m), self.timeout_s)
+            pending.append((finish, time.monotonic() - began))
+        return [0.0 if finish is _FAILED else self._score(finish, self.timeout_s - spent) for finish, spent in pending]
 
     def __call__(self, prompts, responses, answers, metadata=None) -> list[float]:
         metadata = _check_batch(prompts, responses, answers, metadata)
@@ -138,7 +183,10 @@ class SafeReward:
             raise RuntimeError(f"reward {self.name!r} has a timeout, which needs the main thread (SIGALRM reaches only "
                                f"it); call it from the main thread or set its timeout to 0")
         self.samples += len(responses)
-        return [self._score(p, r, a, m) for p, r, a, m in zip(prompts, responses, answers, metadata)]
+        if hasattr(self.fn, "start"):
+            return self._staged(prompts, responses, answers, metadata)
+        return [self._score(lambda: self.fn(p, r, a, m), self.timeout_s)
+                for p, r, a, m in zip(prompts, responses, answers, metadata)]
 
     def metrics(self) -> dict[str, float]:
         return {f"reward/{self.name}/errors": float(self.errors), f"reward/{self.name}/samples": float(self.samples)}

@@ -15,19 +15,25 @@ Design choices (written down so users can predict the reward):
   Every test is its own sandboxed execution (its own limits: an endless loop in one test costs only that
   test), run in parallel on a `SandboxPool`. No tests in the row is an error (the term's failure counter
   sees it), not a reward of 0.
-- `make_code_tests(timeout_s=..., memory_mb=..., workers=...)` builds the function with other limits, for
-  a user module to name in the config; `code_tests` is the default (2 s per test, 256 MB, 4 workers).
-  The pool is created on the first call, so importing this module starts no process.
-- Time: a sample takes up to ceil(tests / workers) x timeout_s when every test runs into its limit; the
-  trainer's per-sample `reward.timeout_s` (default 10 s) must be above that, or the sample is a counted
-  failure (its executions still running end within their own limits in the pool's threads).
+- `CodeTests(timeout_s=..., memory_mb=..., workers=...)` builds the term with other limits, for a user
+  module to name in the config; `code_tests` is the default (2 s per test, 256 MB, 4 workers). The pool is
+  created on the first call, so importing this module starts no process.
+- Batches: `code_tests` is a `StagedReward`, so `SafeReward` submits every test of every response of the
+  batch to the pool before it waits on any (no worker idles while one response's slowest test finishes), then
+  collects the responses in order. Scores are those of the per-sample call (`code_tests(prompt, response,
+  answer, metadata)`, the same code: `start(...)()`).
+- Time: a response's wait begins when the responses before it are collected, and then at most
+  ceil(tests / workers) x timeout_s remain when every test runs into its limit (the pool runs executions in
+  submission order); the trainer's per-sample `reward.timeout_s` (default 10 s) must be above that, or the
+  sample is a counted failure (its executions still running end within their own limits in the pool's
+  threads, and the responses after it wait behind them).
 """
 from __future__ import annotations
 
 import json
 import re
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 from megalign.sandbox import Sandbox, SandboxPool
 
@@ -61,30 +67,51 @@ def _load_tests(metadata: Mapping[str, Any]) -> list:
     return tests
 
 
-def make_code_tests(timeout_s: float = 2.0, memory_mb: int = 256, workers: int = 4) -> Callable[..., float]:
-    """A `code_tests` reward function `fn(prompt, response, answer, metadata) -> float in [0, 1]` whose
-    executions get `timeout_s` (wall; CPU rounded up) and `memory_mb` each, at most `workers` at once."""
-    sandbox = Sandbox(timeout_s=timeout_s, memory_mb=memory_mb)
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    state: dict[str, Optional[SandboxPool]] = {"pool": None}
-    lock = threading.Lock()
+class CodeTests:
+    """The `code_tests` reward term: `fn(prompt, response, answer, metadata) -> float in [0, 1]` (the fraction of
+    the row's tests passed) and, staged, `fn.start(...) -> finish` (module doc). Each execution gets `timeout_s`
+    (wall; CPU rounded up) and `memory_mb`, at most `workers` at once."""
 
-    def code_tests(prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> float:
+    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, workers: int = 4):
+        self.sandbox = Sandbox(timeout_s=timeout_s, memory_mb=memory_mb)
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        self.workers = workers
+        self._pool: Optional[SandboxPool] = None
+        self._lock = threading.Lock()
+
+    def _get_pool(self) -> SandboxPool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = SandboxPool(self.workers, self.sandbox)
+            return self._pool
+
+    def start(self, prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> Callable[[], float]:
+        """Submit one execution per test of `metadata["tests"]` to the pool; the returned `finish()` waits for them
+        and gives the fraction passed. Bad or missing tests raise here, before anything runs."""
         tests = _load_tests(metadata)
         code = extract_code(response)
-        programs: Sequence[str] = [code if isinstance(t, Mapping) else f"{code}\n\n{t}\n" for t in tests]
-        stdins = [str(t["input"]) if isinstance(t, Mapping) else "" for t in tests]
-        with lock:
-            if state["pool"] is None:
-                state["pool"] = SandboxPool(workers, sandbox)
-        outcomes = state["pool"].map(programs, stdins)
-        passed = sum(o.status == "ok" and (isinstance(t, str) or
-                                           _normalize_output(o.stdout) == _normalize_output(str(t["output"])))
-                     for t, o in zip(tests, outcomes))
-        return passed / len(tests)
+        pool = self._get_pool()
+        futures = [pool.submit(code, str(t["input"])) if isinstance(t, Mapping) else pool.submit(f"{code}\n\n{t}\n")
+                   for t in tests]
 
-    return code_tests
+        def finish() -> float:
+            passed = sum(o.status == "ok" and (isinstance(t, str) or
+                                               _normalize_output(o.stdout) == _normalize_output(str(t["output"])))
+                         for t, o in zip(tests, (f.result() for f in futures)))
+            return passed / len(tests)
+
+        return finish
+
+    def __call__(self, prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> float:
+        return self.start(prompt, response, answer, metadata)()
+
+    def close(self) -> None:
+        """Stop the pool (after its running executions), if one was started."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
 
 
-code_tests = make_code_tests()
+code_tests = CodeTests()

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from megalign.rewards import get_reward
-from megalign.rewards.code_tests import extract_code, make_code_tests
+from megalign.rewards import RewardTimeout, SafeReward, get_reward
+from megalign.rewards.code_tests import CodeTests, extract_code
 from megalign.sandbox import unavailable_reason
 
 
@@ -13,7 +13,9 @@ needs_sandbox = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no
 
 @pytest.fixture(scope="module")
 def reward():
-    return make_code_tests(timeout_s=2, memory_mb=256, workers=2)
+    fn = CodeTests(timeout_s=2, memory_mb=256, workers=2)
+    yield fn
+    fn.close()
 
 
 def test_extract_code_prefers_the_last_python_block():
@@ -51,7 +53,7 @@ def test_assert_tests_from_a_json_string(reward):
 
 @needs_sandbox
 def test_a_crash_or_endless_loop_fails_only_its_own_test():
-    reward = make_code_tests(timeout_s=1, workers=2)
+    reward = CodeTests(timeout_s=1, workers=2)
     response = ("```python\nimport sys\ndef f(x):\n    if x == 0:\n        while True:\n            pass\n"
                 "    if x < 0:\n        raise ValueError(x)\n    return 2 * x\n```")
     tests = ["assert f(0) == 0", "assert f(-1) == -2", "assert f(3) == 6", "assert f(5) == 10"]
@@ -80,3 +82,46 @@ def test_as_a_user_reward_term_missing_tests_are_counted_failures():
 def test_bad_tests_are_named(reward, tests, says):
     with pytest.raises(ValueError, match=says):
         reward("", "print(1)", None, {"tests": tests})
+
+
+# f(x) = 3x^2 + 2x - 1 on hidden inputs -1, 0, 1, 2 (expected 0, -1, 4, 15), plus one stdin/stdout row.
+F_TESTS = {"tests": [f"assert f({x}) == {3 * x * x + 2 * x - 1}" for x in (-1, 0, 1, 2)]}
+MIXED = [
+    ("```python\ndef f(x):\n    return 3 * x * x + 2 * x - 1\n```", F_TESTS, 1.0),  # right: 4 / 4
+    ("```python\ndef f(x):\n    return 3 * x * x + 2 * x - 1 + (x > 0)\n```", F_TESTS, 0.5),  # off by one for x > 0
+    ("```python\ndef f(x)\n    return 3 * x * x + 2 * x - 1\n```", F_TESTS, 0.0),  # syntax error: every test fails
+    ("```python\ndef f(x):\n    while x == 2:\n        pass\n    return 3 * x * x + 2 * x - 1\n```", F_TESTS,
+     0.75),  # endless loop on x = 2: that test runs into its limit, the other three pass
+    ("```python\ndef f(x):\n    return x\n```", {}, 0.0),  # no tests: a counted failure, scored 0
+    ("```python\nprint(int(input()) * 2)\n```", {"tests": [{"input": "3", "output": "6"}, {"input": "5", "output": "11"}]},
+     0.5),  # stdin/stdout: 6 right, 10 != 11
+]
+
+
+@needs_sandbox
+def test_a_mixed_batch_scores_the_hand_worked_fractions_batched_and_per_sample():
+    fn = CodeTests(timeout_s=1, workers=2)
+    try:
+        term = SafeReward(fn, "code_tests", timeout_s=20)
+        responses, metadata, expected = zip(*MIXED)
+        assert term([""] * len(MIXED), list(responses), [None] * len(MIXED), list(metadata)) == list(expected)
+        assert (term.errors, term.samples) == (1, len(MIXED))
+        assert isinstance(term.last_error, ValueError) and "metadata['tests']" in str(term.last_error)
+        per_sample = [fn("", r, None, m) for r, m, _ in MIXED if m]
+        assert per_sample == [e for _, m, e in MIXED if m]
+    finally:
+        fn.close()
+
+
+@needs_sandbox
+def test_a_batch_past_its_per_sample_timeout_fails_only_that_sample():
+    """Every test of response 1 runs into its 1 s sandbox limit; with 2 workers its 4 tests need 2 s, past the
+    term's 1.5 s per sample: it fails (counted) and the responses before and after it keep their scores."""
+    fn = CodeTests(timeout_s=1, workers=2)
+    try:
+        term = SafeReward(fn, "code_tests", timeout_s=1.5)
+        responses = [MIXED[0][0], "```python\nwhile True:\n    pass\n```", MIXED[1][0]]
+        assert term([""] * 3, responses, [None] * 3, [F_TESTS] * 3) == [1.0, 0.0, 0.5]
+        assert term.errors == 1 and isinstance(term.last_error, RewardTimeout)
+    finally:
+        fn.close()
