@@ -8,10 +8,13 @@ on a small generated code task, side by side with an unisolated baseline.
   with setrlimit in a preexec and a timeout, W threads at once: what a peer's `setrlimit + alarm` sandbox
   costs (no namespaces, no fork server: an interpreter start-up per execution).
 - `code_tests`: the reward term (`SafeReward` over `CodeTests`, as the trainer builds it) on a batch of responses
-  to "write f(x) = 3x^2 + 2x - 1" (half right, half off by one), 8 hidden assert tests per response, each test an
-  execution; executions/s = responses x 8 / seconds. `batched`: the term's staged path, every test of the batch
-  submitted at once; `one response at a time`: the per-sample order the term used before (each response's 8 tests
-  in parallel, the responses in turn), for the ratio. Both on the same pool, scores checked 1 / 0.
+  to "write f(x) = 3x^2 + 2x - 1" (half right, half off by one), T hidden assert tests per response (T = 8, then
+  5: a count the workers do not divide), each test an execution; executions/s = responses x T / seconds.
+  `batched`: the term's staged path, every test of the batch submitted at once; `one response at a time`: the
+  per-sample order the term used before (each response's T tests in parallel, the responses in turn), for the
+  ratio. Both on the same pool, scores checked 1 / 0. Beside them,
+  `sandbox pool, the code task's programs`: the bare pool on the same executions (code + one assert each), the
+  ceiling the reward can reach; an assert that fails costs more than one that passes (the traceback).
 
 Target (issue 28): >= 200 executions/s on 2 cores for a tiny program. Median of `--repeats` rounds after a
 warm-up round. Prints the CPU (`lscpu`'s model name) and the load average: the machine is shared.
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import cpu_model  # noqa: E402
 
 from megalign.rewards import SafeReward  # noqa: E402
-from megalign.rewards.code_tests import CodeTests  # noqa: E402
+from megalign.rewards.code_tests import CodeTests, extract_code  # noqa: E402
 from megalign.sandbox import Sandbox, SandboxPool  # noqa: E402
 
 PROGRAM = "print(sum(range(10)))"
@@ -62,11 +65,36 @@ def plain_subprocess_rate(workers: int, n: int, repeats: int) -> float:
         return rate(lambda: list(ex.map(one, range(n))), n, repeats)
 
 
-def code_task(n_responses: int):
+def code_task(n_responses: int, n_tests: int):
+    """`n_responses` responses to "write f(x) = 3x^2 + 2x - 1" (even: right, odd: off by one) and the row's metadata
+    with `n_tests` (<= 8) hidden assert tests."""
     right = "```python\ndef f(x):\n    return 3 * x * x + 2 * x - 1\n```"
     off = "```python\ndef f(x):\n    return 3 * x * x + 2 * x\n```"
-    tests = [f"assert f({x}) == {3 * x * x + 2 * x - 1}" for x in (-3, -1, 0, 1, 2, 5, 10, 17)]
+    tests = [f"assert f({x}) == {3 * x * x + 2 * x - 1}" for x in (-3, -1, 0, 1, 2, 5, 10, 17)[:n_tests]]
     return [right if i % 2 == 0 else off for i in range(n_responses)], {"tests": tests}
+
+
+def code_tests_rates(workers: int, n_tests: int, n_responses: int, repeats: int) -> None:
+    """Print the rows of the code task at `workers`: the bare pool on its programs, then the reward batched and one
+    response at a time (scores checked against the right / off-by-one answers: 1 / 0)."""
+    responses, meta = code_task(n_responses, n_tests)
+    n = n_responses
+    expected = [1.0 if i % 2 == 0 else 0.0 for i in range(n)]
+    programs = [f"{extract_code(r)}\n\n{t}\n" for r in responses for t in meta["tests"]]
+    with SandboxPool(workers, Sandbox(timeout_s=2)) as pool:
+        r = rate(lambda: pool.map(programs), len(programs), repeats)
+    print(f"| sandbox pool, the code task's programs ({n_tests} per response, half fail an assert) | {workers} "
+          f"| {r:.0f} |", flush=True)
+    fn = CodeTests(timeout_s=2, workers=workers)
+    term = SafeReward(fn, "code_tests")
+    sides = {"batched, the whole batch submitted at once": lambda: term([""] * n, responses, [None] * n, [meta] * n),
+             "one response at a time (per-sample order)": lambda: [fn("", r, None, meta) for r in responses]}
+    for side, score in sides.items():
+        scores = []
+        r = rate(lambda: scores.append(score()), len(programs), repeats)
+        assert scores[-1] == expected and term.errors == 0, (scores[-1], term.metrics())
+        print(f"| code_tests reward, {n_tests} tests per response, {side} | {workers} | {r:.0f} |", flush=True)
+    fn.close()
 
 
 def main():
@@ -84,20 +112,9 @@ def main():
         print(f"| sandbox pool | {w} | {r:.0f} |", flush=True)
         print(f"| plain subprocess (rlimits only) | {w} | {plain_subprocess_rate(w, args.n, args.repeats):.0f} |",
               flush=True)
-    responses, meta = code_task(args.n // 8)
-    expected = [1.0 if i % 2 == 0 else 0.0 for i in range(len(responses))]
-    n = len(responses)
-    for w in (2, 4):
-        fn = CodeTests(timeout_s=2, workers=w)
-        term = SafeReward(fn, "code_tests")
-        sides = {"batched, the whole batch submitted at once": lambda: term([""] * n, responses, [None] * n, [meta] * n),
-                 "one response at a time (per-sample order)": lambda: [fn("", r, None, meta) for r in responses]}
-        for side, score in sides.items():
-            scores = []
-            r = rate(lambda: scores.append(score()), n * 8, args.repeats)
-            assert scores[-1] == expected and term.errors == 0, (scores[-1], term.metrics())
-            print(f"| code_tests reward, 8 tests per response, {side} | {w} | {r:.0f} |", flush=True)
-        fn.close()
+    for n_tests in (8, 5):
+        for w in (2, 4):
+            code_tests_rates(w, n_tests, args.n // n_tests, args.repeats)
     print(f"load average after: {os.getloadavg()}")
 
 
