@@ -93,8 +93,8 @@ MIXED = [
     ("```python\ndef f(x):\n    while x == 2:\n        pass\n    return 3 * x * x + 2 * x - 1\n```", F_TESTS,
      0.75),  # endless loop on x = 2: that test runs into its limit, the other three pass
     ("```python\ndef f(x):\n    return x\n```", {}, 0.0),  # no tests: a counted failure, scored 0
-    ("```python\nprint(int(input()) * 2)\n```", {"tests": [{"input": "3", "output": "6"}, {"input": "5", "output": "11"}]},
-     0.5),  # stdin/stdout: 6 right, 10 != 11
+    ("```python\nprint(int(input()) * 2)\n```",  # stdin/stdout: 6 right, 10 != 11
+     {"tests": [{"input": "3", "output": "6"}, {"input": "5", "output": "11"}]}, 0.5),
 ]
 
 
