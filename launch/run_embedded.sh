@@ -28,16 +28,21 @@
 # same steps -> held-out table of all four, with the share of episodes that called the tool correctly, ending with
 # `change` = GRPO with tools minus GRPO without (launch/tool_traces.py compare, overrides in COMPARE_OVERRIDES);
 # TOOLS_STEPS sets both GRPO runs' steps, default 200).
+# or user_sim (issue 28: SFT from scratch on dialogues of an impatient scripted assistant with the simulated user
+# ArithmeticUser (launch/user_sim.py data, examples/sft_user_sim.yaml) -> GRPO whose only reward is the user's final
+# score e_T / 100 (examples/grpo_user_sim.yaml) -> held-out table of both (launch/user_sim.py compare: sampled and
+# greedy dialogues, well-formed replies), ending with `change` (points of mean score) and `ratio` (after / before);
+# USER_SIM_STEPS sets the GRPO steps, default that of the example).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's and kto's sampling in PAIRS_OVERRIDES, for kto's DPO
 # control in CONTROL_OVERRIDES, for ppo's RM stage
 # in RM_OVERRIDES, for judge's rows in DATA_OVERRIDES and its judge SFT in JUDGE_OVERRIDES (STAGE_OVERRIDES go
-# to both of its GRPO runs).
+# to both of its GRPO runs), for the tools and user_sim tables in COMPARE_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|tools) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|tools|user_sim) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -74,6 +79,18 @@ if [ "$PIPELINE" = tools ]; then
   run launch/tool_traces.py compare tools_before="$ROOT/sft_tools_arith/hf" tools_after="$ROOT/grpo_tools_arith/hf" \
       plain_before="$ROOT/sft_plain_arith/hf" plain_after="$ROOT/grpo_no_tools_arith/hf" \
       prompts="$DATA/arith_held_out.jsonl" summary_path="$ROOT/tools_compare.json" ${COMPARE_OVERRIDES:-}
+  exit 0
+fi
+if [ "$PIPELINE" = user_sim ]; then
+  DATA="$ROOT/user_sim_data" STEPS=${USER_SIM_STEPS:-$(sed -n 's/^steps: //p' examples/grpo_user_sim.yaml)}
+  run launch/user_sim.py data out_dir="$DATA"
+  run launch/train_sft.py --config examples/sft_user_sim.yaml run_dir="$ROOT/sft_user_sim" \
+      data.path="$DATA/user_sim_traces_train.jsonl" ${SFT_OVERRIDES:-}
+  run launch/train_grpo.py --config examples/grpo_user_sim.yaml run_dir="$ROOT/grpo_user_sim" \
+      actor.path="$ROOT/sft_user_sim/hf" data.path="$DATA/user_sim_train.jsonl" \
+      data.eval_path="$DATA/user_sim_held_out.jsonl" steps="$STEPS" ${STAGE_OVERRIDES:-}
+  run launch/user_sim.py compare before="$ROOT/sft_user_sim/hf" after="$ROOT/grpo_user_sim/hf" \
+      prompts="$DATA/user_sim_held_out.jsonl" summary_path="$ROOT/user_sim_compare.json" ${COMPARE_OVERRIDES:-}
   exit 0
 fi
 run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}

@@ -11,21 +11,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
-
 from megalign.data.tool_traces import ToolTracesConfig, write_tool_traces  # noqa: E402
 from megalign.tools.tool_compare import ToolCompareConfig, compare_tools  # noqa: E402
-from megalign.trainers.cli import main  # noqa: E402
+from megalign.trainers.cli import main, on_rank0  # noqa: E402
 
-
-def write_on_rank0(cfg: ToolTracesConfig):
-    """`write_tool_traces` on rank 0 only; the other ranks wait for the files."""
-    counts = write_tool_traces(cfg) if dist.get_rank() == 0 else None
-    dist.barrier()
-    return counts
-
-
-COMMANDS = {"data": (ToolTracesConfig, write_on_rank0), "compare": (ToolCompareConfig, compare_tools)}
+COMMANDS = {"data": (ToolTracesConfig, on_rank0(write_tool_traces)), "compare": (ToolCompareConfig, compare_tools)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

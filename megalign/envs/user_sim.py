@@ -11,14 +11,20 @@ assistant turn (its visible reply only; `answer: N` anywhere in it is an answer,
 
     format broken (no `<think>...</think>` first, an empty reply, or a second think tag)   e = 0 (ends, reward 0)
     numbers still hidden, no answer      e += reveal_bonus     and the next number is revealed
-    numbers still hidden, an answer      e -= premature_penalty, and the next number is revealed
+    numbers still hidden, an answer      e -= premature_penalty, and the next number is revealed ("Wait, ...")
     all numbers known, correct answer    e += correct_bonus    and the user is done
-    all numbers known, wrong answer      e -= wrong_penalty    "That is not right. Please check again."
-    all numbers known, no answer         e -= stall_penalty    "Please just tell me the answer."
+    all numbers known, wrong answer      e -= wrong_penalty    "That is wrong. Check again."
+    all numbers known, no answer         e -= stall_penalty    "Just tell me the answer."
 
 e is clipped to [0, 100] after each update and starts at `initial_score`; e <= 0 ends the dialogue. The turn
 that ends the episode earns e_T / 100, every other turn 0; an episode the rollout truncates (turn or token
 limits) earns the score it reached (`finish`). Deterministic: the seed is kept but not needed.
+
+The user's messages are short ("Add up my numbers; I will tell you one at a time. First: 12.", "Next: 7.",
+"Last: 5.") because the embedded demonstration's policy is a character-level model: every character is a token
+of the episode. In a trainer the row's extra columns arrive under `metadata` (`megalign.data.prompts`), so
+`reset` reads `numbers` / `op` from the row or from `row["metadata"]`. `answer_accuracy` is the matching
+`eval.metric`: 1 when the last `answer: N` of a turn's visible reply is the row's answer.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from .base import Environment, StepResult
 
 THINK_SAY = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
 ANSWER = re.compile(r"answer\s*[:=]\s*(-?\d+)", re.IGNORECASE)
-_OPS = {"+": ("sum", sum), "*": ("product", math.prod)}
+_OPS = {"+": ("Add up", sum), "*": ("Multiply", math.prod)}
 
 
 def split_think_say(turn: str) -> Optional[tuple[str, str]]:
@@ -73,8 +79,10 @@ class ArithmeticUser(Environment):
 
     def reset(self, row: Mapping[str, Any], seed: int) -> list[dict]:
         if not isinstance(row, Mapping):
-            raise ValueError(f"ArithmeticUser rows must be mappings with 'numbers' and 'op', got {type(row).__name__}")
-        numbers, op = row.get("numbers"), row.get("op", "+")
+            raise ValueError(f"ArithmeticUser rows must be mappings with 'numbers' and 'op' (or a 'metadata' mapping "
+                             f"holding them), got {type(row).__name__}")
+        fields = row if "numbers" in row else row.get("metadata") or {}
+        numbers, op = fields.get("numbers"), fields.get("op", "+")
         if not isinstance(numbers, (list, tuple)) or not numbers or not all(
                 isinstance(n, int) and not isinstance(n, bool) for n in numbers):
             raise ValueError(f"ArithmeticUser row needs 'numbers', a non-empty list of integers, got {numbers!r}")
@@ -83,31 +91,28 @@ class ArithmeticUser(Environment):
         self.numbers, self.op, self.seed = list(numbers), op, seed
         self.revealed = 1
         self.scores = [float(self.initial_score)]
-        more = " I will tell you them one at a time." if len(numbers) > 1 else ""
-        return [{"role": "user", "content": f"Please help me compute the {_OPS[op][0]} of some numbers.{more} "
-                                            f"The first number is {numbers[0]}."}]
+        first = "; I will tell you one at a time. First" if len(numbers) > 1 else ". The only one"
+        return [{"role": "user", "content": f"{_OPS[op][0]} my numbers{first}: {numbers[0]}."}]
 
     def _next_number(self) -> str:
         self.revealed += 1
-        last = " That is the last one." if self.revealed == len(self.numbers) else ""
-        return f"The next number is {self.numbers[self.revealed - 1]}.{last}"
+        which = "Last" if self.revealed == len(self.numbers) else "Next"
+        return f"{which}: {self.numbers[self.revealed - 1]}."
 
     def step(self, conversation: list[dict], turn: str) -> StepResult:
-        parts = split_think_say(turn)
-        if parts is None:
+        if split_think_say(turn) is None:
             return self._update(-self.score, None, {"format_errors": 1})
-        answers = ANSWER.findall(parts[1])  # the visible reply only: the thinking part is hidden from the user
-        answer = int(answers[-1]) if answers else None
+        answer = visible_answer(turn)  # the visible reply only: the thinking part is hidden from the user
         if self.revealed < len(self.numbers):
             if answer is None:
                 return self._update(self.reveal_bonus, self._next_number(), {})
-            return self._update(-self.premature_penalty, "Wait, I have not told you everything. " + self._next_number(),
+            return self._update(-self.premature_penalty, "Wait, there is more. " + self._next_number(),
                                 {"premature_answers": 1})
         if answer == self.goal:
             return self._update(self.correct_bonus, None, {"solved": 1})
         if answer is None:
-            return self._update(-self.stall_penalty, "Please just tell me the answer.", {})
-        return self._update(-self.wrong_penalty, "That is not right. Please check again.", {"wrong_answers": 1})
+            return self._update(-self.stall_penalty, "Just tell me the answer.", {})
+        return self._update(-self.wrong_penalty, "That is wrong. Check again.", {"wrong_answers": 1})
 
     def _update(self, change: float, message: Optional[str], info: dict) -> StepResult:
         """Move e by `change` (clipped to [0, 100]); the dialogue ends without a `message` or at e <= 0."""
@@ -119,3 +124,18 @@ class ArithmeticUser(Environment):
 
     def finish(self, conversation: list[dict], reason: str) -> float:
         return self.score / 100
+
+
+def visible_answer(turn: str) -> Optional[int]:
+    """The last `answer: N` of the visible reply of a think-then-say turn; None when the turn breaks the format or
+    gives no answer (the thinking part is never read)."""
+    parts = split_think_say(turn)
+    answers = ANSWER.findall(parts[1]) if parts is not None else []
+    return int(answers[-1]) if answers else None
+
+
+def answer_accuracy(prompt: str, response: str, answer: Any, metadata: Mapping[str, Any]) -> float:
+    """`eval.metric` of the simulated-user runs (a user reward function): 1.0 when the last turn's visible
+    `answer: N` equals the row's `answer`, else 0.0."""
+    given = visible_answer(response)
+    return float(given is not None and str(given) == str(answer).strip())

@@ -136,13 +136,16 @@ class RewardConfig:
         DEFAULT_TIMEOUT_S, doc="seconds one sample may take in a verifier or user-function term; a sample past it "
                                "scores 0 and counts as a failure (max_failure_fraction); 0: no limit")
 
+    def empty(self) -> bool:
+        """No term, reward model or judge: allowed only where something else rewards (the online trainers check
+        it: multi-turn episodes whose environment is the whole reward)."""
+        return not self.terms and not self.reward_models() and not self.judges
+
     def __post_init__(self):
         if self.model is not None and self.model.path is None:
             raise ValueError("reward.model.path is required for a reward-model role")
         if not math.isfinite(self.model_weight):
             raise ValueError(f"model_weight must be finite, got {self.model_weight}")
-        if not self.terms and not self.reward_models() and not self.judges:
-            raise ValueError("the reward needs at least one term, reward model or judge")
         names = [m.name for _, m in self.reward_models()] + [j.name for j in self.judges]
         if len(set(names)) != len(names):
             raise ValueError(f"reward model and judge names must be unique (reward.model is named 'reward_model'), "

@@ -189,6 +189,17 @@ def main(config_cls: type[C], train_fn: Callable[[C], Any], argv: Sequence[str])
     return _train(cfg, train_fn)
 
 
+def on_rank0(fn: Callable[[C], Any]) -> Callable[[C], Any]:
+    """`fn` as a `main` train_fn that runs on rank 0 only (a data writer: the files once, whatever the launcher),
+    the other ranks waiting at a barrier for its files; returns `fn`'s result on rank 0, None elsewhere."""
+    def run(cfg: C) -> Any:
+        result = fn(cfg) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return result
+
+    return run
+
+
 def run_algorithm(name: Optional[str], argv: Sequence[str]) -> Any:
     """`launch/train_<name>.py` (`name` given) or the generic `launch/train.py` (None: the algorithm the
     config names, `megalign.algos.registry.load`); then as `main`."""

@@ -27,7 +27,8 @@ Design choices:
 - Shapes are fixed per run: prompts left-padded to the dataset's longest, responses right-padded to
   `max_response_length`, so sampling rounds concatenate; the roles' forwards pack each row's real tokens
   (`rollout.pack`, `megalign.roles.packing`) when that pays. Every model's `max_position_embeddings` is checked
-  against the longest prompt plus the response length at start-up.
+  against the longest prompt plus the response length at start-up (with `rollout.env`: against an episode's row,
+  1 + `max_response_length` tokens, which holds its prompt).
 - Data parallelism: each dp rank samples its own prompts and keeps its own groups; sampling rounds are agreed
   over all ranks (one all-reduce a round), so ranks may hold different numbers of samples; losses are normalised
   by counts all-reduced over dp (`megalign.algos.aggregation`), so the split never changes the gradient.
@@ -130,6 +131,9 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                             + (cfg.eval.max_new_tokens or cfg.rollout.max_response_length))
             if eval_longest > longest:
                 longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
+        if self.episodes is not None:  # an episode holds its prompt: one row of 1 + max_response_length tokens
+            longest = 1 + cfg.rollout.max_response_length
+            what = f"a multi-turn episode, 1 + rollout.max_response_length ({cfg.rollout.max_response_length})"
 
         self.longest = (longest, what)  # for roles a subclass adds (the PPO critic): `check_model`'s length
         model = self.load_role_model("actor", cfg.actor, self.layout,

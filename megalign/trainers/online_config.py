@@ -225,6 +225,10 @@ class OnlineConfig(RunConfig):
         if isinstance(getattr(self.algo, "off_policy", None), OffPolicyConfig):  # GRPO, PPO (online DPO has none)
             check_off_policy(self.algo.off_policy, self.algo.policy_loss, self.rollout.old_logprobs)
         check_moe_keys(self)
+        if self.reward.empty() and (self.rollout.env is None or self.rollout.env.score_final_turn):
+            raise ValueError("reward: the reward needs at least one term, reward model or judge (only multi-turn "
+                             "episodes with rollout.env.score_final_turn=false take their whole reward from the "
+                             "environment)")
 
 
 def moe_keys_asked(cfg: OnlineConfig) -> list[str]:

@@ -9,7 +9,7 @@ from megalign.data.tokenizer import CharTokenizer, HFTokenizer
 from megalign.envs.base import (EnvSpecError, Environment, StepResult, env_factory, first_observation_ids, glue,
                                 load_env_class, render_observation)
 from megalign.envs.tool_env import ToolEnv
-from megalign.envs.user_sim import ArithmeticUser, split_think_say
+from megalign.envs.user_sim import ArithmeticUser, answer_accuracy, split_think_say
 
 # ChatML as Qwen writes it: "<|im_end|>\n" closes every message, so "\n" follows the assistant's stop token
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -142,18 +142,16 @@ def test_think_then_say_format(turn, parts):
 def test_a_dialogue_that_ends_early_at_zero():
     user = ArithmeticUser()
     first = user.reset({"numbers": [12, 7, 5], "op": "+"}, seed=3)
-    assert first == [{"role": "user", "content": "Please help me compute the sum of some numbers. I will tell you "
-                                                 "them one at a time. The first number is 12."}]
+    assert first == [{"role": "user", "content": "Add up my numbers; I will tell you one at a time. First: 12."}]
     r = user.step(first, "<think>need the rest</think>Sure, what is the next number?")
     assert (user.score, r.done, r.reward) == (55, False, 0.0)          # 50 + 5
-    assert r.observation == [{"role": "user", "content": "The next number is 7."}]
+    assert r.observation == [{"role": "user", "content": "Next: 7."}]
     r = user.step(first, "<think>12+7</think>So far, answer: 19")
     assert (user.score, r.done, r.info["premature_answers"]) == (35, False, 1)  # 55 - 20
-    assert r.observation[0]["content"] == ("Wait, I have not told you everything. The next number is 5. "
-                                           "That is the last one.")
+    assert r.observation[0]["content"] == "Wait, there is more. Last: 5."
     r = user.step(first, "<think>answer: 24</think>Let me think about it.")  # the thought is hidden from the user
     assert (user.score, r.done) == (25, False)                          # 35 - 10: no answer seen
-    assert r.observation[0]["content"] == "Please just tell me the answer."
+    assert r.observation[0]["content"] == "Just tell me the answer."
     r = user.step(first, "<think>oops</think>answer: 23")
     assert (user.score, r.done, r.reward, r.observation) == (0, True, 0.0, ())  # 25 - 30 -> 0: the dialogue ends
     assert user.scores == [50, 55, 35, 25, 0]
@@ -162,9 +160,9 @@ def test_a_dialogue_that_ends_early_at_zero():
 def test_a_solved_dialogue_scores_the_final_emotion():
     user = ArithmeticUser(initial_score=60)
     first = user.reset({"numbers": [3, 4], "op": "*"}, seed=0)
-    assert "product" in first[0]["content"]
+    assert first[0]["content"].startswith("Multiply my numbers")
     r = user.step(first, "<think>x</think>Go on.")
-    assert r.observation[0]["content"] == "The next number is 4. That is the last one."
+    assert r.observation[0]["content"] == "Last: 4."
     r = user.step(first, "<think>3*4=12</think>The answer: 12. Answer = 12")
     assert (user.score, r.done, r.info["solved"]) == (100, True, 1)     # 65 + 40, clipped at 100
     assert r.reward == 1.0
@@ -177,9 +175,23 @@ def test_a_solved_dialogue_scores_the_final_emotion():
 def test_a_format_violation_scores_zero():
     user = ArithmeticUser()
     first = user.reset({"numbers": [3], "op": "+"}, seed=0)
-    assert first[0]["content"] == "Please help me compute the sum of some numbers. The first number is 3."
+    assert first[0]["content"] == "Add up my numbers. The only one: 3."
     r = user.step(first, "answer: 3")  # right answer, but no thinking block
     assert (r.done, r.reward, r.info["format_errors"], r.info["format_ok"]) == (True, 0.0, 1, 0)
+
+
+def test_the_row_fields_may_come_as_a_trainer_row_metadata():
+    user = ArithmeticUser()  # the trainer passes {prompt, answer, metadata: the row's other columns}
+    first = user.reset({"prompt": "ignored", "answer": 7, "metadata": {"numbers": [3, 4], "op": "+"}}, seed=0)
+    assert first[0]["content"].endswith("First: 3.") and user.goal == 7
+
+
+@pytest.mark.parametrize("turn, answer, expected", [("<think>3+4=7</think>answer: 7", 7, 1.0),
+                                                    ("<think>answer: 7</think>I think 8. answer: 8", 7, 0.0),
+                                                    ("<think>x</think>answer: 5, no, answer = 7", "7", 1.0),
+                                                    ("answer: 7", 7, 0.0), ("<think>x</think>seven", 7, 0.0)])
+def test_answer_accuracy_reads_the_last_visible_answer(turn, answer, expected):
+    assert answer_accuracy("p", turn, answer, {}) == expected
 
 
 @pytest.mark.parametrize("row, says", [({"numbers": []}, "non-empty list of integers"),

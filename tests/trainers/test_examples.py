@@ -24,6 +24,7 @@ from megalign.data import (ArithChainConfig, ArithTaskConfig, CharTokenizer, mak
                            write_stepwise_jsonl, write_unpaired_jsonl)
 from megalign.data.judge_rows import JUDGE_TEMPLATE, judge_items, rubric_prompt_rows, sft_row, synthetic_candidates
 from megalign.data.tool_traces import ToolTracesConfig, write_tool_traces
+from megalign.data.user_sim_traces import UserSimTracesConfig, write_user_sim_traces
 from megalign.rewards.judge import JudgeTemplate
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -47,6 +48,11 @@ OVERRIDES = {
     "judge_sft_arith": SUPERVISED + ["model.path=runs/judge_arith/hf"],  # the policy copy with 128 positions
     "grpo_rubric_arith": ONLINE,  # the judge's rubric score is the reward
     "sft_tools_arith": SUPERVISED + SCRATCH,  # traces of runs/tool_traces, written in build_runs
+    "sft_user_sim": SUPERVISED + SCRATCH,  # traces of runs/user_sim_data, written in build_runs
+    # dialogues with ArithmeticUser on the 128-position policy copy (the user's first message is 77 tokens); a random
+    # policy writes no <think> block (the user scores 0), so the digits term on the last turn gives informative groups
+    "grpo_user_sim": ONLINE + DIGITS + ["actor.path=runs/judge_arith/hf", "rollout.max_response_length=100",
+                                        "rollout.env.max_turn_tokens=8", "rollout.env.score_final_turn=true"],
 }
 
 
@@ -88,6 +94,7 @@ def build_runs(root):
     write_unpaired_jsonl(train, root / "runs" / "kto_samples" / "unpaired.jsonl")
     write_jsonl(held_out, root / "runs" / "kto_samples" / "data" / "arith_held_out.jsonl")
     write_tool_traces(ToolTracesConfig(str(root / "runs" / "tool_traces"), ArithTaskConfig(999, ["*"], num_problems=20)))
+    write_user_sim_traces(UserSimTracesConfig(str(root / "runs" / "user_sim_data"), num_rows=24, held_out=4))
     # the PRM export ppo_chain_prm scores with, made by its own stage
     prm_overrides = [*OVERRIDES["prm_chain"], "export_hf=true"]
     run_distributed(_train, str(root), os.path.join(ROOT, "examples", "prm_chain.yaml"), "runs/prm_chain",
