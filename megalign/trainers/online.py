@@ -124,18 +124,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         if cfg.reward.gated is not None:
             check_safety_field(self.train_set.examples, cfg.reward.gated.safety_field)
         self.prompt_width = max(len(e.prompt_ids) for e in self.train_set.examples)
-        longest = self.prompt_width + cfg.rollout.max_response_length
-        what = f"the longest prompt plus rollout.max_response_length ({cfg.rollout.max_response_length})"
-        if self.held_out is not None and len(self.held_out):
-            eval_longest = (max(len(e.prompt_ids) for e in self.held_out.examples)
-                            + (cfg.eval.max_new_tokens or cfg.rollout.max_response_length))
-            if eval_longest > longest:
-                longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
-        if self.episodes is not None:  # an episode holds its prompt: one row of 1 + max_response_length tokens
-            longest = 1 + cfg.rollout.max_response_length
-            what = f"a multi-turn episode, 1 + rollout.max_response_length ({cfg.rollout.max_response_length})"
-
-        self.longest = (longest, what)  # for roles a subclass adds (the PPO critic): `check_model`'s length
+        self.longest = longest, what = self.longest_sequence()  # also for roles a subclass adds (the PPO critic)
         model = self.load_role_model("actor", cfg.actor, self.layout,
                                      activation_checkpointing=cfg.actor.activation_checkpointing)
         self.check_model(model, "actor.path", cfg.actor.path, longest, what)
@@ -174,6 +163,22 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
 
+    def longest_sequence(self) -> tuple[int, str]:
+        """(tokens, what they are) of the longest sequence a role's model must hold, for `check_model`: the longest
+        training prompt plus max_response_length, or the held-out one plus the evaluation's tokens when longer; with
+        `rollout.env` an episode's row, 1 + max_response_length (it holds its prompt)."""
+        cfg = self.cfg
+        if self.episodes is not None:
+            return (1 + cfg.rollout.max_response_length,
+                    f"a multi-turn episode, 1 + rollout.max_response_length ({cfg.rollout.max_response_length})")
+        longest = self.prompt_width + cfg.rollout.max_response_length
+        what = f"the longest prompt plus rollout.max_response_length ({cfg.rollout.max_response_length})"
+        if self.held_out is not None and len(self.held_out):
+            eval_longest = (max(len(e.prompt_ids) for e in self.held_out.examples)
+                            + (cfg.eval.max_new_tokens or cfg.rollout.max_response_length))
+            if eval_longest > longest:
+                longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
+        return longest, what
     def train(self):
         """`Trainer.train`, in the batch-invariant mode when the run asks for it (`online_config.batch_invariant_switch`)."""
         with batch_invariant() if self.batch_invariant else contextlib.nullcontext():
