@@ -22,7 +22,10 @@ class RolloutBatch:
     (fp32 response tokens), `finished` (ended with EOS), `rewards` (fp32 total), `terms` {term: [N]
     values}, `group` (int64: the group, one prompt's G samples, of each response: numbered in the order
     the step sampled them); `token_rewards` [N, R] fp32: the process reward models' step rewards (None
-    without any); `routing` [N, P + R, L, k] int16: an MoE actor's experts per token and MoE layer while sampling
+    without any); `turn_rewards` [N, R] fp32: with multi-turn episodes and
+    `rollout.env.reward_placement=per_turn`, each turn's environment reward at that turn's last policy token
+    (0 elsewhere; already inside `rewards`, which stays the episode's total; None otherwise); `routing`
+    [N, P + R, L, k] int16: an MoE actor's experts per token and MoE layer while sampling
     (`megalign.rollout.routing`, -1: none), what routing replay reuses (None when not recorded).
     """
 
@@ -42,10 +45,21 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     token_rewards: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None
     routing: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.rewards.numel()
+
+    def placed_rewards(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(scores [N], per-token rewards [N, R] or None) for an algorithm with token-level credit (PPO's
+        `megalign.algos.ppo.token_rewards`: the score at each row's last valid token, the per-token rewards added
+        where they sit): `rewards` and the process rewards `token_rewards`; with `turn_rewards` (episodes, which
+        have no process rewards) the turns' rewards where they sit and the rest of the total (the final-turn
+        reward terms, after any shaping of `rewards`) at the last token."""
+        if self.turn_rewards is None:
+            return self.rewards, self.token_rewards
+        return self.rewards - self.turn_rewards.sum(-1), self.turn_rewards
 
     def select(self, rows) -> "RolloutBatch":
         """The rows `rows` (indices, a slice or a bool mask) of every per-response tensor; whole groups stay whole

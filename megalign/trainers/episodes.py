@@ -14,10 +14,17 @@ Design choices:
   the trainer's recomputed log-probs equal (the same weights on the same ids: tested).
 - Reward: one number per episode, the sum of the environment's turn rewards (its final reward included), plus,
   with `rollout.env.score_final_turn`, the configured reward (`reward.terms`, models, judges) on the last
-  policy turn's text; it sits at the episode's last policy token. This is verl's agent loop (one trajectory
-  score at the last response token) and OpenRLHF's agent episodes (the final step's reward); with PPO, GAE
-  discounts it over the policy's tokens only (the holes are skipped), so tokens of earlier turns share it.
-  The environment's part is logged as the term `env`.
+  policy turn's text. Where PPO finds it is `rollout.env.reward_placement`: `last_token` (default) puts the
+  total at the episode's last policy token, as verl's agent loop (one trajectory score at the last response
+  token) and OpenRLHF's agent episodes (the final step's reward), and GAE discounts it over the policy's tokens
+  only (the holes are skipped), so tokens of earlier turns share it; `per_turn` puts each turn's environment
+  reward at that turn's last policy token (`RolloutBatch.turn_rewards` [N, R], nothing on holes) and the rest
+  of the total (the final-turn reward terms) at the episode's last, so GAE credits each turn with its own reward
+  (verl's and NeMo-RL's per-turn rewards). GRPO / RLOO / REINFORCE++ / online DPO train on the episode's total
+  under both placements: their advantages or preferences are per episode, and summing the turns is what
+  per-turn credit reduces to there, so one `rollout.env` section serves every trainer. Refused: per_turn with
+  PPO's `algo.reward_clip` (it clips the total, which per_turn no longer places as one number). The
+  environment's part is logged as the term `env`.
 - Failures: an environment that raises ends its episode, scored 0 in total (the reward terms too), logged
   and counted; the step's errors over its episodes, summed over dp, stop the run above
   `reward.max_failure_fraction` (the reward terms' rule), on every rank together.
@@ -70,6 +77,10 @@ def check_episode_setup(cfg) -> None:
     if getattr(cfg, "judge", None) is not None:
         raise ValueError("rollout.env: online DPO's pairwise judge (judge) reads single responses; rank the episodes "
                          "by their rewards (judge: null) or remove rollout.env")
+    if env.reward_placement == "per_turn" and getattr(cfg.algo, "reward_clip", None) is not None:
+        raise ValueError(f"rollout.env.reward_placement=per_turn with algo.reward_clip={cfg.algo.reward_clip}: the "
+                         f"clip bounds an episode's total score, which per_turn spreads over the turns; drop one of "
+                         f"them")
     if env.score_final_turn is False and (cfg.reward.reward_models() or cfg.reward.judges):
         raise ValueError("rollout.env.score_final_turn=false leaves reward.model(s) / reward.judges unused; "
                          "remove them or score the final turn")
@@ -95,6 +106,18 @@ def episode_rows(episodes: Sequence[Episode], width: int, pad_id: int) -> dict[s
         logp[i, :max(k - 1, 0)] = torch.tensor(e.logprobs[1:], dtype=torch.float32)
     return {"sequences": seq, "attention_mask": attn, "response_mask": mask, "rollout_logp": logp,
             "lengths": mask.sum(-1)}
+
+
+def turn_reward_rows(episodes: Sequence[Episode], width: int) -> torch.Tensor:
+    """[N, width] fp32: each turn's environment reward (`Episode.turn_rewards`) at the column of the turn's last
+    policy token (token j + 1 of the episode in column j, as `episode_rows`), 0 on every other column. A turn whose
+    last token is the episode's first (column -1: never trained) places nothing: its reward stays in the total."""
+    out = torch.zeros(len(episodes), width)
+    for i, e in enumerate(episodes):
+        for (_, end), reward in zip(e.action_ranges, e.turn_rewards):
+            if end >= 2:
+                out[i, end - 2] += reward
+    return out
 
 
 def last_turn_text(tokenizer, episode: Episode) -> str:
@@ -165,6 +188,8 @@ class EpisodeRollout:
                              finished=torch.tensor([e.end == "env" for e in episodes], device=device),
                              rewards=rewards.to(device), terms={k: v.to(device) for k, v in terms.items()},
                              group=group.to(device), group_size=group_size)
+        if self.env.reward_placement == "per_turn":
+            batch.turn_rewards = turn_reward_rows(episodes, cfg.rollout.max_response_length).to(device)
         t.shape_rewards(batch)
         return batch
 

@@ -122,6 +122,12 @@ class EnvConfig:
     score_final_turn: bool = option(True, doc="also score the last policy turn's text with reward.terms / models / "
                                               "judges (added to the environment's reward); false: the environment's "
                                               "reward alone")
+    reward_placement: Literal["last_token", "per_turn"] = option(
+        "last_token", doc="where PPO's GAE finds an episode's reward: last_token: the total (turn rewards summed, the "
+                          "final-turn terms added) at the episode's last policy token; per_turn: each turn's "
+                          "environment reward at that turn's last policy token, the final-turn terms at the "
+                          "episode's last (`RolloutBatch.turn_rewards`). GRPO / RLOO / online DPO train on the "
+                          "total either way (`megalign.trainers.episodes`)")
 
     def __post_init__(self):
         if not isinstance(self.name, str) or ":" not in self.name:
@@ -164,8 +170,8 @@ class RolloutConfig:
                                            "of the padded rows (1.0: always): packing runs one trunk forward per pack, "
                                            "which on nearly full rows costs more than it saves")
     env: Optional[EnvConfig] = option(None, doc="multi-turn episodes against an environment {name, kwargs, max_turns, "
-                                                "max_turn_tokens, max_time_s, stop_strings, score_final_turn}; null: "
-                                                "one response per sample")
+                                                "max_turn_tokens, max_time_s, stop_strings, score_final_turn, "
+                                                "reward_placement}; null: one response per sample")
 
     def __post_init__(self):
         if self.group_size < 2:

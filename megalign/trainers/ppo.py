@@ -9,8 +9,9 @@ exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the 
     shape_rewards  each outcome RM's score normalised with its own `reward_stats.json` (`algo.reward_normalize`,
                    not the gated pair's), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, the total clipped
     advantages     the critic's values -> per-token rewards (the score at the last response token, the process
-                   RMs' step rewards at the tokens that end each step, -beta * KL_t when `algo.kl_in` is the
-                   reward) -> GAE (`megalign.algos.ppo`) -> advantages whitened over every dp rank
+                   RMs' step rewards at the tokens that end each step, with `rollout.env.reward_placement=per_turn`
+                   each episode turn's reward at the turn's last policy token, -beta * KL_t when `algo.kl_in` is
+                   the reward) -> GAE (`megalign.algos.ppo`) -> advantages whitened over every dp rank
     update         the critic's clipped value loss, then the actor's policy loss (`PolicyGradient`: with the KL in
                    the loss when `algo.kl_in` says so, the entropy bonus; none during `algo.critic_warmup`) ->
                    the KL coefficient (fixed, or Ziegler et al.'s adaptive controller, checkpointed)
@@ -215,7 +216,8 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
 
     def advantages(self, batch: RolloutBatch) -> None:
         """The critic's values, the per-token rewards (the score at the last token, -beta * KL_t with the KL in the
-        reward, the PRMs' step rewards), GAE's advantages (whitened over dp) and returns (module doc)."""
+        reward, the PRMs' step rewards or an episode's per-turn rewards: `RolloutBatch.placed_rewards`), GAE's
+        advantages (whitened over dp) and returns (module doc)."""
         algo, mask = self.cfg.algo, batch.response_mask
         with self.phase("values", critic=("weights",)):
             batch.values = self.score_responses(self.critic, batch, algo.micro_batch_size, self.critic.values,
@@ -224,9 +226,10 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         if self.reference is not None:
             self.rollout_kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_kind).float() * mask
         in_reward = algo.kl_where == "reward" and self.reference is not None
-        rewards, _ = token_rewards(batch.rewards, mask, batch.old_logp if in_reward else None,
+        scores, placed = batch.placed_rewards()
+        rewards, _ = token_rewards(scores, mask, batch.old_logp if in_reward else None,
                                    batch.ref_logp if in_reward else None, self.kl.beta, algo.kl_kind,
-                                   step_rewards=batch.token_rewards)
+                                   step_rewards=placed)
         advantages, batch.returns = advantages_and_returns(rewards, batch.values, mask, algo.gamma, algo.lam)
         self.diagnostic_sums = critic_diagnostic_sums(batch.values, batch.returns, advantages, mask)
         batch.advantages = whiten(advantages, mask, self.layout.dp_group) if algo.whiten_advantages else advantages
