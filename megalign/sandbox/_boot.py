@@ -16,7 +16,21 @@ step enforces):
 init waits for the program, reaps orphans, writes `{"exit", "signal", "cpu_s"}` as JSON to the status fd
 (or `{"error"}` if the setup failed) and exits, which makes the kernel kill every process left in the
 pid namespace. The program never holds the status fd, so it cannot forge its outcome.
+
+A program that fails prints its traceback (`traceback.print_exc`), whose modules (traceback, linecache, tokenize,
+token, textwrap, contextlib, and ast, which traceback imports lazily to place the error's carets) are imported
+here once, before the server forks anything, instead of in every failing program: importing them after the fork
+doubled a failing test's cost. Pre-importing them gives a program nothing it could not have by importing them
+itself, and nothing of another execution:
+- they are the read-only standard library the program's root binds at the same paths, imported by the server
+  before any execution, from code that never runs a program; they hold no file descriptor and no privilege
+  (import opens and closes each source file; the program's rlimits, uid drop and no_new_privs come after);
+- their mutable state is the server's, copied into each execution at the fork and never copied back: one
+  program's changes (linecache's cache of /work/main.py, a patched function) die with its process, and the
+  next execution forks from the unchanged server. linecache.cache is empty in every program
+  (`tests/sandbox/test_sandbox.py` checks it, and that a failing program's error path imports nothing new).
 """
+import ast  # noqa: F401  (the error path's lazy import: module docstring)
 import ctypes
 import json
 import os
@@ -24,6 +38,7 @@ import resource
 import signal
 import socket
 import sys
+import traceback
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
@@ -114,9 +129,10 @@ def run_program(cfg):
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
+    except BaseException as exc:
+        # From the program's frame on, as `python main.py` prints it: this function's frame would name the
+        # host's path of this file.
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -31,6 +31,53 @@ def test_exception_is_error_with_traceback(box):
     assert "ValueError: nope" in out.stderr
 
 
+FAILING_ASSERT = """import linecache, sys
+print(sorted(linecache.cache))
+start = set(sys.modules)
+
+
+class Spy:
+    '''stderr as the sandbox's error path sees it; its last flush reports the modules imported since start.'''
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, text):
+        return self.real.write(text)
+
+    def flush(self):
+        self.real.write(f"imported by the error path: {sorted(set(sys.modules) - start)}\\n")
+        self.real.flush()
+
+
+sys.stderr = Spy(sys.stderr)
+
+
+def f(x):
+    assert x + 1 == 3, 'f got ' + str(x)
+
+
+f(5)
+"""
+
+
+def test_failing_assert_prints_its_traceback_without_importing(box):
+    # The fork server pre-imports the traceback modules (_boot.py): a failing program still prints the whole
+    # traceback (its own frames only, as `python main.py` would, source lines read from /work/main.py), imports
+    # nothing more to do it, and finds linecache's cache empty although the run before filled its own copy.
+    for _ in range(2):
+        out = box.run(FAILING_ASSERT)
+        assert (out.status, out.exit_code, out.stdout) == ("error", 1, "[]\n")
+        assert out.stderr == ("Traceback (most recent call last):\n"
+                              '  File "main.py", line 27, in <module>\n'
+                              "    f(5)\n"
+                              '  File "main.py", line 24, in f\n'
+                              "    assert x + 1 == 3, 'f got ' + str(x)\n"
+                              "           ^^^^^^^^^^\n"
+                              "AssertionError: f got 5\n"
+                              "imported by the error path: []\n")
+
+
 def test_bash_programs_run_too(box):
     out = box.run("read n\necho $((n * 7))\n", stdin="6\n", language="bash")
     assert (out.status, out.stdout) == ("ok", "42\n")
