@@ -6,8 +6,8 @@ stderr, CPU and wall time and the limit that stopped it; `SandboxPool(workers)` 
 bounded number of workers; `python -m megalign.sandbox PROGRAM [--timeout S]` prints one outcome as JSON.
 
 What every execution gets (`_boot.py` maps the process tree: a fork server, one per `Sandbox`, run by the base
-interpreter with `-I -S`, forks a launcher per execution, so no interpreter starts per run; it imports the
-modules of a failing program's traceback before it forks, so a failing test costs what a passing one does):
+interpreter with `-I -S`, forks a launcher per execution, so no interpreter starts per run; a failing program's
+traceback is printed by the interpreter's own hook, whose modules the server imports before it forks):
 
 - Limits (setrlimit in the program's process): RLIMIT_CPU (SIGXCPU, SIGKILL one second later),
   RLIMIT_AS (a MemoryError for Python), RLIMIT_FSIZE (SIGXFSZ), RLIMIT_NPROC, RLIMIT_NOFILE,

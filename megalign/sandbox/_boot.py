@@ -17,11 +17,14 @@ init waits for the program, reaps orphans, writes `{"exit", "signal", "cpu_s"}` 
 (or `{"error"}` if the setup failed) and exits, which makes the kernel kill every process left in the
 pid namespace. The program never holds the status fd, so it cannot forge its outcome.
 
-A program that fails prints its traceback (`traceback.print_exc`), whose modules (traceback, linecache, tokenize,
-token, textwrap, contextlib, and ast, which traceback imports lazily to place the error's carets) are imported
-here once, before the server forks anything, instead of in every failing program: importing them after the fork
-doubled a failing test's cost. Pre-importing them gives a program nothing it could not have by importing them
-itself, and nothing of another execution:
+A program that fails has its traceback printed the way `python main.py` prints an uncaught exception:
+`sys.excepthook` on its own frames (the boot's frame would name the host's path of this file). Up to Python 3.12
+the interpreter's hook formats in C and imports nothing; from 3.13 it formats through the `traceback` module,
+whose modules (traceback and what it imports, with tokenize and ast, which linecache and traceback import
+lazily) this server imports once, before it forks anything: imported after the fork, in every failing program,
+they doubled a failing test's cost. (On 3.11 the C hook adds 0.2 ms of CPU to a failing program's fork, the
+traceback module's formatting, even pre-imported, 0.8 ms.) Pre-importing them gives a program nothing it could not have by importing them itself, and
+nothing of another execution:
 - they are the read-only standard library the program's root binds at the same paths, imported by the server
   before any execution, from code that never runs a program; they hold no file descriptor and no privilege
   (import opens and closes each source file; the program's rlimits, uid drop and no_new_privs come after);
@@ -29,8 +32,9 @@ itself, and nothing of another execution:
   program's changes (linecache's cache of /work/main.py, a patched function) die with its process, and the
   next execution forks from the unchanged server. linecache.cache is empty in every program
   (`tests/sandbox/test_sandbox.py` checks it, and that a failing program's error path imports nothing new).
+The exit status stays the program's to choose, as it was: its own hook or os._exit can end it with any code.
 """
-import ast  # noqa: F401  (the error path's lazy import: module docstring)
+import ast  # noqa: F401  (this and tokenize: imported lazily by the error path on 3.13+, module docstring)
 import ctypes
 import json
 import os
@@ -38,7 +42,8 @@ import resource
 import signal
 import socket
 import sys
-import traceback
+import tokenize  # noqa: F401
+import traceback  # noqa: F401
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
@@ -130,9 +135,8 @@ def run_program(cfg):
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
     except BaseException as exc:
-        # From the program's frame on, as `python main.py` prints it: this function's frame would name the
-        # host's path of this file.
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        exc.__traceback__ = exc.__traceback__.tb_next  # from the program's frame on (module docstring)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
