@@ -17,14 +17,15 @@ init waits for the program, reaps orphans, writes `{"exit", "signal", "cpu_s"}` 
 (or `{"error"}` if the setup failed) and exits, which makes the kernel kill every process left in the
 pid namespace. The program never holds the status fd, so it cannot forge its outcome.
 
-A program that fails has its traceback printed the way `python main.py` prints an uncaught exception:
-`sys.excepthook` on its own frames (the boot's frame would name the host's path of this file). Up to Python 3.12
-the interpreter's hook formats in C and imports nothing; from 3.13 it formats through the `traceback` module,
-whose modules (traceback and what it imports, with tokenize and ast, which linecache and traceback import
-lazily) this server imports once, before it forks anything: imported after the fork, in every failing program,
-they doubled a failing test's cost. (On 3.11 the C hook adds 0.2 ms of CPU to a failing program's fork, the
-traceback module's formatting, even pre-imported, 0.8 ms.) Pre-importing them gives a program nothing it could not have by importing them itself, and
-nothing of another execution:
+A program that fails has its traceback printed the way `python main.py` prints an uncaught exception: by
+`sys.excepthook`, from the program's own frames on (the boot's frame would name the host's path of this file).
+Up to Python 3.12 the interpreter's hook formats in C and imports nothing; from 3.13 it formats through the
+`traceback` module, so this server imports traceback, tokenize and ast (the last two imported lazily by linecache
+and traceback) once, before it forks anything. The error path used to import traceback after the fork, in every
+failing program, and format in Python, which doubled a failing test's cost (on 3.11, per failing fork: +0.8 ms of
+CPU for the Python formatting even with its modules pre-imported, +0.2 ms for the C hook; the error path imports
+nothing new on 3.9 to 3.13). Pre-importing them gives a program nothing it could not have by importing them
+itself, and nothing of another execution:
 - they are the read-only standard library the program's root binds at the same paths, imported by the server
   before any execution, from code that never runs a program; they hold no file descriptor and no privilege
   (import opens and closes each source file; the program's rlimits, uid drop and no_new_privs come after);
