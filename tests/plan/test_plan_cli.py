@@ -52,7 +52,8 @@ EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "
                  "rm_arith": {"actor"}, "sft_arith": {"actor"}, "sft_chain": {"actor"},
                  "ppo_verifier_arith": {"actor", "critic"}, "grpo_tools_arith": {"actor"}, "judge_sft_arith": {"actor"},
                  # the run also builds the judge role of reward.judges, which the planner does not plan yet
-                 "grpo_rubric_arith": {"actor"}, "sft_tools_arith": {"actor"}}
+                 "grpo_rubric_arith": {"actor"}, "sft_tools_arith": {"actor"},
+                 "grpo_user_sim": {"actor", "reference"}, "sft_user_sim": {"actor"}}  # user_sim: GRPO's beta 0.05
 
 
 def test_every_registered_algorithm_has_a_phase_model():
