@@ -3,7 +3,8 @@ on a small generated code task, side by side with an unisolated baseline.
 
 - `sandbox pool, W workers`: `SandboxPool(W).map` of N copies of `print(sum(range(10)))`, each a full
   sandboxed execution (fresh namespaces, tmpfs root, privileges dropped, temporary directory made and
-  removed).
+  removed). `sandbox pool, a failing assert`: the same with `assert sum(range(10)) == 44`, whose traceback the
+  sandbox prints (its modules are imported by the fork server, not per execution: `megalign/sandbox/_boot.py`).
 - `plain subprocess, W threads`: the same program as `python -I -S -c PROGRAM` through `subprocess.run`
   with setrlimit in a preexec and a timeout, W threads at once: what a peer's `setrlimit + alarm` sandbox
   costs (no namespaces, no fork server: an interpreter start-up per execution).
@@ -14,14 +15,21 @@ on a small generated code task, side by side with an unisolated baseline.
   per-sample order the term used before (each response's T tests in parallel, the responses in turn), for the
   ratio. Both on the same pool, scores checked 1 / 0. Beside them,
   `sandbox pool, the code task's programs`: the bare pool on the same executions (code + one assert each), the
-  ceiling the reward can reach; an assert that fails costs more than one that passes (the traceback).
+  ceiling the reward can reach.
+
+`--boot-before FILE` measures only the fork server's change instead: `sandbox pool` and `a failing assert` with
+FILE as the fork server (an earlier `megalign/sandbox/_boot.py`: `git show REV:megalign/sandbox/_boot.py > FILE`)
+and with the current one, at each of `--workers`, the four in turn within every round, so a load that comes and
+goes on the shared cores weighs on all four alike; medians of `--repeats` rounds after a warm-up.
 
 Target (issue 28): >= 200 executions/s on 2 cores for a tiny program. Median of `--repeats` rounds after a
-warm-up round. Prints the CPU (`lscpu`'s model name) and the load average: the machine is shared.
+warm-up round. Prints the CPU (`lscpu`'s model name) and the load average (before, after each row, at the end): the
+machine is shared, and the benchmark itself adds up to its worker count to the load.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import resource
 import statistics
@@ -35,9 +43,11 @@ from harness import cpu_model  # noqa: E402
 
 from megalign.rewards import SafeReward  # noqa: E402
 from megalign.rewards.code_tests import CodeTests, extract_code  # noqa: E402
+import megalign.sandbox.core as sandbox_core  # noqa: E402
 from megalign.sandbox import Sandbox, SandboxPool  # noqa: E402
 
 PROGRAM = "print(sum(range(10)))"
+FAILING = "assert sum(range(10)) == 44"
 
 
 def rate(fn, n: int, repeats: int) -> float:
@@ -49,6 +59,12 @@ def rate(fn, n: int, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return n / statistics.median(times)
+
+
+def row(side: str, workers: int, rate_per_s: float) -> None:
+    """One table row, with the 1-minute load average after it: the 2 cores are shared, and a row measured while
+    another job held them shows there."""
+    print(f"| {side} | {workers} | {rate_per_s:.0f} | {os.getloadavg()[0]:.2f} |", flush=True)
 
 
 def plain_subprocess_rate(workers: int, n: int, repeats: int) -> float:
@@ -83,8 +99,7 @@ def code_tests_rates(workers: int, n_tests: int, n_responses: int, repeats: int)
     programs = [f"{extract_code(r)}\n\n{t}\n" for r in responses for t in meta["tests"]]
     with SandboxPool(workers, Sandbox(timeout_s=2)) as pool:
         r = rate(lambda: pool.map(programs), len(programs), repeats)
-    print(f"| sandbox pool, the code task's programs ({n_tests} per response, half fail an assert) | {workers} "
-          f"| {r:.0f} |", flush=True)
+    row(f"sandbox pool, the code task's programs ({n_tests} per response, half fail an assert)", workers, r)
     fn = CodeTests(timeout_s=2, workers=workers)
     term = SafeReward(fn, "code_tests")
     sides = {"batched, the whole batch submitted at once": lambda: term([""] * n, responses, [None] * n, [meta] * n),
@@ -93,8 +108,32 @@ def code_tests_rates(workers: int, n_tests: int, n_responses: int, repeats: int)
         scores = []
         r = rate(lambda: scores.append(score()), len(programs), repeats)
         assert scores[-1] == expected and term.errors == 0, (scores[-1], term.metrics())
-        print(f"| code_tests reward, {n_tests} tests per response, {side} | {workers} | {r:.0f} |", flush=True)
+        row(f"code_tests reward, {n_tests} tests per response, {side}", workers, r)
     fn.close()
+
+
+def boot_before_rates(boot_before: str, workers: int, n: int, repeats: int) -> None:
+    """Rows of `--boot-before`: passing and failing programs through a pool whose fork server runs `boot_before`,
+    and through one running the current `_boot.py`, interleaved round by round."""
+    pools = {}
+    for name, boot in ((f"fork server {boot_before}", boot_before), ("fork server of this checkout", sandbox_core.BOOT)):
+        current, sandbox_core.BOOT = sandbox_core.BOOT, boot  # read when the pool's first run starts the server
+        pools[name] = SandboxPool(workers, Sandbox(timeout_s=2))
+        pools[name].map([PROGRAM])
+        sandbox_core.BOOT = current
+    sides = list(itertools.product(pools, (("passing", PROGRAM), ("a failing assert", FAILING))))
+    times = {side: [] for side in sides}
+    for round_ in range(repeats + 1):
+        for side in sides:
+            (name, (_, program)) = side
+            start = time.perf_counter()
+            pools[name].map([program] * n)
+            if round_:
+                times[side].append(time.perf_counter() - start)
+    for (name, (kind, _)), t in times.items():
+        row(f"sandbox pool, {name}, {kind}", workers, n / statistics.median(t))
+    for pool in pools.values():
+        pool.close()
 
 
 def main():
@@ -102,16 +141,23 @@ def main():
     parser.add_argument("--n", type=int, default=400, help="executions per round")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,2,4,8")
+    parser.add_argument("--boot-before", help="an earlier fork server script: measure only it against the current one")
     args = parser.parse_args()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; python {sys.version.split()[0]}; "
           f"load average before: {os.getloadavg()}")
-    print("| side | workers | executions/s |\n|---|---:|---:|")
+    print("| side | workers | executions/s | load after |\n|---|---:|---:|---:|")
+    if args.boot_before:
+        for w in (int(x) for x in args.workers.split(",")):
+            boot_before_rates(args.boot_before, w, args.n, args.repeats)
+        print(f"load average after: {os.getloadavg()}")
+        return
     for w in (int(x) for x in args.workers.split(",")):
         with SandboxPool(w, Sandbox(timeout_s=2)) as pool:
             r = rate(lambda: pool.map([PROGRAM] * args.n), args.n, args.repeats)
-        print(f"| sandbox pool | {w} | {r:.0f} |", flush=True)
-        print(f"| plain subprocess (rlimits only) | {w} | {plain_subprocess_rate(w, args.n, args.repeats):.0f} |",
-              flush=True)
+            row("sandbox pool", w, r)
+            r = rate(lambda: pool.map([FAILING] * args.n), args.n, args.repeats)
+            row("sandbox pool, a failing assert", w, r)
+        row("plain subprocess (rlimits only)", w, plain_subprocess_rate(w, args.n, args.repeats))
     for n_tests in (8, 5):
         for w in (2, 4):
             code_tests_rates(w, n_tests, args.n // n_tests, args.repeats)
