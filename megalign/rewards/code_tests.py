@@ -10,8 +10,12 @@ Design choices (written down so users can predict the reward):
     - `{"input": str, "output": str}`: the code runs as a program with `input` on stdin and passes when
       its stdout equals `output` after trailing whitespace is removed from every line and trailing empty
       lines are dropped (the usual competitive-programming checker), and it exits with status 0;
-    - a string of Python statements (usually `assert f(2) == 5`): it runs after the code in one program
-      and passes when that program exits with status 0.
+    - a string of Python statements (usually `assert f(2) == 5`): it runs after the code in one program,
+      followed by a line printing a fresh random token, and passes when that program exits with status 0
+      having printed the token as its last line. Exit status alone is not enough: a response that calls
+      `os._exit(0)` or `sys.exit(0)` (or swallows SystemExit at exit) would skip every assert and still exit 0,
+      which RL finds. Code that runs in the same process as its tests can still forge the token on purpose (it
+      can read its own code object), as with any in-process checker; the token closes the cheap exits.
   Every test is its own sandboxed execution (its own limits: an endless loop in one test costs only that
   test), run in parallel on a `SandboxPool`. No tests in the row is an error (the term's failure counter
   sees it), not a reward of 0.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import threading
 from typing import Any, Callable, Mapping, Optional
 
@@ -92,14 +97,20 @@ class CodeTests:
         tests = _load_tests(metadata)
         code = extract_code(response)
         pool = self._get_pool()
-        futures = [pool.submit(code, str(t["input"])) if isinstance(t, Mapping) else pool.submit(f"{code}\n\n{t}\n")
-                   for t in tests]
+        tokens = [None if isinstance(t, Mapping) else secrets.token_hex(16) for t in tests]
+        futures = [pool.submit(code, str(t["input"])) if token is None
+                   else pool.submit(f"{code}\n\n{t}\nprint({token!r})\n") for t, token in zip(tests, tokens)]
+
+        def passed(test, token: Optional[str], outcome) -> bool:
+            if outcome.status != "ok":
+                return False
+            if token is not None:  # an assert test: the asserts ran to their end (module doc)
+                lines = outcome.stdout.rstrip().splitlines()
+                return bool(lines) and lines[-1].strip() == token
+            return _normalize_output(outcome.stdout) == _normalize_output(str(test["output"]))
 
         def finish() -> float:
-            passed = sum(o.status == "ok" and (isinstance(t, str) or
-                                               _normalize_output(o.stdout) == _normalize_output(str(t["output"])))
-                         for t, o in zip(tests, (f.result() for f in futures)))
-            return passed / len(tests)
+            return sum(passed(t, token, f.result()) for t, token, f in zip(tests, tokens, futures)) / len(tests)
 
         return finish
 

@@ -69,6 +69,17 @@ def test_a_hostile_response_scores_zero_and_touches_nothing(reward, tmp_path):
 
 
 @needs_sandbox
+@pytest.mark.parametrize("exit_early", ["import os\nos._exit(0)", "import sys\nsys.exit(0)",
+                                        "import atexit, os\natexit.register(lambda: os._exit(0))"])
+def test_a_response_that_exits_before_the_asserts_passes_nothing(reward, exit_early):
+    # f is wrong; exiting with status 0 before (or instead of finishing) the asserts used to pass every assert test
+    response = f"```python\ndef f(x):\n    return 0\n{exit_early}\n```"
+    assert reward("", response, None, {"tests": ["assert f(1) == 2", "assert f(2) == 4"]}) == 0.0
+    right = "```python\ndef f(x):\n    return 2 * x\nprint('chatter')\n```"  # its own output is no problem
+    assert reward("", right, None, {"tests": ["assert f(1) == 2", "assert f(2) == 4"]}) == 1.0
+
+
+@needs_sandbox
 def test_as_a_user_reward_term_missing_tests_are_counted_failures():
     term = get_reward("megalign.rewards.code_tests:code_tests", timeout_s=20)
     scores = term(["p", "p"], ["```python\nprint(5)\n```", "print(5)"], [None, None],
