@@ -2,7 +2,8 @@
 
 `save_hf_checkpoint` already gathers tp shards onto tp rank 0 and writes atomically (temporary name,
 rename) and refuses NaN weights. What it leaves to the caller under data parallelism is choosing one
-replica: every dp replica holds the same weights, so only dp rank 0's tp group writes, and a barrier
+replica: every dp replica holds the same weights, so only dp rank 0's tp group writes (under expert
+parallelism the first ep group's ranks, dp ranks [0, ep), gather the experts onto dp rank 0), and a barrier
 makes the files visible to every rank when `export_hf` returns. Pipeline stages (pp > 1) write one
 safetensors shard each plus an index (`save_hf_checkpoint` with the layout), which `transformers` loads
 as any sharded checkpoint.
@@ -71,11 +72,12 @@ def export_hf(model, path: Union[str, os.PathLike], layout: Optional[ParallelLay
     `save_hf_checkpoint` (e.g. a critic's `LlamaForTokenClassification`). Collective when a
     process group exists: every rank calls it. Returns `path`.
     """
-    if layout is None or layout.dp_rank == 0:
+    if layout is None or layout.dp_rank < layout.ep:  # one replica; at ep > 1 its ep group, which gathers the experts
         with merged_base_view(model):  # a LoRA model writes merged weights; no-op without adapters
             save_hf_checkpoint(model, path, architecture, layout)
         first_stage = layout is None or layout.is_first_stage  # at pp > 1 the first stage renames the folder into place
-        if tokenizer is not None and model.model.factory.tp_rank == 0 and first_stage:
+        writer = layout is None or layout.dp_rank == 0
+        if tokenizer is not None and model.model.factory.tp_rank == 0 and first_stage and writer:
             save_tokenizer_files(tokenizer, os.fspath(path))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -17,6 +17,11 @@ but the layers and the HF adapter work on plain shards. So every model tensor is
 `"tp{t}_pp{p}"` + its name (`ModelState`). Replicas of the same shard (the dp ranks of a model
 shard) share a key, so DCP writes each shard once.
 
+Expert parallelism (`layout.ep` > 1): the ranks of an ep group hold different experts under the same parameter
+names, so those tensors (and their optimizer state) are saved under `"tp{t}_pp{p}_ep{e}"` with this rank's ep rank
+(`megalign.parallel.ep_sharded_parameters` says which); the replicas of an expert shard (the expert-data-parallel
+group) share the key. The rest of the model stays under `"tp{t}_pp{p}"`.
+
 The optimizer state is saved independently of dp: per parameter (by its name in the model), whole,
 under the same `"tp{t}_pp{p}"` prefix (`OptimizerState`). ZeRO-1 shards the state by whole
 parameters, so each parameter's state lives on one dp rank, which saves it under its own name;
@@ -30,7 +35,7 @@ r's streams when the checkpoint has them; a rank beyond the saved ones (dp grew)
 and then reseeds every generator from a hash of rank 0's torch state and r: deterministic, and
 distinct per rank. When dp shrinks, the streams of the ranks that are gone are dropped.
 
-What cannot be resharded: tp and pp, and the layers of each pipeline stage (uneven stages,
+What cannot be resharded: tp, pp and ep, and the layers of each pipeline stage (uneven stages,
 `megalign.parallel.StageSplit`: a stage's layers are saved under its local indices). They are read from
 the saved key names before anything is loaded, and a change fails up front naming the saved and the
 current layout. Changing tp or pp goes
@@ -50,9 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from megalign.models.lora import lora_modules
+from megalign.parallel.data_parallel import ep_sharded_parameters, local_optimizers
 from megalign.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -97,6 +102,7 @@ class Reshardable(Protocol):
 
 
 _SHARD = re.compile(r"(?:dp\d+_)?tp(\d+)_pp(\d+)\.")
+_EXPERTS = re.compile(r"tp\d+_pp\d+_ep(\d+)\.")
 _LAYER = re.compile(r"(?:dp\d+_)?tp\d+_pp(\d+)\.(?:state\.)?model\.layers\.(\d+)\.")
 
 
@@ -111,10 +117,41 @@ def _stage_sizes(model: nn.Module, layout: Optional[ParallelLayout]) -> Optional
     return sizes if decoder.layer_range == (start, start + sizes[layout.pp_rank]) else None
 
 
+def _keys(layout: Optional[ParallelLayout]) -> tuple[str, Optional[str]]:
+    """(this rank's key `"tp{t}_pp{p}"`, its experts' key `"tp{t}_pp{p}_ep{e}"` or None at ep = 1) (module doc)."""
+    coords = _coords(layout)
+    key = f"tp{coords['tp']}_pp{coords['pp']}"
+    return key, (f"{key}_ep{layout.ep_rank}" if layout is not None and layout.ep > 1 else None)
+
+
+def _expert_names(model: nn.Module) -> set[str]:
+    """Names of `model`'s parameters split over an ep group (empty at ep = 1)."""
+    experts = {id(p) for p in ep_sharded_parameters(model)}
+    return {name for name, p in model.named_parameters() if id(p) in experts}
+
+
+def _split(values: dict[str, Any], key: str, expert_key: Optional[str], experts: set[str]) -> dict[str, Any]:
+    """`{key: values}`, or with `expert_key` the `experts` entries under it and the rest under `key` (none empty but
+    `key`'s)."""
+    if expert_key is None:
+        return {key: values}
+    split = {key: {n: v for n, v in values.items() if n not in experts},
+             expert_key: {n: v for n, v in values.items() if n in experts}}
+    return split if split[expert_key] else {key: split[key]}
+
+
+def _saved_ep(ep: int, expert_key: Optional[str], target: dict[str, Any]) -> Optional[int]:
+    """The ep a checkpoint must have been saved at to load into `target` (`_split`'s): this run's, unless its experts
+    are split (`expert_key`) but hold nothing to load (frozen under LoRA), when any ep will do (None)."""
+    return ep if expert_key is None or expert_key in target else None
+
+
 def check_saved_layout(name: str, saved: SavedCheckpoint, tp: int, pp: int,
-                       stage_sizes: Optional[list[int]] = None) -> None:
-    """Raise ValueError unless the `name` entry of `saved` holds tp x pp shards (read from its key names) and, given
-    `stage_sizes` (this run's layers per pipeline stage), stages of those sizes (the highest layer index per stage)."""
+                       stage_sizes: Optional[list[int]] = None, ep: Optional[int] = None) -> None:
+    """Raise ValueError unless the `name` entry of `saved` holds tp x pp shards (read from its key names), given `ep`
+    (this run's expert-parallel size, for a model with experts) experts saved at that ep (1 when no key has an ep
+    rank) and, given `stage_sizes` (this run's layers per pipeline stage), stages of those sizes (the highest layer
+    index per stage)."""
     coords = {(int(m.group(1)), int(m.group(2))) for m in map(_SHARD.match, saved.under(name)) if m}
     if not coords:
         names = sorted({k.split(".")[0] for k in saved.keys})
@@ -124,6 +161,11 @@ def check_saved_layout(name: str, saved: SavedCheckpoint, tp: int, pp: int,
         raise ValueError(f"checkpoint {saved.path}: '{name}' was saved with tp={saved_tp} pp={saved_pp}, but this run "
                          f"has tp={tp} pp={pp}; a checkpoint loads only into the same tp and pp (dp may differ). "
                          f"To change them, start a new run from the model's HF export")
+    saved_ep = max((int(m.group(1)) + 1 for m in map(_EXPERTS.match, saved.under(name)) if m), default=1)
+    if ep is not None and saved_ep != ep:
+        raise ValueError(f"checkpoint {saved.path}: '{name}' was saved with ep={saved_ep}, but this run has ep={ep}; "
+                         f"a checkpoint loads only into the same ep (its experts are split by it). To change it, start "
+                         f"a new run from the model's HF export")
     saved_sizes = [0] * pp
     for m in map(_LAYER.match, saved.under(name)):
         if m:
@@ -150,25 +192,27 @@ class ModelState:
 
     def __init__(self, model: nn.Module, layout: Optional[ParallelLayout] = None):
         self.model = model
-        coords = _coords(layout)
-        self.key = f"tp{coords['tp']}_pp{coords['pp']}"
-        self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
+        self.key, self.expert_key = _keys(layout)
+        self.tp, self.pp, self.ep = (layout.tp, layout.pp, layout.ep) if layout is not None else (1, 1, 1)
         self.stage_sizes = _stage_sizes(model, layout)
         self.adapters_only = bool(lora_modules(model))
+        self.experts = _expert_names(model)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.model.state_dict()
         if self.adapters_only:
             trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
             state = {name: t for name, t in state.items() if name in trainable}
-        return {self.key: state}
+        return _split(state, self.key, self.expert_key, self.experts)
 
     def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
-        check_saved_layout(name, saved, self.tp, self.pp, self.stage_sizes)
-        return self.state_dict()
+        target = self.state_dict()
+        check_saved_layout(name, saved, self.tp, self.pp, self.stage_sizes, _saved_ep(self.ep, self.expert_key, target))
+        return target
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        result = self.model.load_state_dict(state[self.key], strict=not self.adapters_only)
+        whole = {n: t for part in state.values() for n, t in part.items()}
+        result = self.model.load_state_dict(whole, strict=not self.adapters_only)
         if self.adapters_only and result.unexpected_keys:
             raise ValueError(f"ModelState: checkpoint tensors {result.unexpected_keys} are not adapters of this model")
 
@@ -176,9 +220,10 @@ class ModelState:
 class OptimizerState:
     """An optimizer's per-parameter state, by parameter name, under `"tp{t}_pp{p}"`: independent of dp (module doc).
 
-    Saved as `{"tp{t}_pp{p}": {"state": {param name: {"exp_avg": ..., "step": ...}}}}`, from DCP's
-    `get_optimizer_state_dict`. For a `ZeroRedundancyOptimizer` that is its local `.optim`, which holds
-    the state of the parameters this dp rank owns; any other optimizer is saved whole (its dp
+    Saved as `{"tp{t}_pp{p}": {"state": {param name: {"exp_avg": ..., "step": ...}}}}` (and the experts' under
+    `"tp{t}_pp{p}_ep{e}"` at ep > 1), from DCP's `get_optimizer_state_dict`. For a `ZeroRedundancyOptimizer` that is
+    its local `.optim`, which holds the state of the parameters this dp rank owns (for an
+    `megalign.parallel.ExpertParallelZero` its two local ones); any other optimizer is saved whole (its dp
     replicas share the keys, so it is written once). Loading asks for the parameters this rank owns
     now, from whichever shard of whichever format holds them, after checking tp and pp.
 
@@ -196,35 +241,39 @@ class OptimizerState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Optional[ParallelLayout] = None):
         self.model = model
-        coords = _coords(layout)
-        self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-        self.key = f"tp{coords['tp']}_pp{coords['pp']}"
-        self.tp, self.pp = (layout.tp, layout.pp) if layout is not None else (1, 1)
+        self.optimizers = local_optimizers(optimizer)  # ZeRO-1's local one; at ep > 1 the dense and the experts' ones
+        self.key, self.expert_key = _keys(layout)
+        self.tp, self.pp, self.ep = (layout.tp, layout.pp, layout.ep) if layout is not None else (1, 1, 1)
         self.stage_sizes = _stage_sizes(model, layout)
+        self.experts = _expert_names(model)
 
     def state_dict(self) -> dict[str, Any]:
-        if not self.optimizer.state:
-            self._build_fresh_state()
-        return {self.key: {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}}
+        fresh = [optimizer for optimizer in self.optimizers if not optimizer.state]
+        if fresh:
+            self._build_fresh_state(fresh)
+        state = get_optimizer_state_dict(self.model, self.optimizers)["state"]
+        return {key: {"state": part} for key, part in _split(state, self.key, self.expert_key, self.experts).items()}
 
-    def _build_fresh_state(self) -> None:
-        """The state of an Adam-family optimizer (the trainers' AdamW) that never stepped, as its first real step
-        would create it (class doc)."""
-        get_optimizer_state_dict(self.model, self.optimizer)  # one zero-gradient, zero-lr step
-        for values in self.optimizer.state.values():
-            values["step"].zero_()
+    def _build_fresh_state(self, fresh: list[torch.optim.Optimizer]) -> None:
+        """The state of the Adam-family optimizers (the trainers' AdamW) in `fresh`, which never stepped, as their
+        first real step would create it (class doc)."""
+        get_optimizer_state_dict(self.model, self.optimizers)  # one zero-gradient, zero-lr step of each fresh one
+        for optimizer in fresh:
+            for values in optimizer.state.values():
+                values["step"].zero_()
 
     def load_target(self, name: str, saved: SavedCheckpoint) -> dict[str, Any]:
         """{saved shard prefix: {"state": {name: {key: tensor}}}} for the parameters this optimizer holds."""
-        check_saved_layout(name, saved, self.tp, self.pp, self.stage_sizes)
-        shard_of = {}  # "param name.state key" -> the saved prefix holding it: "tp{t}_pp{p}" or "dp{d}_tp{t}_pp{p}"
-        for key in saved.under(name):
+        own = self.state_dict()
+        check_saved_layout(name, saved, self.tp, self.pp, self.stage_sizes, _saved_ep(self.ep, self.expert_key, own))
+        shard_of = {}  # "param name.state key" -> the saved prefix holding it: "tp{t}_pp{p}", "dp{d}_tp{t}_pp{p}", or
+        for key in saved.under(name):  # "tp{t}_pp{p}_ep{e}" for this rank's experts
             shard, _, rest = key.partition(".state.")
-            if rest and (shard == self.key or shard.endswith("_" + self.key)):
+            if rest and (shard in (self.key, self.expert_key) or shard.endswith("_" + self.key)):
                 shard_of[rest] = shard
         target: dict[str, Any] = {}
         missing = []
-        for param, values in self.state_dict()[self.key]["state"].items():
+        for param, values in ((p, v) for part in own.values() for p, v in part["state"].items()):
             for key, value in values.items():
                 shard = shard_of.get(f"{param}.{key}")
                 if shard is None:
@@ -242,8 +291,8 @@ class OptimizerState:
         for shard in state.values():
             for param, values in shard["state"].items():
                 merged.setdefault(param, {}).update(values)
-        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # this run's hyper-parameters
-        set_optimizer_state_dict(self.model, self.optimizer, {"state": merged, "param_groups": groups})
+        groups = get_optimizer_state_dict(self.model, self.optimizers)["param_groups"]  # this run's hyper-parameters
+        set_optimizer_state_dict(self.model, self.optimizers, {"state": merged, "param_groups": groups})
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -65,7 +65,8 @@ class TensorParallelFactory(LayerFactory):
     """Builds the model's layers as Megatron tensor-parallel shards over `layout.tp_group`.
 
     Every rank of a tp group builds the same model with the same config; each holds its shard only
-    (the layers' `tp_shard_dims` name the split dimension for clipping and checkpoints). At
+    (the layers' `tp_shard_dims` name the split dimension for clipping and checkpoints). An MoE model's experts
+    are split over `layout.ep_group` when `layout.ep` > 1 (`moe.GroupedExperts`). At
     `layout.tp == 1` the layers hold whole weights and issue no collective, so the same code serves
     pure data parallelism.
     """
@@ -75,6 +76,7 @@ class TensorParallelFactory(LayerFactory):
         self.group = layout.tp_group
         self.tp_size = layout.tp
         self.tp_rank = layout.tp_rank
+        self.ep_size, self.ep_rank, self.ep_group = layout.ep, layout.ep_rank, layout.ep_group  # MoE experts split
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         """`[B, T]` ids -> `[B, T, dim]`, replicated; this rank holds rows `vocab_range(num_embeddings)`."""

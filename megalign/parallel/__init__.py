@@ -17,8 +17,9 @@ from .collectives import (
     scatter_to_group,
     split_last_dim,
 )
-from .data_parallel import (allreduce_embedding_gradients, allreduce_gradients, clip_grad_norm_, pp_tied_parameters,
-                            zero1_optimizer)
+from .data_parallel import (ExpertParallelZero, allreduce_embedding_gradients, allreduce_gradients, clip_grad_norm_,
+                            ep_sharded_parameters, layout_optimizer, local_optimizers, pp_tied_parameters,
+                            sync_gradients, zero1_optimizer)
 from .layers import (
     ColumnParallelLinear,
     Embedding,
@@ -40,6 +41,7 @@ __all__ = [
     "tp_sharded_parameters",
     "vocab_parallel_token_logprob", "fused_linear_token_logprob",
     "allreduce_gradients", "zero1_optimizer", "clip_grad_norm_", "allreduce_embedding_gradients",
-    "pp_tied_parameters", "MixedPrecision",
+    "pp_tied_parameters", "ep_sharded_parameters", "sync_gradients", "layout_optimizer", "local_optimizers",
+    "ExpertParallelZero", "MixedPrecision",
     "MicroBatchSums", "Pipeline", "stage_layer_range",
 ]

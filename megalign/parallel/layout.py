@@ -17,6 +17,14 @@ Design choices:
   group (`data_parallel.allreduce_embedding_gradients`). `build` creates these groups with
   `torch.distributed.new_group`, which every rank must call for every group in the same order, so
   they are made eagerly for pp > 1 (a pair of ranks each, cheap) rather than on first use.
+- Expert parallelism (`ep`, Megatron's): the experts of an MoE model are split over groups of `ep` consecutive
+  data-parallel ranks (same tp and pp coordinates), so `ep` divides dp; a rank's dp coordinate is
+  `expert_dp_rank * ep + ep_rank` (Megatron's expert rank order tp-ep-dp-pp with the expert tensor-parallel size
+  equal to tp). Two kinds of group: the ep group (`ep_group_ranks`, `ep` ranks holding different experts, which
+  exchange tokens by all-to-all) and the expert-data-parallel group (`expert_dp_group_ranks`, dp / ep ranks
+  holding the same experts, over which the experts' gradients are summed and their optimizer state sharded).
+  Both are pure arithmetic beside `group_ranks`; `build` creates them eagerly when ep > 1, every rank every
+  group in the same order, as the embedding groups. At ep = 1 the expert-data-parallel group is the dp group.
 - Pipeline stages of uneven size (`StageSplit`, pure arithmetic like the ranks'): `L / pp` layers each by
   default; Megatron's `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`
   (`first_stage_layers` / `last_stage_layers`: the middle stages split the rest evenly) or an explicit
@@ -69,6 +77,28 @@ def coords_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int) -
 def embedding_group_ranks(*, tp: int, pp: int, dp: int) -> list[list[int]]:
     """Every embedding group (Megatron's): per pp group, its first and last stage's ranks (one rank at pp=1)."""
     return [sorted({g[0], g[-1]}) for g in group_ranks("pp", tp=tp, pp=pp, dp=dp)]
+
+
+def check_ep(ep: int, dp: int) -> None:
+    """Raise ValueError unless `ep` is a positive int dividing `dp` (the experts split over ep of the dp ranks)."""
+    if not _is_int(ep) or ep < 1:
+        raise ValueError(f"parallel layout: ep must be a positive int, got {ep!r}")
+    if dp % ep:
+        raise ValueError(f"parallel layout: ep={ep} must divide dp={dp} (experts are split over groups of ep "
+                         f"data-parallel ranks)")
+
+
+def ep_group_ranks(*, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
+    """Every expert-parallel group: `ep` consecutive ranks of a dp group (they hold different experts), sorted."""
+    check_ep(ep, dp)
+    return [g[i:i + ep] for g in group_ranks("dp", tp=tp, pp=pp, dp=dp) for i in range(0, dp, ep)]
+
+
+def expert_dp_group_ranks(*, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
+    """Every expert-data-parallel group: the dp / ep ranks of a dp group at the same ep rank (they hold the same
+    experts), sorted; the dp groups themselves at ep = 1."""
+    check_ep(ep, dp)
+    return [g[j::ep] for g in group_ranks("dp", tp=tp, pp=pp, dp=dp) for j in range(ep)]
 
 
 def group_ranks(dim: Dim, *, tp: int, pp: int, dp: int) -> list[list[int]]:
@@ -176,6 +206,16 @@ def example_split(num_layers: int, pp: int) -> list[int]:
     return sizes
 
 
+def _own_group(groups: list[list[int]]) -> dist.ProcessGroup:
+    """Create every group of `groups` (a collective: every rank, the same order); return the one holding this rank."""
+    own = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            own = group
+    return own
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -190,11 +230,14 @@ class ParallelLayout:
 
     Attributes:
         tp, pp, dp: tensor-, pipeline- and data-parallel sizes; `tp * pp * dp == world_size`.
+        ep: expert-parallel size (module doc): the MoE experts split over `ep` consecutive dp ranks; divides dp.
         world_size: number of ranks.
         rank: this process's global rank (0 for a plan without processes).
         mesh: the (pp, dp, tp) `DeviceMesh`, or None for a plan.
         embedding_pg: this rank's embedding group when pp > 1 and this rank is on the first or last stage
             (made by `build`), else None; read it through `embedding_group`.
+        ep_pg, expert_dp_pg: this rank's ep and expert-data-parallel groups when ep > 1 (made by `build`), else
+            None; read them through `ep_group` / `expert_dp_group`.
         stages: how the decoder layers of the model built on this layout split over the pp stages
             (`StageSplit`; default L / pp each); set with `with_stages`.
     """
@@ -207,9 +250,13 @@ class ParallelLayout:
     mesh: Optional[DeviceMesh] = dataclasses.field(default=None, repr=False, compare=False)
     embedding_pg: Optional[dist.ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
     stages: StageSplit = StageSplit()
+    ep: int = 1
+    ep_pg: Optional[dist.ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
+    expert_dp_pg: Optional[dist.ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_sizes(self.tp, self.pp, self.dp, self.world_size)
+        check_ep(self.ep, self.dp)
         self.stages.check_pp(self.pp)
         rank_coords(self.rank, tp=self.tp, pp=self.pp, dp=self.dp)  # validates rank
         if self.mesh is not None and tuple(self.mesh.mesh.shape) != (self.pp, self.dp, self.tp):
@@ -219,11 +266,13 @@ class ParallelLayout:
             )
 
     @classmethod
-    def build(cls, *, tp: int = 1, pp: int = 1, dp: Optional[int] = None, device_type: str = "cpu") -> "ParallelLayout":
+    def build(cls, *, tp: int = 1, pp: int = 1, dp: Optional[int] = None, ep: int = 1,
+              device_type: str = "cpu") -> "ParallelLayout":
         """Build the layout and its DeviceMesh for the already-initialised default process group.
 
-        `dp` defaults to `world_size / (tp * pp)`. `device_type` is "cpu" (gloo) or "cuda" (NCCL);
-        for "cuda" the caller sets the current device (`torch.cuda.set_device(local_rank)`) first.
+        `dp` defaults to `world_size / (tp * pp)`; `ep` (expert parallelism) must divide it. `device_type` is
+        "cpu" (gloo) or "cuda" (NCCL); for "cuda" the caller sets the current device
+        (`torch.cuda.set_device(local_rank)`) first.
         Collective: every rank must call it with the same arguments.
         """
         if not dist.is_initialized():
@@ -241,15 +290,15 @@ class ParallelLayout:
                 )
             dp = world_size // (tp * pp)
         check_sizes(tp, pp, dp, world_size)
+        check_ep(ep, dp)
         mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
-        embedding_pg = None
-        if pp > 1:
-            for ranks in embedding_group_ranks(tp=tp, pp=pp, dp=dp):  # every rank creates every group, in order
-                group = dist.new_group(ranks)
-                if dist.get_rank() in ranks:
-                    embedding_pg = group
+        embedding_pg = _own_group(embedding_group_ranks(tp=tp, pp=pp, dp=dp)) if pp > 1 else None
+        ep_pg = expert_dp_pg = None
+        if ep > 1:  # every rank creates every group, in order: the ep groups, then the expert-dp groups
+            ep_pg = _own_group(ep_group_ranks(tp=tp, pp=pp, dp=dp, ep=ep))
+            expert_dp_pg = _own_group(expert_dp_group_ranks(tp=tp, pp=pp, dp=dp, ep=ep))
         return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, rank=dist.get_rank(), mesh=mesh,
-                   embedding_pg=embedding_pg)
+                   embedding_pg=embedding_pg, ep=ep, ep_pg=ep_pg, expert_dp_pg=expert_dp_pg)
 
     def with_stages(self, stages: Optional[StageSplit]) -> "ParallelLayout":
         """This layout (the same groups) with `stages` as its layer split; checked against pp (naming the options)."""
@@ -269,6 +318,35 @@ class ParallelLayout:
         """Global ranks of the `dim` group holding `rank` (default: this rank)."""
         rank = self.rank if rank is None else rank
         return next(g for g in group_ranks(dim, tp=self.tp, pp=self.pp, dp=self.dp) if rank in g)
+
+    def ep_group_ranks(self, rank: Optional[int] = None) -> list[int]:
+        """Global ranks of the expert-parallel group holding `rank` (default: this rank)."""
+        rank = self.rank if rank is None else rank
+        return next(g for g in ep_group_ranks(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep) if rank in g)
+
+    def expert_dp_group_ranks(self, rank: Optional[int] = None) -> list[int]:
+        """Global ranks of the expert-data-parallel group holding `rank` (default: this rank)."""
+        rank = self.rank if rank is None else rank
+        return next(g for g in expert_dp_group_ranks(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep) if rank in g)
+
+    def refuse_expert_parallel(self, what: str) -> None:
+        """NotImplementedError naming `what` at ep > 1, for code whose ranks may run different numbers of forwards:
+        the experts' all-to-all needs every rank of an ep group in every MoE forward, and generation (each rank
+        decodes until its own samples end) does not keep them in lock step yet."""
+        if self.ep > 1:
+            raise NotImplementedError(f"{what} at ep={self.ep}: the ranks of an ep group would run different numbers "
+                                      f"of forwards (each decodes until its own samples end), and every MoE forward "
+                                      f"is an all-to-all over the group; generation is not expert-parallel yet")
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group: which `E / ep` experts it holds."""
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """This rank's place in its expert-data-parallel group."""
+        return self.dp_rank // self.ep
 
     @property
     def tp_rank(self) -> int:
@@ -334,6 +412,18 @@ class ParallelLayout:
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.group("pp")
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks holding the other experts (same tp, pp; `ep` consecutive dp ranks); None at ep = 1 (no experts
+        are split)."""
+        self.group("dp")  # raises for a plan
+        return self.ep_pg
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """The ranks holding this rank's experts (dp / ep ranks); the dp group at ep = 1."""
+        return self.dp_group if self.ep == 1 else self.expert_dp_pg
 
     @property
     def embedding_group(self) -> dist.ProcessGroup:

@@ -27,8 +27,9 @@ The model of memory (formulas and their sources in `megalign.plan.formulas`):
   states sharded over the expert data-parallel group GPUs / (etp ep pp), the rest over dp x cp; an MoE layer's
   activations are the SwiGLU of its k routed experts plus the router's and the dispatch's tensors
   (`formulas.moe_dispatch_bytes`), and ep > 1 adds one layer's all-to-all send / receive buffers (balanced routing:
-  a dropless dispatcher's imbalance is not modelled). megalign's trainers run ep = 1 and no cp today: a plan with
-  them says so in its notes (`Estimate.notes`; `megalign.plan.planner`'s doc).
+  a dropless dispatcher's imbalance is not modelled). megalign's trainers run ep on their trained roles (actor.ep,
+  critic.ep, model.ep, read by `plan_from_run_config`) with etp = tp, and no cp: a plan beyond that says so in its
+  notes (`Estimate.notes`; `megalign.plan.planner`'s doc).
 - LoRA (`RolePlan.lora`, the trainers' actor.lora / critic.lora): adapters counted per target linear and tp rank
   (`model.lora_layer_params`), gradients and optimizer state for the adapters only (and a critic's value head), the
   frozen base in the compute dtype (megalign: its fp32 master weights, whose bf16 autocast copies are saved per

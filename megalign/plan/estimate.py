@@ -62,7 +62,8 @@ class Estimate:
     model: ModelConfig
     rows: list[StepBytes]
     notes: list[str] = dataclasses.field(default_factory=list)
-    """what the plan assumes that megalign's trainers do not run (ep, cp), and what LoRA saves"""
+    """what the plan assumes that megalign's trainers do not run (cp, an expert tp other than tp, ep on a frozen role),
+    and what LoRA saves"""
     problems: list[str] = dataclasses.field(default_factory=list)
     """reasons it does not run whatever the peak (a generator whose reservation cannot hold its weights)"""
 

@@ -1,8 +1,9 @@
 """The estimate's notes: what a plan assumes that megalign's trainers do not run, and what LoRA saves.
 
-- ep > 1 or cp > 1 on any role: megalign's trainers build their models at ep = 1 without context parallelism
-  (expert parallelism exists inside the model, `LayerFactory.ep_size` / `ep_group`, not as a role layout key), so
-  the plan describes a peer's run (Megatron, NeMo-RL, verl), not a megalign one (`megalign.plan.planner`'s doc).
+- cp > 1 on any role, an expert tp other than tp, or ep > 1 on a frozen role (reference, reward): megalign's
+  trainers have no context parallelism, slice every expert by tp, and split experts over ep ranks on their trained
+  roles only (`actor.ep`, `critic.ep`, `model.ep`), so the plan describes a peer's run (Megatron, NeMo-RL, verl), not
+  a megalign one (`megalign.plan.planner`'s doc).
 - A LoRA role: its adapter parameters, and its optimizer + gradient bytes per rank against the same role's full
   fine-tuning (the issue's "<= 10% of full fine-tuning's" is read from this line).
 - The adapter-off reference: the weight bytes per rank a separate frozen reference in the actor's layout (its tp,
@@ -18,6 +19,11 @@ from megalign.plan.formulas import gib
 
 if TYPE_CHECKING:
     from megalign.plan.planner import Planner
+
+
+TRAINED_ROLES = ("actor", "critic")
+"""The planner's roles whose megalign config has `ep` (`megalign.roles.TrainedRoleConfig`; a supervised run's model is
+the actor)."""
 
 
 def lora_saving(planner: "Planner", name: str, stage: int = 0) -> tuple[int, float, float]:
@@ -37,10 +43,13 @@ def lora_saving(planner: "Planner", name: str, stage: int = 0) -> tuple[int, flo
 def plan_notes(planner: "Planner") -> list[str]:
     """The notes of `planner`'s estimate (module doc), in role order."""
     notes = []
-    beyond = [f"{n}.{k}={getattr(r, k)}" for n, r in planner.roles.items() for k in ("ep", "cp") if getattr(r, k) > 1]
+    beyond = [f"{n}.cp={r.cp}" for n, r in planner.roles.items() if r.cp > 1]
+    beyond += [f"{n}.etp={r.etp}" for n, r in planner.roles.items() if r.ep > 1 and r.etp not in (None, r.tp)]
+    beyond += [f"{n}.ep={r.ep}" for n, r in planner.roles.items() if r.ep > 1 and n not in TRAINED_ROLES]
     if beyond:
-        notes.append(f"{', '.join(beyond)}: megalign's trainers run ep=1 and cp=1 today (expert parallelism is a "
-                     f"model-level option, LayerFactory.ep_size); this plan judges a peer's layout, not a megalign run")
+        notes.append(f"{', '.join(beyond)}: megalign's trainers run cp=1, slice each expert by tp (etp = tp) and split "
+                     f"experts over ep ranks on trained roles only (actor.ep, critic.ep); this plan judges a peer's "
+                     f"layout, not a megalign run")
     for name, role in planner.roles.items():
         if role.lora is None:
             continue

@@ -1,11 +1,11 @@
 """The plan: a run's roles and batch, and the bytes each rank holds in each phase (module doc of `megalign.plan`).
 
 Expert parallelism (`RolePlan.ep`) and context parallelism (`RolePlan.cp`) are planned the Megatron way so that
-the peers' published MoE layouts can be judged, but megalign's trainers have neither as a role layout key today:
-ep exists inside the model (`LayerFactory.ep_size` / `ep_group`, `megalign.models.moe`), and the trainers build
-their models at ep = 1 and without cp. So the planner accepts ep / cp > 1 and says so in the estimate's notes
-(`Estimate.notes`) instead of refusing: a plan with them describes a peer's run, not a megalign one, and
-`plan_from_run_config` (a megalign run) never sets them.
+the peers' published MoE layouts can be judged. megalign's trainers run ep on their trained roles (`actor.ep`,
+`critic.ep`, the supervised `model.ep`: experts split over ep consecutive dp ranks, each expert sliced by tp, i.e.
+etp = tp), which `plan_from_run_config` reads; they have no cp, no expert tp other than tp, and no ep on a frozen
+role. The planner accepts those too and says so in the estimate's notes (`Estimate.notes`) instead of refusing: a
+plan with them describes a peer's run, not a megalign one.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ class RolePlan:
                             "holds 1/cp of each sequence's tokens; weights replicated, dp = GPUs / (tp pp cp), states "
                             "sharded over dp x cp; megalign's trainers: 1 (module doc)")
     ep: int = option(1, doc="MoE: expert-parallel size (Megatron's expert_model_parallel_size): E / ep experts per rank, their states "
-                            "sharded over the expert data-parallel group GPUs / (etp ep pp); megalign's trainers: 1 (module doc)")
+                            "sharded over the expert data-parallel group GPUs / (etp ep pp); megalign's trainers: the "
+                            "trained roles' ep (actor.ep, critic.ep, model.ep; module doc)")
     etp: Optional[int] = option(None, doc="MoE: expert tensor-parallel size (Megatron's expert_tensor_parallel_size); null: tp, "
                                           "as megalign slices every expert by tp")
     lora: Optional[LoRAConfig] = option(None, doc="trained roles: LoRA adapters {rank, target_modules, ...} as the trainers' actor.lora / "

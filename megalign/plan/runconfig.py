@@ -9,8 +9,9 @@ on 2 of the G samples of a prompt, so the update's activations are over-estimate
 (the reward tokens are read on the LM head of a trained causal LM).
 
 What maps: role tp / pp (and its uneven stages: first_stage_layers / last_stage_layers / stage_layers) / dtype /
-offload switches, a trained role's `lora` (then the reference is the actor with adapters off, no copy; never ep
-or cp, which megalign's trainers do not have), the reference when the registry says the run
+offload switches, a trained role's `lora` (then the reference is the actor with adapters off, no copy) and `ep`
+(expert parallelism, etp = tp as megalign slices experts; never cp, which megalign's trainers do not have), the
+reference when the registry says the run
 builds it (`Algorithm.needs_reference`: the config attribute the trainer reads, e.g. the KL coefficient
 of GRPO, REINFORCE++ and PPO), the critic of PPO, the reward model when `reward.model` or
 `reward.models` is set (the first one only), prompts and responses (online:
@@ -39,8 +40,10 @@ PLANNED_AS = {"sft": "sft", "dpo": "dpo", "kto": "kto", "rm": "rm", "prm": "sft"
 
 def _role(cfg, offload_optimizer: bool = False) -> RolePlan:
     from megalign.roles.base import TrainedRoleConfig  # as the trainers' configs, imported when a run config is read
-    recompute = "full" if isinstance(cfg, TrainedRoleConfig) and cfg.activation_checkpointing else "none"
-    return RolePlan(tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype, offload_weights=cfg.offload_weights,
+    trained = isinstance(cfg, TrainedRoleConfig)
+    recompute = "full" if trained and cfg.activation_checkpointing else "none"
+    return RolePlan(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep if trained else 1, dtype=cfg.dtype,
+                    offload_weights=cfg.offload_weights,
                     offload_optimizer=offload_optimizer, activation_checkpointing=recompute,
                     lora=getattr(cfg, "lora", None),
                     first_stage_layers=cfg.first_stage_layers, last_stage_layers=cfg.last_stage_layers,

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megalign.models import CausalLM
-from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline, all_finite, allreduce_gradients, clip_grad_norm_
+from megalign.parallel import MixedPrecision, ParallelLayout, Pipeline, all_finite, clip_grad_norm_, sync_gradients
 from megalign.roles.base import ModelRole, optimizer_slots
 from megalign.roles.packing import PipelinePacks, pipeline_packs, response_hidden, response_positions, scatter_response
 from megalign.rollout import EngineConfig, GenerationOutput, RolloutStats, SamplingParams, pipeline_rollout, rollout
@@ -218,7 +218,7 @@ class TrainableRole(PolicyRole):
 
         A collective over the world: every rank calls it once per mini-batch.
         """
-        allreduce_gradients(self.model.parameters(), self.layout.dp_group, average=False)
+        sync_gradients(self.model, self.layout, average=False)  # the experts over expert-dp at ep > 1
         if self.batch_copies > 1:  # the same batch's gradient summed once per copy (class doc)
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -246,6 +246,7 @@ class Actor(TrainableRole):
         """`group_size` samples of each left-padded prompt [U, P] with the training weights (eval mode, no dropout):
         [U * G] rows, a prompt's samples adjacent. The rollout's seed is drawn from `generator` (checkpointed by the
         trainer), so a resumed run samples the same. `routing`: records an MoE actor's experts (pp = 1 only)."""
+        self.layout.refuse_expert_parallel("the actor's rollout")
         seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device))
         with self.precision.autocast(self.layout.device):
             if self.layout.pp > 1:

@@ -82,6 +82,14 @@ class TrainedRoleConfig(ModelRoleConfig):
         False, doc="recompute each decoder layer in the backward instead of keeping its activations "
                    "(torch.utils.checkpoint per layer, Megatron's full recomputation): a layer keeps only its "
                    "input, for one more trunk forward per update; the same numbers")
+    ep: int = option(1, doc="expert-parallel size of an MoE model (Megatron's): its experts split over groups of ep "
+                            "consecutive dp ranks, tokens exchanged by all-to-all; must divide dp and the model's "
+                            "num_experts (checked before it loads); 1: every rank holds every expert")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ValueError(f"ep must be an int >= 1, got {self.ep!r}")
 
 
 class _Slot:

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from megalign.checkpoint import CheckpointManager, Counters, RNGState, RunDirLock, fingerprint_files, write_run_config
 from megalign.config import to_dict
 from megalign.data import Tokenizer, TokenizerConfig, build_tokenizer
+from megalign.models import ModelConfig
 from megalign.parallel import ParallelLayout, StageSplit
 from megalign.roles.actor import TrainableRole
 from megalign.trainers.logging import MetricsLogger, PhaseTimer
@@ -95,7 +96,7 @@ class Trainer:
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' but CUDA is not available")
         self.rank = dist.get_rank()
-        self._layouts: dict[tuple[int, int], ParallelLayout] = {}
+        self._layouts: dict[tuple[int, int, int], ParallelLayout] = {}  # by (tp, pp, ep)
         self._accepted_vocab: set[int] = set()
         self.lock = RunDirLock(cfg.run_dir)
         self.on_rank0(self.lock.acquire)  # before anything is written there
@@ -135,19 +136,23 @@ class Trainer:
             raise box[1]
         return box[0]
 
-    def layout_for(self, tp: int, pp: int = 1, key: str = "model",
-                   stages: Optional[StageSplit] = None) -> ParallelLayout:
-        """The layout with tensor-parallel size `tp` and `pp` pipeline stages (dp = world / (tp x pp)), built once
-        and shared by the roles that use it; `key` (the role's config key, e.g. "actor") names the settings in the
-        error when tp x pp does not divide the world size. `stages`: the role's layer split
-        (`ModelRoleConfig.stage_split`), carried by the returned copy (same groups) to the model builders."""
+    def layout_for(self, tp: int, pp: int = 1, key: str = "model", stages: Optional[StageSplit] = None, ep: int = 1,
+                   path: Optional[str] = None) -> ParallelLayout:
+        """The layout with tensor-parallel size `tp`, `pp` pipeline stages (dp = world / (tp x pp)) and expert-parallel
+        size `ep`, built once and shared by the roles that use it; `key` (the role's config key, e.g. "actor") names
+        the settings in the error when tp x pp does not divide the world size or ep does not fit. `stages`: the
+        role's layer split (`ModelRoleConfig.stage_split`), carried by the returned copy (same groups) to the model
+        builders. `path`: the role's HF folder, whose config must be an MoE model whose num_experts ep divides when
+        ep > 1 (checked before the model loads)."""
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"{key}.tp={tp} x {key}.pp={pp} = {tp * pp} does not divide the world size {world}: "
                              f"dp = world / (tp x pp) must be a whole number")
-        if (tp, pp) not in self._layouts:
-            self._layouts[tp, pp] = ParallelLayout.build(tp=tp, pp=pp, device_type=self.device_type)
-        return self._layouts[tp, pp].with_stages(stages)
+        if ep > 1:
+            _check_experts(key, ep, world // (tp * pp), path)
+        if (tp, pp, ep) not in self._layouts:
+            self._layouts[tp, pp, ep] = ParallelLayout.build(tp=tp, pp=pp, ep=ep, device_type=self.device_type)
+        return self._layouts[tp, pp, ep].with_stages(stages)
 
     def build_tokenizer(self, cfg: TokenizerConfig, model_path: Optional[str]) -> Tokenizer:
         """The run's tokenizer (`megalign.data.build_tokenizer`: by default the model folder's own, when it has one)."""
@@ -331,6 +336,22 @@ class Trainer:
             print(f"{self.name}: policy updated in {updates}" if after is None else
                   accuracy_table(before, after, self.progress["step"], self.eval_label(), self.name, updates), flush=True)
         return TrainResult(self.progress["step"], history, hf_path, before, after, self.progress["updates"])
+
+
+def _check_experts(key: str, ep: int, dp: int, path: Optional[str]) -> None:
+    """ValueError naming `key`.ep unless it divides `dp` and the experts of the MoE model in folder `path`."""
+    if dp % ep:
+        raise ValueError(f"{key}.ep={ep} must divide dp={dp} (world / ({key}.tp x {key}.pp)): the experts are split "
+                         f"over groups of ep data-parallel ranks")
+    if path is None:
+        raise ValueError(f"{key}.ep={ep}: expert parallelism needs an MoE model from {key}.path (a model built from "
+                         f"scratch is dense); set {key}.ep=1")
+    check_model_path(path, f"{key}.path")
+    experts = ModelConfig.from_hf(path).num_experts
+    if experts == 0:
+        raise ValueError(f"{key}.ep={ep}: {key}.path {path!r} is a dense model (no experts to split); set {key}.ep=1")
+    if experts % ep:
+        raise ValueError(f"{key}.ep={ep} must divide the {experts} experts of {key}.path {path!r}")
 
 
 def _names_a_key(config: dict[str, Any], dotted: str) -> bool:

@@ -69,6 +69,8 @@ def generate_responses(model, examples: Sequence[PromptExample], tokenizer: Toke
     (`left_pad`ded); `model` is this rank's (tp shard of the) `CausalLM`, in whatever mode the caller set,
     or its pipeline stage when `layout.pp > 1` (`pipeline_generate`: every rank of the pp group passes the
     same prompts and gets the same responses)."""
+    if layout is not None:
+        layout.refuse_expert_parallel("held-out generation")
     ids, mask = left_pad([e.prompt_ids for e in examples], tokenizer.pad_id, device)
     if layout is not None and layout.pp > 1:
         out = pipeline_generate(model, ids, mask, params, layout, generator)

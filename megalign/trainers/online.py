@@ -113,7 +113,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
     def __init__(self, cfg: OnlineConfig):
         super().__init__(cfg)
         self.batch_invariant = check_actor(cfg, self.device_type, self.needs_reference())  # before any model loads
-        self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor", cfg.actor.stage_split("actor"))
+        self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor", cfg.actor.stage_split("actor"), cfg.actor.ep,
+                                      cfg.actor.path)
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
         check_model_path(cfg.actor.path, "actor.path")

@@ -21,7 +21,7 @@ from typing import Optional
 from megalign.data import check_vocab
 from megalign.models import ModelConfig, from_pretrained, stage_from_pretrained
 from megalign.parallel import ParallelLayout
-from megalign.roles import DTYPES, ModelRoleConfig
+from megalign.roles import DTYPES, ModelRoleConfig, TrainedRoleConfig
 from megalign.roles.judge import Judge, load_judge
 from megalign.roles.reward import OutcomeReward, ProcessReward, RewardModelConfig
 from megalign.roles.reward_exports import load_prm_info
@@ -68,7 +68,8 @@ class OnlineRoles:
         """The layout of role `key` (its `tp` x `pp`), checked to see the actor's batches (`check_same_batch`: a
         role at pp = 1 beside a pp > 1 actor scores the batch on every rank of the actor's pp group)."""
         check_microbatches(key, cfg)
-        layout = self.layout_for(cfg.tp, cfg.pp, key, cfg.stage_split(key))
+        ep = cfg.ep if isinstance(cfg, TrainedRoleConfig) else 1  # the PPO critic's
+        layout = self.layout_for(cfg.tp, cfg.pp, key, cfg.stage_split(key), ep, cfg.path)
         check_same_batch(layout, key, self.layout, "actor")
         return layout
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megalign.config import option
-from megalign.parallel.data_parallel import zero1_optimizer
+from megalign.parallel.data_parallel import layout_optimizer
 from megalign.parallel.layout import ParallelLayout
 
 
@@ -88,9 +88,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, layout: ParallelLayout) -> torch.optim.Optimizer:
     """AdamW over `model`'s trainable parameters (requires_grad: with LoRA the adapters only, so the optimizer holds
-    no state for the frozen base), its state sharded over `layout.dp_group` (ZeRO-1).
+    no state for the frozen base), its state sharded over `layout.dp_group` (ZeRO-1); an MoE model's experts split
+    over `layout.ep` ranks over the expert-data-parallel group (`megalign.parallel.layout_optimizer`).
 
     Trainers call `set_lr(optimizer, lr_at(cfg, step, total))` before each `step()`.
     """
-    return zero1_optimizer(param_groups(model, cfg.weight_decay), layout.dp_group, optimizer_class=torch.optim.AdamW,
-                           lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused)
+    return layout_optimizer(model, param_groups(model, cfg.weight_decay), layout, optimizer_class=torch.optim.AdamW,
+                            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused)

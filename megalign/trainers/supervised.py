@@ -243,7 +243,8 @@ class SupervisedTrainer(Trainer):
         super().__init__(cfg)
         self.name = name
         self.eval_before = cfg.model.path is not None  # a trained starting point is worth comparing with
-        self.layout = layout = self.layout_for(cfg.model.tp, cfg.model.pp, "model", cfg.model.stage_split("model"))
+        self.layout = layout = self.layout_for(cfg.model.tp, cfg.model.pp, "model", cfg.model.stage_split("model"),
+                                               cfg.model.ep, cfg.model.path)
         if cfg.batch_size % layout.dp:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of dp={layout.dp}")
         if cfg.model.path is not None:

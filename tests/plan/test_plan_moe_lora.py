@@ -188,7 +188,8 @@ def test_ep_sharding_by_hand():
     bw, bg, bo = MEGATRON_BF16_GRADS  # bf16 params and grads, 16 bytes of fp32 main weights, grads and Adam moments
     rope = 4 * 40960 * 128
     assert (w, g, o) == (bw * n + rope, bg * n, bo * (dense / 8 + experts / 1))
-    assert any("ep=1 and cp=1 today" in note for note in plan_memory(plan).notes)
+    assert [n for n in plan_memory(plan).notes if "megalign's trainers run cp=1" in n][0].startswith(
+        "actor.cp=2, reference.cp=2, actor.etp=1, reference.etp=1, reference.ep=16: ")  # not actor.ep: a trainer key
 
 
 def qwen3_30b() -> PlanConfig:
@@ -422,3 +423,18 @@ def test_bad_moe_and_lora_layouts_are_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"reference.lora: only trained roles"):
         PlanConfig(model="llama3-8b", algorithm="dpo", gpus=8, actor=RolePlan(),
                    reference=RolePlan(lora=LoRAConfig()))
+
+
+def test_actor_ep_of_a_run_config_reaches_the_plan():
+    """actor.ep (and the supervised model.ep) of a megalign run config: experts split over ep dp ranks, sliced by tp
+    (etp = tp), their states over the expert data-parallel group dp / ep; no note, as megalign runs that layout."""
+    grpo = os.path.join(ROOT, "examples", "grpo_arith.yaml")
+    plan, model = plan_from_run_config(grpo, 8, "qwen3-30b-a3b", overrides=["actor.tp=2", "actor.ep=4"])
+    assert (plan.actor.ep, plan.actor.etp, plan.reference.ep if plan.reference else 1) == (4, None, 1)
+    planner = Planner(plan, model)
+    assert (planner.dp("actor"), planner.expert_dp("actor")) == (4, 1)
+    assert planner.stage("actor", 0).experts == 48 * (128 // 4) * 3 * 2048 * 768 // 2
+    assert not any("megalign's trainers run cp=1" in note for note in plan_memory(plan, model).notes)
+    sft, _ = plan_from_run_config(os.path.join(ROOT, "examples", "sft_arith.yaml"), 8, "qwen3-30b-a3b",
+                                  overrides=["model.ep=8"])
+    assert sft.actor.ep == 8
