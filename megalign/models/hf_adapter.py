@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -182,6 +182,47 @@ def checkpoint_has_tensor(path: Union[str, os.PathLike], name: str) -> bool:
     return name in _checkpoint_index(os.fspath(path))
 
 
+def _wanted(model: _Model, new_head: bool) -> tuple[dict[str, tuple[str, Optional[int], Optional[int]]], set[str]]:
+    """(HF name -> (megalign name, expert index or None, shard_dim) of every tensor `model` reads, the HF names it
+    may skip when present: a tied LM head, another ep rank's experts); `new_head` as in `load_hf_weights`."""
+    config: ModelConfig = model.config
+    factory = model.model.factory
+    params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
+    copies = _tied_copies(model)
+    wanted = {}
+    for name, param in params.items():
+        if new_head and name.startswith("head."):
+            continue
+        for hf_name, expert, shard_dim in hf_entries("model.embed.weight" if id(param) in copies else name, config,
+                                                     model.model.layer_range[0], factory.ep_size, factory.ep_rank):
+            wanted[hf_name] = (name, expert, shard_dim)
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings or new_head else set()
+    if factory.ep_size > 1:  # the other ep ranks' experts
+        ignorable |= {n for name in params for n, _, _ in hf_entries(name, config, model.model.layer_range[0])}
+        ignorable -= set(wanted)
+    return wanted, ignorable
+
+
+def _fill(model: _Model, params: dict[str, torch.Tensor], target: tuple[str, Optional[int], Optional[int]],
+          hf_name: str, tensor_slice, global_shape: list[int], where: str) -> None:
+    """Copy this rank's part of HF tensor `hf_name` (`tensor_slice`: a safetensors slice or a tensor, of
+    `global_shape`) into the parameter of `params` (the model's, by name) that `target` names; `where` names the
+    source in the shape error."""
+    config: ModelConfig = model.config
+    factory = model.model.factory
+    name, expert, shard_dim = target
+    param = params[name] if expert is None else params[name][expert]
+    expected = list(param.shape)
+    if shard_dim is not None:
+        expected[shard_dim] *= factory.tp_size
+    if name in _VOCAB_PARAMS:
+        expected[0] = config.vocab_size
+    if global_shape != expected:
+        raise ValueError(f"{where}: tensor {hf_name} has shape {global_shape}, expected {expected} for {name}")
+    with torch.no_grad():
+        param.copy_(_read_local(tensor_slice, global_shape, param, shard_dim, factory.tp_rank))
+
+
 def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool = False) -> None:
     """Fill `model` (on any tp rank of its factory) from the safetensors files in checkpoint folder `path`.
 
@@ -190,22 +231,9 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool
     """
     path = os.fspath(path)
     config: ModelConfig = model.config
-    factory = model.model.factory
-    params = dict(model.named_parameters())  # each tensor once: a tied LM head is the embedding
-    layer_range = model.model.layer_range
-    copies = _tied_copies(model)
-    wanted = {}  # HF name -> (megalign name, expert index or None, shard_dim)
-    for name, param in params.items():
-        if new_head and name.startswith("head."):
-            continue
-        for hf_name, expert, shard_dim in hf_entries("model.embed.weight" if id(param) in copies else name, config,
-                                                     layer_range[0], factory.ep_size, factory.ep_rank):
-            wanted[hf_name] = (name, expert, shard_dim)
+    wanted, ignorable = _wanted(model, new_head)
     files = _checkpoint_index(path)
-    ignorable = {"lm_head.weight"} if config.tie_word_embeddings or new_head else set()
-    ignorable |= {n for n in files if _other_stage(n, layer_range, config.num_hidden_layers)}
-    if factory.ep_size > 1:  # the other ep ranks' experts
-        ignorable |= {n for name in params for n, _, _ in hf_entries(name, config, layer_range[0])} - set(wanted)
+    ignorable |= {n for n in files if _other_stage(n, model.model.layer_range, config.num_hidden_layers)}
     missing = sorted(set(wanted) - set(files))
     unexpected = sorted(set(files) - set(wanted) - ignorable)
     if missing or unexpected:
@@ -214,23 +242,31 @@ def load_hf_weights(model: _Model, path: Union[str, os.PathLike], new_head: bool
     by_file: dict[str, list[str]] = {}
     for hf_name in wanted:
         by_file.setdefault(files[hf_name], []).append(hf_name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for hf_name in names:
-                    name, expert, shard_dim = wanted[hf_name]
-                    param = params[name] if expert is None else params[name][expert]
-                    tensor_slice = f.get_slice(hf_name)
-                    global_shape = list(tensor_slice.get_shape())
-                    expected = list(param.shape)
-                    if shard_dim is not None:
-                        expected[shard_dim] *= factory.tp_size
-                    if name in _VOCAB_PARAMS:
-                        expected[0] = config.vocab_size
-                    if global_shape != expected:
-                        raise ValueError(f"{file}: tensor {hf_name} has shape {global_shape}, "
-                                         f"expected {expected} for {name}")
-                    param.copy_(_read_local(tensor_slice, global_shape, param, shard_dim, factory.tp_rank))
+    params = dict(model.named_parameters())
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for hf_name in names:
+                tensor_slice = f.get_slice(hf_name)
+                _fill(model, params, wanted[hf_name], hf_name, tensor_slice, list(tensor_slice.get_shape()), file)
+
+
+def load_hf_tensors(model: _Model, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Fill `model` (on any tp / ep rank) from whole HF-named tensors as they arrive (`hf_tensor_stream` on the
+    sending side; another stage's layers are skipped), each rank keeping its own shard: how rollout ranks take
+    the trainer's weights at another tp size (`megalign.parallel.placement`). Raises ValueError naming `where`
+    for a tensor the model does not know or one it did not get."""
+    config: ModelConfig = model.config
+    wanted, ignorable = _wanted(model, new_head=False)
+    params, seen = dict(model.named_parameters()), set()
+    for hf_name, tensor in tensors:
+        if hf_name in wanted:
+            _fill(model, params, wanted[hf_name], hf_name, tensor, list(tensor.shape), where)
+            seen.add(hf_name)
+        elif hf_name not in ignorable and not _other_stage(hf_name, model.model.layer_range, config.num_hidden_layers):
+            raise ValueError(f"{where}: unexpected tensor {hf_name} for {type(model).__name__}")
+    missing = sorted(set(wanted) - seen)
+    if missing:
+        raise ValueError(f"{where}: missing tensors {missing}")
 
 
 def _hf_config(model: _Model, architecture: Optional[str]) -> dict:
@@ -249,13 +285,16 @@ def _hf_config(model: _Model, architecture: Optional[str]) -> dict:
     return hf_config
 
 
-def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
-    """HF name (global layer index) -> whole CPU tensor of this stage; None except on tp rank 0."""
+def hf_tensor_stream(model: _Model, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name with the global layer index, whole tensor) of this stage's parameters, gathered one at a time over
+    the tp group (and the ep group for experts): a collective every tp / ep rank runs to the end, which yields
+    only on tp rank 0 (ep rank 0). At most one whole tensor beyond the model is in flight. `to_cpu`: copy to the
+    CPU (an export) or keep on the device (a weight broadcast)."""
     factory = model.model.factory
     config: ModelConfig = model.config
     offset = model.model.layer_range[0]
-    tensors = {}
     copies = _tied_copies(model)
+    owner = factory.tp_rank == 0 and factory.ep_rank == 0
     for name, param in model.named_parameters():  # a tied LM head is the embedding: written once
         if id(param) in copies:  # the first stage writes the matrix
             continue
@@ -267,12 +306,19 @@ def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
             tensor = factory.gather_to_first(tensor, shard_dim + stacked)
         if tensor is not None and stacked and factory.ep_size > 1:
             tensor = gather_to_first(tensor, 0, factory.ep_group)  # among the tp-rank-0 ranks
-        if tensor is None:  # not tp rank 0 (or ep rank 0): this rank only sends
+        if tensor is None or not owner:  # not tp rank 0 (or ep rank 0): this rank only sends
             continue
         if name in _VOCAB_PARAMS:
             tensor = tensor[: config.vocab_size]
         for hf_name, expert, _ in entries:
-            tensors[hf_name] = (tensor if expert is None else tensor[expert]).contiguous().cpu()
+            part = (tensor if expert is None else tensor[expert]).contiguous()
+            yield hf_name, part.cpu() if to_cpu else part
+
+
+def _gathered_tensors(model: _Model) -> Optional[dict[str, torch.Tensor]]:
+    """HF name (global layer index) -> whole CPU tensor of this stage; None except on tp rank 0 (ep rank 0)."""
+    factory = model.model.factory
+    tensors = dict(hf_tensor_stream(model))
     return tensors if factory.tp_rank == 0 and factory.ep_rank == 0 else None
 
 

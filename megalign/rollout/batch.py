@@ -61,6 +61,14 @@ class RolloutBatch:
             return self.rewards, self.token_rewards
         return self.rewards - self.turn_rewards.sum(-1), self.turn_rewards
 
+    def to(self, device) -> "RolloutBatch":
+        """The batch with every tensor on `device` (rows sent between ranks travel on the CPU)."""
+        def move(value):
+            if isinstance(value, dict):
+                return {t: v.to(device) for t, v in value.items()}
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+        return RolloutBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
     def select(self, rows) -> "RolloutBatch":
         """The rows `rows` (indices, a slice or a bool mask) of every per-response tensor; whole groups stay whole
         only when `rows` picks whole groups (as `OnlineTrainer.collect` does)."""

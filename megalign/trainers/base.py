@@ -99,17 +99,10 @@ class Trainer:
         self._layouts: dict[tuple[int, int, int], ParallelLayout] = {}  # by (tp, pp, ep)
         self._accepted_vocab: set[int] = set()
         self.lock = RunDirLock(cfg.run_dir)
-        self.on_rank0(self.lock.acquire)  # before anything is written there
         self.checkpoints = CheckpointManager(cfg.run_dir, keep_last=cfg.keep_last)
-        self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
-        self.data_files = self.on_rank0(lambda: fingerprint_files(data_paths(cfg)))  # read by one rank, kept by all
-        self.resume_changes: list[str] = [] if self.resume_from is None else check_resume(
-            self.checkpoints, self.resume_from, cfg, RUN_FREE_KEYS + self.free_keys(), self.data_files)
-        # after the resume checks: a refused resume deletes nothing; before any model is built: not at the first save
-        self.on_rank0(lambda: claim_checkpoints(self.checkpoints, self.resume_from, cfg))
-        self.on_rank0(lambda: check_run_dir(self.checkpoints, cfg.run_dir, self.trained_models()))
-        if self.rank == 0:
-            write_run_config(cfg.run_dir, cfg)  # after the check: a refused resume keeps the run's config.yaml
+        self.resume_from, self.data_files, self.resume_changes = None, None, []
+        if self.owns_run_dir():
+            self._claim_run_dir(cfg)
         seed_everything(cfg.seed)
         self.progress: dict[str, Any] = {"step": 0, **dict.fromkeys(SKIP_REASONS, 0), "accuracy_before": -1.0,
                                          "updates": 0, "skipped_steps": 0}
@@ -118,6 +111,25 @@ class Trainer:
         self.watchdog = Watchdog(cfg.watchdog_minutes * 60, lambda: self.progress["step"] + 1, self.rank)
         self.timer = PhaseTimer(self.watchdog)
         self._skipped_in_step = False
+
+    def _claim_run_dir(self, cfg: RunConfig) -> None:
+        """The run directory's part of start-up (module doc): lock, resume point, data fingerprints, resume checks,
+        stale checkpoints, room, config.yaml."""
+        self.on_rank0(self.lock.acquire)  # before anything is written there
+        self.resume_from = self.checkpoints.resolve_resume(cfg.resume)
+        self.data_files = self.on_rank0(lambda: fingerprint_files(data_paths(cfg)))  # read by one rank, kept by all
+        self.resume_changes = [] if self.resume_from is None else check_resume(
+            self.checkpoints, self.resume_from, cfg, RUN_FREE_KEYS + self.free_keys(), self.data_files)
+        # after the resume checks: a refused resume deletes nothing; before any model is built: not at the first save
+        self.on_rank0(lambda: claim_checkpoints(self.checkpoints, self.resume_from, cfg))
+        self.on_rank0(lambda: check_run_dir(self.checkpoints, cfg.run_dir, self.trained_models()))
+        if self.rank == 0:
+            write_run_config(cfg.run_dir, cfg)  # after the check: a refused resume keeps the run's config.yaml
+
+    def owns_run_dir(self) -> bool:
+        """Whether this process's side of the job keeps the run directory (lock, checkpoints, config): every rank,
+        except the rollout ranks of a disaggregated online run (`megalign.trainers.disaggregated`)."""
+        return True
 
     # ----- set-up helpers for subclasses
 

@@ -31,6 +31,7 @@ Backend: gloo on CPU; on GPUs NCCL for CUDA tensors with gloo beside it for CPU 
 """
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import os
@@ -50,14 +51,19 @@ from megalign.config import ConfigError, config_help, load_config
 from megalign.data.prompts import DataError
 from megalign.models.config import HFConfigError
 from megalign.parallel.launch import LaunchError, cuda_device_index, resolve_launch
+from megalign.parallel.placement import Split, init_side_group
 from megalign.rewards import RewardSpecError
 from megalign.trainers.base import ModelError, ModelPathError, SkippedUpdatesError
+from megalign.trainers.disaggregated import rollout_ranks
 
 C = TypeVar("C")
 
 USAGE = "usage: [-h] [--debug] [--config CONFIG.yaml] [key.sub=value ...]"
 
 DEBUG_ENV = "MEGALIGN_DEBUG"
+
+SIDE_TIMEOUT = datetime.timedelta(minutes=30)
+"""Collective timeout of a disaggregated job's side groups (torch's default for gloo and NCCL)."""
 """Set to 1 (or pass --debug) to see the traceback of the errors printed as one line (module doc)."""
 INPUT_ERRORS = (DataError, ModelError, ModelPathError, HFConfigError, RewardSpecError)
 """Errors in the data, models or reward functions a config names: one line, exit status 2 (module doc)."""
@@ -133,7 +139,7 @@ def parse_cli(argv: Sequence[str], config_cls: Optional[type] = None) -> tuple[O
     return config, overrides
 
 
-def init_distributed(device: str = "auto") -> str:
+def init_distributed(device: str = "auto", rollout_ranks: int = 0) -> str:
     """Initialise the default process group (module doc) and return the device type, "cpu" or "cuda".
 
     `device`: "auto" (CUDA when available), "cpu" or "cuda". The launcher's environment is resolved
@@ -141,7 +147,9 @@ def init_distributed(device: str = "auto") -> str:
     it); under Slurm or MPI its rank, world size, local rank and rendezvous are then exported as the
     torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so env:// and any code
     reading them see one launch. On CUDA the current device becomes the local rank (`cuda_device_index`).
-    Does nothing but report the device type when a group already exists.
+    Does nothing but report the device type when a group already exists. `rollout_ranks` > 0 (a disaggregated
+    online run, `megalign.parallel.placement`): the default group is this rank's side only, the job's last
+    `rollout_ranks` ranks rolling out.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -156,7 +164,9 @@ def init_distributed(device: str = "auto") -> str:
     if dist.is_initialized():
         return device_type
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-    if launch.launcher == "single":
+    if rollout_ranks:
+        init_side_group(backend, Split(launch.rank, launch.world_size, rollout_ranks), SIDE_TIMEOUT)
+    elif launch.launcher == "single":
         store = os.path.join(tempfile.mkdtemp(prefix="megalign-pg-"), "store")
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     else:
@@ -217,10 +227,10 @@ def run_algorithm(name: Optional[str], argv: Sequence[str]) -> Any:
 def _train(cfg: C, train_fn: Callable[[C], Any]) -> Any:
     """The process group, logging and `train_fn(cfg)` of a loaded config (`main`'s doc)."""
     try:
-        init_distributed(cfg.device)
-    except LaunchError as exc:
+        init_distributed(cfg.device, rollout_ranks(cfg))
+    except (LaunchError, ValueError) as exc:
         _fail(str(exc))
-    setup_logging(dist.get_rank())
+    setup_logging(resolve_launch(os.environ).rank)  # the job's rank: each side of a disaggregated job has a rank 0
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return train_fn(cfg)

@@ -173,7 +173,7 @@ class EpisodeRollout:
         t = self.trainer
         cfg, device, group_size = t.cfg, t.layout.device, t.cfg.rollout.group_size
         examples = [t.train_set[i] for i in indices]
-        seed = int(torch.randint(0, 2 ** 62, (), generator=t.generator, device=t.generator.device))
+        seed = int(torch.randint(0, 2 ** 62, (), generator=t.rollout_generator, device=t.rollout_generator.device))
         with t.phase("generate", actor=("weights",)):
             episodes, stats = self.run(examples, group_size, self.params, seed, indices)
         self.count(episodes, stats)

@@ -47,6 +47,7 @@ Design choices:
   checkpoints hold the adapters and the base's fingerprint; export merged or as a PEFT adapter folder.
 - `actor.batch_invariant` (`megalign.models.batch_invariant`): the whole `train()` runs in the batch-invariant mode,
   so the rollout's log-probs, the recomputed ones and the training forward's agree bit for bit.
+- `placement.mode: disaggregated` (`megalign.trainers.disaggregated`): rollout ranks apart, bounded staleness.
 - MoE actors (`megalign.trainers.online_moe`): the rollout records each sample's experts (`RolloutBatch.routing`);
   `actor.routing_replay` / `reference.routing_replay` reuse them in the recomputed and trained forwards, otherwise
   `moe/router_agreement` is logged; `actor.moe_aux_loss_coef` adds the load-balancing loss to the actor's.
@@ -77,6 +78,7 @@ from megalign.roles.reward import check_safety_field
 from megalign.rollout import RolloutBatch, RolloutStats, SamplingParams
 from megalign.rollout.mismatch import MismatchMeter
 from megalign.trainers.base import MetricSums, Trainer, check_model_path
+from megalign.trainers.disaggregated import Placement, job_split
 from megalign.trainers.episodes import EpisodeRollout
 from megalign.trainers.evaluation import eval_count, evaluate_generation
 from megalign.trainers.online_lora import apply_role_lora, base_fingerprint
@@ -91,7 +93,7 @@ from megalign.trainers.updates import RoleLoss, accumulate
 logger = logging.getLogger(__name__)
 
 
-class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
+class OnlineTrainer(OnlineRoles, OnlineMetrics, Placement, Trainer):
     """Roles, prompts and rollouts of an RL run (module doc); subclasses implement `train_step`."""
 
     eval_before = True
@@ -111,10 +113,11 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         return keys + (("reward.model.offload_weights",) if self.cfg.reward.model is not None else ())
 
     def __init__(self, cfg: OnlineConfig):
+        self.split = job_split(cfg)  # disaggregated placement: which side this rank is on (None: colocated)
         super().__init__(cfg)
         self.batch_invariant = check_actor(cfg, self.device_type, self.needs_reference())  # before any model loads
-        self.layout = self.layout_for(cfg.actor.tp, cfg.actor.pp, "actor", cfg.actor.stage_split("actor"), cfg.actor.ep,
-                                      cfg.actor.path)
+        self.layout = self.rollout_layout() if self.rollout_side else self.layout_for(
+            cfg.actor.tp, cfg.actor.pp, "actor", cfg.actor.stage_split("actor"), cfg.actor.ep, cfg.actor.path)
         if cfg.rollout.prompts_per_step % self.layout.dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of dp={self.layout.dp}")
         check_model_path(cfg.actor.path, "actor.path")
@@ -135,9 +138,10 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                            build_optimizer(model, cfg.optim, self.layout), cfg.optim.grad_clip,
                            head_chunk_tokens=cfg.actor.head_chunk_tokens, **self.packing("actor", self.layout))
         self.reference = None
-        if self.needs_reference() and cfg.actor.lora is not None:  # no second copy (online_lora)
+        wants_reference = self.needs_reference() and not self.rollout_side  # the rollout ranks only generate
+        if wants_reference and cfg.actor.lora is not None:  # no second copy (online_lora)
             self.reference = AdapterOffReference(model, self.layout, precision, **self.packing("reference", self.layout))
-        elif self.needs_reference():
+        elif wants_reference:
             ref_layout = self.role_layout("reference", cfg.reference)
             ref_model = self.load_role_model("reference", cfg.reference, ref_layout, cfg.reference.path or cfg.actor.path,
                                              dtype=DTYPES[cfg.reference.dtype])
@@ -150,19 +154,22 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.moe = MoEOnline(self)  # routing replay, router agreement, the aux loss (`online_moe`)
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.seed, shuffle=cfg.data.shuffle,
                                      rank=self.layout.dp_rank, world_size=self.layout.dp)
-        self.generator = torch.Generator(device=self.layout.device).manual_seed(cfg.seed * 1000003 + self.layout.dp_rank)
+        seed = cfg.seed * 1000003 + self.layout.dp_rank  # engine seeds apart from the update order: `disaggregated`
+        self.rollout_generator, self.generator = (torch.Generator(self.layout.device).manual_seed(s)
+                                                  for s in (seed, seed + 500009))
         self.register_state("actor", ModelState(model, self.layout))
         if cfg.actor.lora is not None:
             self.register_state("actor_base", base_fingerprint(self, "actor.path", cfg.actor.path))
         self.register_state("optim", OptimizerState(model, self.actor.optimizer, self.layout))
         self.register_state("sampler", self.sampler)
-        self.register_state("trainer", RankState(self.rank, self.generator, self.reward))
+        self.register_state("trainer", RankState(self.rank, self.rollout_generator, self.generator, self.reward))
         self.memory: dict[str, float] = {}
         self.rollout_stats, self.rollout_metrics = RolloutStats(), {}
         self.mismatch = MismatchMeter()  # rollout vs trainer log-probs, every step (`megalign.rollout.mismatch`)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_response_length,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+        self.connect_sides()
 
     def longest_sequence(self) -> tuple[int, str]:
         """(tokens, what they are) of the longest sequence a role's model must hold, for `check_model`: the longest
@@ -181,9 +188,11 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
                 longest, what = eval_longest, "the longest held-out prompt plus the evaluation's max_new_tokens"
         return longest, what
     def train(self):
-        """`Trainer.train`, in the batch-invariant mode when the run asks for it (`online_config.batch_invariant_switch`)."""
+        """`Trainer.train`, in the batch-invariant mode when the run asks for it (`online_config.batch_invariant_switch`);
+        on a disaggregated run's rollout ranks the rollout loop instead (None), and on its training ranks the rollout
+        side is stopped once training ends or is preempted (`megalign.trainers.disaggregated`)."""
         with batch_invariant() if self.batch_invariant else contextlib.nullcontext():
-            return super().train()
+            return self.train_placed(super().train)
 
     def packing(self, key: str, layout: ParallelLayout) -> dict[str, Any]:
         """Role `key`'s packing switches (`megalign.roles.packing`), from `rollout.pack`, `pack_tokens`,
@@ -248,7 +257,7 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         with self.phase("generate", actor=("weights",)):
             recorder = self.moe.recorder()
             out, stats = self.actor.generate(prompt_ids.to(device), prompt_mask.to(device), group_size,
-                                             self.params, self.generator, cfg.rollout.engine, routing=recorder)
+                                             self.params, self.rollout_generator, cfg.rollout.engine, routing=recorder)
         self.rollout_stats += stats
         ids, mask = out.sequences[:, :self.prompt_width], out.attention_mask[:, :self.prompt_width]
         pad = cfg.rollout.max_response_length - out.logprobs.shape[1]
@@ -280,6 +289,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
 
         Raises when a reward term failed on too many of this step's samples (module doc).
         """
+        if self.feed is not None:
+            return self.feed.batch(self.progress["step"])
         cfg = self.cfg
         per_rank, group = cfg.rollout.prompts_per_step // self.layout.dp, cfg.rollout.group_size
         counters = self.reward.counters()
@@ -328,6 +339,8 @@ class OnlineTrainer(OnlineRoles, OnlineMetrics, Trainer):
         self.advantages(batch)
         sums = self.rollout_sums(generated)
         norms = self.update(batch, sums, counts)
+        if self.feed is not None:
+            self.feed.publish(self.progress["step"] + 1)
         total = sums.reduce(self.layout.dp_group, self.layout.device)
         metrics = self.step_metrics(total, generated.terms, self.metrics(total, norms, counts), start)
         return {**metrics, **self.mismatch.metrics(self.layout.device), **self.moe.metrics()}

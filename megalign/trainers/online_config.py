@@ -22,6 +22,7 @@ from megalign.parallel import ParallelLayout
 from megalign.roles import ModelRoleConfig, RewardConfig, TrainedRoleConfig
 from megalign.rollout import EngineConfig, MultiTurnConfig
 from megalign.trainers.base import DataConfig, RunConfig
+from megalign.trainers.disaggregated import PlacementConfig
 from megalign.trainers.evaluation import EvalConfig
 from megalign.trainers.optim import OptimConfig
 
@@ -225,6 +226,8 @@ class OnlineConfig(RunConfig):
     optim: OptimConfig = option(OptimConfig(lr=1e-4, schedule="constant", warmup_steps=5), doc="optimizer and LR schedule (per step)")
     eval: EvalConfig = option(EvalConfig(), doc="held-out greedy evaluation before training, every N steps and at the end")
     algo: UpdateSchedule = option(UpdateSchedule(), doc="the objective (each algorithm's section extends the update schedule)")
+    placement: PlacementConfig = option(PlacementConfig(), doc="colocated roles, or rollout ranks apart from the "
+                                                                 "training ranks with bounded staleness")
 
     def __post_init__(self):
         super().__post_init__()

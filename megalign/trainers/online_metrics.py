@@ -32,6 +32,18 @@ class OnlineMetrics:
         sums.add("responses", len(generated))
         return sums
 
+    def reward_error_metrics(self) -> dict[str, float]:
+        """The reward's cumulative error and verdict counts summed over dp (a collective); on a disaggregated run's
+        training ranks the rollout side's, which came with the step's batch (`remote_errors`)."""
+        if self.remote_errors is not None:
+            return dict(self.remote_errors)
+        counts = self.reward.error_counts()
+        if not counts:
+            return {}
+        errors = torch.tensor(list(counts.values()), dtype=torch.float64)
+        errors = all_reduce(errors.to(self.layout.device), self.layout.dp_group).cpu()
+        return dict(zip(counts, errors.tolist()))
+
     def step_metrics(self, total: dict[str, float], terms, algorithm: dict[str, Any], start: float) -> dict[str, float]:
         """A step's metrics: the rollout's means (from `rollout_sums`, reduced into `total`; `terms`: the reward
         term names), the algorithm's own, reward error counts over dp, data, timer, memory and throughput."""
@@ -46,10 +58,7 @@ class OnlineMetrics:
         }
         if self.cfg.eval.metric in terms:
             metrics["accuracy"] = metrics[f"reward/{self.cfg.eval.metric}/mean"]
-        errors = torch.tensor(list(self.reward.error_counts().values()), dtype=torch.float64)
-        if errors.numel():
-            errors = all_reduce(errors.to(self.layout.device), self.layout.dp_group).cpu()
-            metrics.update(dict(zip(self.reward.error_counts(), errors.tolist())))
+        metrics.update(self.reward_error_metrics())
         metrics.update(self.train_set.stats.as_dict())  # rows left out at load (invalid, too long), every step
         metrics.update(self.timer.metrics())
         metrics.update(self.memory)

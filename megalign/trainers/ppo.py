@@ -167,6 +167,8 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
                              "reward.models outside reward.gated)")
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         super().__init__(cfg)
+        if self.rollout_side:  # a disaggregated run's rollout ranks only generate and score
+            return
         path = self.critic_path()
         check_model_path(path, "critic.path")
         check_tokenizer(self.tokenizer, "critic.path", path, "" if self.cfg.critic.path else

@@ -152,10 +152,12 @@ def test_lora_grpo_tp2_and_pp2_equal_tp1_offloaded(policy, tmp_path):
     run_distributed(_train, policy, f"{tmp_path}/pp2", *steps, "actor.pp=2", world_size=2)
     tp1, tp2, pp2 = ([r for r in metric_rows(f"{tmp_path}/{d}") if "reward/mean" in r] for d in ("tp1", "tp2", "pp2"))
     assert len(tp1) == len(tp2) == len(pp2) == 2
+    # actor/kl is a mean of k3 over log-prob differences that are themselves rounding (a few fp32 ulps of |log p| ~ 1-5,
+    # summed in another order at tp = 2 / pp = 2): its absolute tolerance is that rounding's, 5e-7
     for a, b, c in zip(tp1, tp2, pp2):
-        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-            assert c[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        for key, abs_tol in (("reward/mean", 1e-7), ("actor/loss", 1e-7), ("actor/grad_norm", 1e-7), ("actor/kl", 5e-7)):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=abs_tol), key
+            assert c[key] == pytest.approx(a[key], rel=1e-5, abs=abs_tol), key
 
 
 def _ppo_and_online_dpo(policy, tmp):
