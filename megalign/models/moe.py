@@ -277,7 +277,7 @@ class GroupedExperts(nn.Module):
             0, flat, torch.ones_like(flat))
         xs = _as_matmul_operand(x, _autocast_dtype(x.device))[order // k]  # cast before the k-fold gather
         ys = self._swiglu(xs, counts) if self.ep_size == 1 else self._dispatch(xs, counts)
-        y = ys[_inverse(order)].view(n, k, -1)
+        y = ys[_inverse(order)].view(n, k, ys.shape[-1])  # explicit width: n = 0 on an idle ep rank (zero tokens)
         return (y.float() * weights[..., None]).sum(1).to(x.dtype)
 
 

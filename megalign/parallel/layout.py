@@ -330,13 +330,15 @@ class ParallelLayout:
         return next(g for g in expert_dp_group_ranks(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep) if rank in g)
 
     def refuse_expert_parallel(self, what: str) -> None:
-        """NotImplementedError naming `what` at ep > 1, for code whose ranks may run different numbers of forwards:
-        the experts' all-to-all needs every rank of an ep group in every MoE forward, and generation (each rank
-        decodes until its own samples end) does not keep them in lock step yet."""
+        """NotImplementedError naming `what` at ep > 1, for generation that is not lock-stepped: the experts'
+        all-to-all needs every rank of an ep group in every MoE forward, and each rank decodes until its own samples
+        end. The single-turn rollout and `generate` keep the group in step (`megalign.rollout.generate.ExpertLockstep`);
+        the pipelined ones (pp > 1) do not."""
         if self.ep > 1:
             raise NotImplementedError(f"{what} at ep={self.ep}: the ranks of an ep group would run different numbers "
                                       f"of forwards (each decodes until its own samples end), and every MoE forward "
-                                      f"is an all-to-all over the group; generation is not expert-parallel yet")
+                                      f"is an all-to-all over the group; this path is not lock-stepped over the group "
+                                      f"yet (the rollout and generation at pp = 1 are)")
 
     @property
     def ep_rank(self) -> int:

@@ -245,11 +245,13 @@ class Actor(TrainableRole):
                  routing: Optional[RoutingRecorder] = None) -> tuple[GenerationOutput, RolloutStats]:
         """`group_size` samples of each left-padded prompt [U, P] with the training weights (eval mode, no dropout):
         [U * G] rows, a prompt's samples adjacent. The rollout's seed is drawn from `generator` (checkpointed by the
-        trainer), so a resumed run samples the same. `routing`: records an MoE actor's experts (pp = 1 only)."""
-        self.layout.refuse_expert_parallel("the actor's rollout")
+        trainer), so a resumed run samples the same. `routing`: records an MoE actor's experts (pp = 1 only). At
+        ep > 1 every rank of the ep group calls it with its own prompts (the engine keeps them in lock step; the
+        pipelined rollout does not and is refused)."""
         seed = int(torch.randint(0, 2 ** 62, (), generator=generator, device=generator.device))
         with self.precision.autocast(self.layout.device):
             if self.layout.pp > 1:
+                self.layout.refuse_expert_parallel("the actor's pipelined rollout (actor.pp > 1)")
                 return pipeline_rollout(self.model, input_ids, attention_mask, group_size, params, seed, self.layout, engine)
             return rollout(self.model, input_ids, attention_mask, group_size, params, seed, engine,
                            routing=routing)

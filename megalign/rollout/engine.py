@@ -38,6 +38,13 @@ with far less work:
   tp rank 0, as in `generate`; the seed is broadcast once), so the ranks stay in lock step.
 - Pipeline parallelism: `megalign.rollout.pipeline.pipeline_rollout` runs the same prefill, streams and
   finished-row rule over micro-batches in flight across the stages (its module doc).
+- Expert parallelism (an MoE model at ep > 1): the ranks of an ep group roll out their own prompts, and every MoE
+  forward is an all-to-all over the group. At each host check (and before the first admission) a rank counts the
+  forwards it will run until the next check (its prefill chunks, plus `sync_every` decode steps while it has live
+  rows), the group agrees on the largest count (one all-reduce of a scalar), and a rank with fewer runs forwards
+  of zero tokens for the difference (`generate.ExpertLockstep`); a rank whose rows all finished drains, idling
+  until the group is done. Its samples and log-probs are those of the same call at ep = 1 (the streams above do
+  not depend on the schedule). CUDA graphs stay off at ep > 1: the all-to-all's split sizes are read on the host.
 
 Costs (for U prompts, G samples, lengths n_i): prefill sum_p |prompt p| tokens instead of G times
 that; decode sum_i n_i row-steps plus at most (sync_every - 1) per sample, instead of U * G * max_i n_i.
@@ -58,7 +65,7 @@ from megalign.models import CausalLM, batch_invariant
 from megalign.models.decoder import KVCache, SlotKVCache
 from megalign.models.moe import moe_routing
 
-from .generate import GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits
+from .generate import ExpertLockstep, GenerationOutput, LogitsProcessor, SamplingParams, _check_prompts, filter_logits
 from .routing import RoutingRecorder
 
 _U64 = 2 ** 64
@@ -143,14 +150,15 @@ class EngineConfig:
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be true, false or auto, got {getattr(self, name)!r}")
 
-    def resolved(self, device: torch.device, pipelined: bool = False, tp: int = 1) -> "EngineConfig":
+    def resolved(self, device: torch.device, pipelined: bool = False, tp: int = 1, ep: int = 1) -> "EngineConfig":
         """This config with `auto` decided for `device`: the static step and its CUDA graphs on CUDA, where
         they measured 2707 and 14535 tokens/s against the eager step's 870 (H200, a 0.5B model, batch 64,
         BENCHMARKS.md), off on the CPU (where the eager step's shorter window is the faster one) and in
         `pipeline_rollout` (`pipelined`), whose step is eager. Graphs stay off at tp > 1 unless asked
-        for: capturing the tp collectives has not yet run on GPUs."""
+        for: capturing the tp collectives has not yet run on GPUs; and at ep > 1 (`rollout` refuses them there)."""
         static = (device.type == "cuda" and not pipelined) if self.static == "auto" else self.static
-        graphs = (device.type == "cuda" and static and tp == 1) if self.cuda_graphs == "auto" else self.cuda_graphs
+        graphs = (device.type == "cuda" and static and tp == 1 and ep == 1) if self.cuda_graphs == "auto" \
+            else self.cuda_graphs
         return dataclasses.replace(self, static=static, cuda_graphs=graphs)
 
 
@@ -251,6 +259,11 @@ def assemble_output(input_ids: torch.Tensor, mask: torch.Tensor, group: int, tok
     return GenerationOutput(torch.cat([ids, tokens], 1), torch.cat([mask, response.long()], 1), logp)
 
 
+def _take(pending: deque, n: int) -> list[int]:
+    """The next (at most) `n` pending samples, removed from `pending`."""
+    return [pending.popleft() for _ in range(min(n, len(pending)))]
+
+
 def _bucket(n: int, cap: int, static: bool) -> int:
     """Decode batch for n live rows: n, or the next power of two (at most cap) in static mode."""
     return min(cap, 1 << (n - 1).bit_length()) if static else n
@@ -262,7 +275,8 @@ class _Rollout:
     def __init__(self, model: CausalLM, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                  params: SamplingParams, seed: int, config: EngineConfig, prompt_keys: torch.Tensor,
                  logits_processor: Optional[LogitsProcessor], recorder: Optional[RoutingRecorder] = None):
-        config = config.resolved(input_ids.device, tp=model.model.factory.tp_size)  # no-op for `rollout`'s
+        factory = model.model.factory
+        config = config.resolved(input_ids.device, tp=factory.tp_size, ep=factory.ep_size)  # no-op for `rollout`'s
         self.model, self.params, self.config, self.processor = model, params, config, logits_processor
         self.device = input_ids.device
         self.group = group_size
@@ -284,6 +298,7 @@ class _Rollout:
         self.prefilled: dict[int, tuple[KVCache, int, torch.Tensor]] = {}  # prompt -> (cache, row, last logits)
         self.graphs: dict[int, "torch.cuda.CUDAGraph"] = {}
         self.recorder = recorder  # MoE routing per sample (`megalign.rollout.routing`), when asked for
+        self.lockstep = ExpertLockstep(model, self.device)  # the ep group's forwards in step (module doc)
 
     # ----- sampling
 
@@ -321,12 +336,20 @@ class _Rollout:
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.prefill_tokens += sum(self.prompt_lengths[p] for p in chunk)
 
-    def _admit(self, free: list[int], pending: deque) -> None:
-        """Start pending samples in the free slot rows `free`: copy their prompt's K/V, draw their first token."""
-        take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+    def _unprefilled(self, take: list[int]) -> list[int]:
+        """The prompts of samples `take` whose K/V is not held yet (sorted): what admitting them prefills."""
+        return sorted({s // self.group for s in take} - set(self.prefilled))
+
+    def _prefill_forwards(self, take: list[int]) -> int:
+        """Forwards (prefill chunks) that admitting samples `take` runs."""
+        return -(-len(self._unprefilled(take)) // self.config.prefill_batch)
+
+    def _admit(self, free: list[int], take: list[int]) -> None:
+        """Start samples `take` (taken from the pending ones) in the free slot rows `free`: copy their prompt's K/V,
+        draw their first token."""
         rows_list = free[:len(take)]
         prompts = [s // self.group for s in take]
-        self._prefill(sorted({p for p in prompts if p not in self.prefilled}))
+        self._prefill(self._unprefilled(take))
         rows = torch.tensor(rows_list, device=self.device)
         samples = torch.tensor(take, device=self.device)
         state = self.state
@@ -383,22 +406,32 @@ class _Rollout:
         pending = deque(range(self.n_samples))
         batch = self.slots
         t0 = time.perf_counter()
-        self._admit(list(range(self.slots)), pending)
+        take = _take(pending, self.slots)
+        forwards = self._prefill_forwards(take)
+        idle = self.lockstep.agree(forwards) - forwards
+        self._admit(list(range(self.slots)), take)
+        self.lockstep.idle(idle)
         host_cols = self.cache.columns.tolist()  # host copy of each row's column: the eager window, no sync
         while True:
             done = state.done[:batch].tolist()  # the host sync, once per sync_every steps
             finished = [r for r, d in enumerate(done) if d]
             if finished:
                 state.harvest(torch.tensor(finished, device=self.device))
+            prefills = 0
             if pending and finished:
-                self._admit(finished, pending)
+                take = _take(pending, len(finished))
+                prefills = self._prefill_forwards(take)
+                idle = self.lockstep.agree(prefills + cfg.sync_every) - prefills - cfg.sync_every
+                self._admit(finished, take)
                 cols = self.cache.columns[torch.tensor(finished, device=self.device)].tolist()
                 for r, c in zip(finished, cols):
                     host_cols[r] = c
             else:
                 live = [r for r, d in enumerate(done) if not d]
                 if not live:
+                    self.lockstep.drain()
                     break
+                idle = self.lockstep.agree(cfg.sync_every) - cfg.sync_every
                 new_batch = _bucket(len(live), self.slots, cfg.static)
                 if new_batch < batch:
                     keep = torch.tensor(live, device=self.device)
@@ -413,6 +446,7 @@ class _Rollout:
                 (self._graph_step if cfg.cuda_graphs else self._step)(batch)
                 host_cols[:batch] = [c + 1 for c in host_cols[:batch]]
                 self.stats.decode_steps += 1
+            self.lockstep.idle(idle)
         _sync(self.device)
         self.stats.decode_s = time.perf_counter() - t0 - self.stats.prefill_s
         self.stats.decode_tokens = int(state.out_lengths[:self.n_samples].sum())
@@ -437,12 +471,17 @@ def rollout(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tens
     statistics). `seed` (an int; every tp rank must pass the same, tp rank 0's is used) and the prompt
     keys (default 0..U-1) fix every sample (module doc). `logits_processor` edits each step's logits. `routing`: an
     MoE model's experts are recorded per sample and position into it (`routing.sequences` `[U G, P + N, L, k]`).
+    At ep > 1 every rank of the ep group calls it, each with its own prompts and parameters (module doc).
     """
-    config = (config or EngineConfig()).resolved(input_ids.device, tp=model.model.factory.tp_size)
+    factory = model.model.factory
+    config = (config or EngineConfig()).resolved(input_ids.device, tp=factory.tp_size, ep=factory.ep_size)
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if config.cuda_graphs and (input_ids.device.type != "cuda" or not config.static):
         raise ValueError("config.cuda_graphs needs CUDA tensors and config.static=True")
+    if config.cuda_graphs and factory.ep_size > 1:
+        raise ValueError(f"config.cuda_graphs at ep={factory.ep_size}: the experts' all-to-all reads its split sizes "
+                         f"on the host, which a CUDA graph cannot capture; set cuda_graphs to false or auto")
     mask = _check_prompts(input_ids, attention_mask)
     keys = torch.arange(input_ids.shape[0]) if prompt_keys is None else torch.as_tensor(list(prompt_keys))
     if keys.shape != (input_ids.shape[0],):

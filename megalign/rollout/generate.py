@@ -35,6 +35,15 @@ Design choices:
   generator matters). The token and its log-prob are broadcast from the last stage to every pp rank,
   so all stages feed the same token, stop together and return the same output. Stages run one after
   another (no overlap between micro-batches): a simple, exact baseline, not a fast one.
+- Expert parallelism (an MoE model at ep > 1): every MoE forward is an all-to-all over the ep group, so the ranks
+  of the group, which hold different prompts, must run the same number of forwards although each decodes until
+  its own rows stop. `ExpertLockstep` keeps them in step, as expert-parallel inference engines do: before its
+  forwards a rank agrees with the group on the most forwards any rank plans (one all-reduce of a scalar), and a
+  rank with fewer (or none: its rows all stopped, or it was given no prompts) runs forwards of zero tokens whose
+  outputs are dropped. The forwards of the other ranks' tokens do not depend on those empty ones, so a rank's
+  outputs are those it gets at ep = 1 (to the rounding of the experts' grouped matmuls over other row counts).
+  `generate` agrees once per forward and drains at its end; the rollout engine once per `sync_every` decode
+  steps (`megalign.rollout.engine`). `pipeline_generate` is not lock-stepped (refused at ep > 1 by its callers).
 """
 from __future__ import annotations
 
@@ -45,6 +54,8 @@ import torch
 import torch.distributed as dist
 
 from megalign.models import CausalLM
+from megalign.models.moe import moe_routing
+from megalign.parallel.collectives import all_reduce
 from megalign.parallel.layout import ParallelLayout
 
 
@@ -98,6 +109,40 @@ class GenerationOutput:
     """`[B, P + N]` 1 for real tokens (prompt and generated, stop token included), 0 for padding."""
     logprobs: torch.Tensor
     """`[B, N]` fp32 log-probs of the generated tokens under the temperature-scaled distribution (0 on padding)."""
+
+
+class ExpertLockstep:
+    """Keeps the ranks of `model`'s expert-parallel group in step during generation (module doc); free at ep = 1.
+
+    Every rank of the group makes the same sequence of calls: `agree(n)` with the forwards it plans before its next
+    agreement (0: it has nothing left), then runs them, then `idle(agreed - n)`; a rank done with its rows calls
+    `drain()`, which idles until every rank of the group is done."""
+
+    def __init__(self, model: CausalLM, device: torch.device):
+        factory = model.model.factory
+        self.model, self.device = model, device
+        self.group = factory.ep_group if factory.ep_size > 1 else None
+
+    def agree(self, n: int) -> int:
+        """The most forwards any rank of the group plans (`n` itself at ep = 1, no collective)."""
+        if self.group is None:
+            return n
+        return int(all_reduce(torch.tensor([n], dtype=torch.long, device=self.device), self.group, dist.ReduceOp.MAX))
+
+    def idle(self, n: int) -> None:
+        """`n` forwards of zero tokens (`[0, 1]` ids, no cache): only the MoE layers' all-to-alls do anything. They run
+        in a routing block of their own, so a caller's `moe_routing` record sees the real forwards only."""
+        if n <= 0:
+            return
+        empty = torch.zeros(0, 1, dtype=torch.long, device=self.device)
+        with moe_routing(self.model):
+            for _ in range(n):
+                self.model.model(empty)
+
+    def drain(self) -> None:
+        """Idle until no rank of the group plans a forward; at ep = 1 a no-op."""
+        while n := self.agree(0):
+            self.idle(n)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -154,13 +199,17 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
     Every row must hold at least one real token and be padded on the left only. With a tensor-parallel
     `model`, every tp rank calls it with the same prompts and gets the same output. The simple loop
     (every row decodes until the last one stops, one host sync per token): the reference that the fast
-    engine (`megalign.rollout.rollout`) is tested against.
+    engine (`megalign.rollout.rollout`) is tested against. At ep > 1 every rank of the ep group calls it (each with
+    its own prompts) and the ranks stay in lock step (`ExpertLockstep`); a rank without prompts calls
+    `ExpertLockstep(model, device).drain()` instead.
     """
     mask = _check_prompts(input_ids, attention_mask)
     batch, prompt_len = input_ids.shape
     stop_ids = torch.tensor(params.stop_ids, dtype=torch.long, device=input_ids.device)
     cache = model.model.new_kv_cache(batch, prompt_len + params.max_new_tokens)
+    lockstep = ExpertLockstep(model, input_ids.device)
 
+    lockstep.agree(1)
     hidden = model.model(input_ids, mask, kv_cache=cache)
     tokens, logprobs = [], []
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
@@ -177,7 +226,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Ten
         finished = finished | torch.isin(token, stop_ids)
         if step + 1 == params.max_new_tokens or bool(finished.all()):
             break
+        lockstep.agree(1)
         hidden = model.model(token[:, None], mask, kv_cache=cache)
+    lockstep.drain()
     return GenerationOutput(torch.cat([input_ids, torch.stack(tokens, 1)], 1), mask, torch.stack(logprobs, 1))
 
 

@@ -40,7 +40,7 @@ Design choices:
   (`megalign.rollout.multiturn`), so the counts and rewards are the same on every tp rank and the metrics sum
   over dp only.
 - Refused at start-up before any model loads, naming the keys: actor.pp > 1 (the rollout runs the whole model on
-  each rank), process reward models (their step rewards read a single response), online DPO's pairwise judge (it
+  each rank), actor.ep > 1 (the episodes' decode is not lock-stepped over the ep group), process reward models (their step rewards read a single response), online DPO's pairwise judge (it
   reads single responses); sliding-window models at the first rollout. `rollout.pack` works (the rows' real
   tokens are packed like single responses).
 """
@@ -70,6 +70,10 @@ def check_episode_setup(cfg) -> None:
     if cfg.actor.pp > 1:
         raise ValueError(f"rollout.env: multi-turn episodes run at actor.pp=1 for now (got actor.pp={cfg.actor.pp}): "
                          f"the rollout needs the whole model on each rank")
+    if cfg.actor.ep > 1:
+        raise ValueError(f"rollout.env: multi-turn episodes run at actor.ep=1 for now (got actor.ep={cfg.actor.ep}): "
+                         f"every MoE forward is an all-to-all over the ep group, and the episodes' decode does not "
+                         f"keep the group's ranks in lock step as the single-turn rollout does")
     process = [key for key, m in cfg.reward.reward_models() if m.kind == "process"]
     if process:
         raise ValueError(f"rollout.env: process reward models ({', '.join(process)}) read single responses; "

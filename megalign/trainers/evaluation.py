@@ -8,6 +8,10 @@ Design choices:
   prompts and is meant for scores in [0, 1].
 - The examples are split over dp ranks (rank d takes d, d + dp, ...); the tp ranks of a dp rank decode
   the same prompts together. Sums are reduced over dp, so every rank returns the same value.
+- Expert parallelism (ep > 1): the ranks of an ep group hold different examples, maybe a different number of
+  generation batches; they agree on the most batches and a rank out of batches idles through the others'
+  (`megalign.rollout.generate.ExpertLockstep`), so every MoE forward's all-to-all finds the whole group.
+  Pipelined generation (pp > 1) is not lock-stepped and is refused at ep > 1.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from megalign.data import PromptExample, Tokenizer
 from megalign.parallel import ParallelLayout
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import get_reward
-from megalign.rollout.generate import SamplingParams, generate, pipeline_generate
+from megalign.rollout.generate import ExpertLockstep, SamplingParams, generate, pipeline_generate
 
 
 @dataclasses.dataclass
@@ -68,11 +72,11 @@ def generate_responses(model, examples: Sequence[PromptExample], tokenizer: Toke
     """(decoded responses, whether each ended with EOS) of one generation batch of `examples`' prompts
     (`left_pad`ded); `model` is this rank's (tp shard of the) `CausalLM`, in whatever mode the caller set,
     or its pipeline stage when `layout.pp > 1` (`pipeline_generate`: every rank of the pp group passes the
-    same prompts and gets the same responses)."""
-    if layout is not None:
-        layout.refuse_expert_parallel("held-out generation")
+    same prompts and gets the same responses). At ep > 1 every rank of the ep group calls it, each with its own
+    examples (`generate` keeps them in lock step)."""
     ids, mask = left_pad([e.prompt_ids for e in examples], tokenizer.pad_id, device)
     if layout is not None and layout.pp > 1:
+        layout.refuse_expert_parallel("pipelined held-out generation (pp > 1)")
         out = pipeline_generate(model, ids, mask, params, layout, generator)
     else:
         out = generate(model, ids, mask, params, generator)
@@ -95,7 +99,13 @@ def evaluate_generation(model, examples: Sequence[PromptExample], tokenizer: Tok
     score, samples = 0.0, []
     was_training = model.training
     model.eval()
-    for start in range(0, len(mine), cfg.batch_size):
+    if layout.pp > 1:  # before the agreement below: a rank out of batches would idle through a pipeline stage
+        layout.refuse_expert_parallel("pipelined held-out generation (pp > 1)")
+    lockstep = ExpertLockstep(model, layout.device)
+    starts = range(0, len(mine), cfg.batch_size)
+    for _ in range(lockstep.agree(len(starts)) - len(starts)):  # the ep group's other ranks have more batches
+        lockstep.drain()
+    for start in starts:
         chunk = mine[start:start + cfg.batch_size]
         responses, _ = generate_responses(model, chunk, tokenizer, params, layout.device, layout=layout)
         score += sum(metric([e.prompt_text for e in chunk], responses, [e.answer for e in chunk],
