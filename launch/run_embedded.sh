@@ -33,6 +33,12 @@
 # score e_T / 100 (examples/grpo_user_sim.yaml) -> held-out table of both (launch/user_sim.py compare: sampled and
 # greedy dialogues, well-formed replies), ending with `change` (points of mean score) and `ratio` (after / before);
 # USER_SIM_STEPS sets the GRPO steps, default that of the example).
+# or moe (issue 30: a tiny Qwen3-MoE from scratch (launch/moe_run.py init: 8 experts of width 192, top-2) -> SFT at
+# ep = 2 (examples/sft_moe_arith.yaml) -> GRPO at ep = 2 with routing replay and again without (examples/
+# grpo_moe_arith.yaml) -> the control: the dense from-scratch Qwen3 of the same active size (sft_arith.yaml's 384-wide
+# SwiGLU = 2 x 192) through SFT and the same GRPO at ep = 1 -> a table of held-out accuracy before / after each
+# GRPO run and its rollout / trainer log-prob mismatch (launch/moe_run.py summary, $ROOT/moe_summary.json); needs
+# NPROC even (ep = 2 divides dp); MOE_STEPS sets the three GRPO runs' steps, default that of the example).
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's and kto's sampling in PAIRS_OVERRIDES, for kto's DPO
 # control in CONTROL_OVERRIDES, for ppo's RM stage
@@ -42,7 +48,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|tools|user_sim) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|tools|user_sim|moe) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -91,6 +97,24 @@ if [ "$PIPELINE" = user_sim ]; then
       data.eval_path="$DATA/user_sim_held_out.jsonl" steps="$STEPS" ${STAGE_OVERRIDES:-}
   run launch/user_sim.py compare before="$ROOT/sft_user_sim/hf" after="$ROOT/grpo_user_sim/hf" \
       prompts="$DATA/user_sim_held_out.jsonl" summary_path="$ROOT/user_sim_compare.json" ${COMPARE_OVERRIDES:-}
+  exit 0
+fi
+if [ "$PIPELINE" = moe ]; then
+  STEPS=${MOE_STEPS:-$(sed -n 's/^steps: //p' examples/grpo_moe_arith.yaml)}
+  run launch/moe_run.py init out="$ROOT/moe_init"
+  run launch/train_sft.py --config examples/sft_moe_arith.yaml run_dir="$ROOT/sft_moe_arith" \
+      model.path="$ROOT/moe_init" ${SFT_OVERRIDES:-}
+  run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_dense_arith" model.model_type=qwen3 \
+      ${SFT_OVERRIDES:-}
+  for REPLAY in true false; do
+    run launch/train_grpo.py --config examples/grpo_moe_arith.yaml run_dir="$ROOT/grpo_moe_replay_$REPLAY" \
+        actor.path="$ROOT/sft_moe_arith/hf" actor.routing_replay="$REPLAY" steps="$STEPS" ${STAGE_OVERRIDES:-}
+  done
+  run launch/train_grpo.py --config examples/grpo_moe_arith.yaml run_dir="$ROOT/grpo_dense_arith" \
+      actor.path="$ROOT/sft_dense_arith/hf" actor.ep=1 actor.routing_replay=false steps="$STEPS" ${STAGE_OVERRIDES:-}
+  run launch/moe_run.py summary "sft={moe: $ROOT/sft_moe_arith, dense: $ROOT/sft_dense_arith}" \
+      "grpo={moe_replay: $ROOT/grpo_moe_replay_true, moe_no_replay: $ROOT/grpo_moe_replay_false, dense: $ROOT/grpo_dense_arith}" \
+      "start={moe_replay: moe, moe_no_replay: moe, dense: dense}" summary_path="$ROOT/moe_summary.json"
   exit 0
 fi
 run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/sft_arith" ${SFT_OVERRIDES:-}

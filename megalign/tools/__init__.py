@@ -6,6 +6,8 @@
   `launch/run_embedded.sh ppo`).
 - `cai`: Constitutional AI / RLAIF (`launch/cai_tools.py`): AI preference labels from a judge model (`label`)
   and, in `cai_revise`, critique-revise SFT rows (`critique_revise`); both resumable and multi-process.
+- `moe_run`: the embedded MoE run's from-scratch Qwen3-MoE folder and its before / after and mismatch table
+  (`launch/moe_run.py`, `launch/run_embedded.sh moe`).
 
 Submodules are imported directly (`from megalign.tools.best_of_n import best_of_n`).
 """

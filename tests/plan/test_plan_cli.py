@@ -53,7 +53,8 @@ EXAMPLE_ROLES = {"dpo_arith": {"actor", "reference"}, "grpo_arith": {"actor"}, "
                  "ppo_verifier_arith": {"actor", "critic"}, "grpo_tools_arith": {"actor"}, "judge_sft_arith": {"actor"},
                  # the run also builds the judge role of reward.judges, which the planner does not plan yet
                  "grpo_rubric_arith": {"actor"}, "sft_tools_arith": {"actor"},
-                 "grpo_user_sim": {"actor", "reference"}, "sft_user_sim": {"actor"}}  # user_sim: GRPO's beta 0.05
+                 "grpo_user_sim": {"actor", "reference"}, "sft_user_sim": {"actor"},  # user_sim: GRPO's beta 0.05
+                 "sft_moe_arith": {"actor"}, "grpo_moe_arith": {"actor"}}
 
 
 def test_every_registered_algorithm_has_a_phase_model():
@@ -63,8 +64,10 @@ def test_every_registered_algorithm_has_a_phase_model():
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=os.path.basename)
 def test_every_example_run_config_is_planned(path, capsys):
     name = os.path.basename(path)[:-len(".yaml")]
-    # the examples' checkpoints are not built here; the SFT ones build their model from scratch
-    model = [] if name.startswith("sft_") else ["--model", "llama3-8b"]
+    # the examples' checkpoints are not built here; the dense SFT ones build their model from scratch, the MoE ones
+    # (ep = 2) start from a folder: an MoE preset stands in
+    model = (["--model", "qwen3-30b-a3b"] if "_moe_" in name else [] if name.startswith("sft_")
+             else ["--model", "llama3-8b"])
     assert main(["--run-config", path, "--gpus", "8", *model, "--json"]) in (0, 1)
     report = json.loads(capsys.readouterr().out)
     with open(path) as f:

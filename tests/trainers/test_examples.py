@@ -18,6 +18,7 @@ import pytest
 import yaml
 from parallel.dist_utils import run_distributed
 from trainers.grpo_helpers import HERE, policy_and_rm
+from trainers.test_moe_online import tiny_moe
 
 from megalign.algos.registry import load as load_algorithm
 from megalign.data import (ArithChainConfig, ArithTaskConfig, CharTokenizer, make_chain_splits, make_splits, write_jsonl,
@@ -53,6 +54,9 @@ OVERRIDES = {
     # policy writes no <think> block (the user scores 0), so the digits term on the last turn gives informative groups
     "grpo_user_sim": ONLINE + DIGITS + ["actor.path=runs/judge_arith/hf", "rollout.max_response_length=100",
                                         "rollout.env.max_turn_tokens=8", "rollout.env.score_final_turn=true"],
+    # the embedded MoE run on the tiny Qwen3-MoE of runs/moe_init at ep = 1 (one process here; ep = 2 runs in
+    # tests/rollout/test_expert_parallel_generation.py)
+    "sft_moe_arith": SUPERVISED + ["model.ep=1"], "grpo_moe_arith": ONLINE + DIGITS + ["actor.ep=1"],
 }
 
 
@@ -79,9 +83,12 @@ def build_runs(root):
         hf = json.load(f)
     with open(os.path.join(judge, "config.json"), "w") as f:  # room for the judge rows (RoPE has no position weights)
         json.dump({**hf, "max_position_embeddings": 128}, f)
-    for run, folder in (("sft_arith", policy), ("sft_chain", policy), ("rm_self", rm), ("judge_arith", judge)):
+    moe = tiny_moe(root / "moe", k=2)
+    for run, folder in (("sft_arith", policy), ("sft_chain", policy), ("rm_self", rm), ("judge_arith", judge),
+                        ("sft_moe_arith", moe)):
         os.makedirs(root / "runs" / run)
         os.symlink(folder, root / "runs" / run / "hf")
+    os.symlink(moe, root / "runs" / "moe_init")
     data = root / "runs" / "prm_data"
     os.makedirs(data)
     train, held_out = make_chain_splits(ArithChainConfig(max_ops=2, max_operand=4, num_problems=40))
