@@ -111,6 +111,7 @@ class Trainer:
         self.watchdog = Watchdog(cfg.watchdog_minutes * 60, lambda: self.progress["step"] + 1, self.rank)
         self.timer = PhaseTimer(self.watchdog)
         self._skipped_in_step = False
+        self.signals: Optional[StopSignals] = None  # while `train` runs
 
     def _claim_run_dir(self, cfg: RunConfig) -> None:
         """The run directory's part of start-up (module doc): lock, resume point, data fingerprints, resume checks,
@@ -296,8 +297,8 @@ class Trainer:
                 self.lock.release()
 
     def _run(self) -> TrainResult:
-        with StopSignals() as signals:
-            return self._run_until_done_or_stopped(signals)
+        with StopSignals() as self.signals:  # also where another part of the job reports a signal (`disaggregated`)
+            return self._run_until_done_or_stopped(self.signals)
 
     def _run_until_done_or_stopped(self, signals: StopSignals) -> TrainResult:
         cfg = self.cfg

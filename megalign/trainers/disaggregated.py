@@ -59,7 +59,7 @@ from megalign.parallel.launch import resolve_launch
 from megalign.parallel.layout import ParallelLayout, coords_rank
 from megalign.parallel.placement import Bridge, Split
 from megalign.rollout import RolloutBatch
-from megalign.trainers.stopping import Preempted
+from megalign.trainers.stopping import PREEMPTED_EXIT_STATUS, Preempted, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class Placement:
             result = train()
         except Preempted:
             if self.feed is not None:
-                self.feed.stop()
+                self.feed.stop(preempted=True)
             raise
         if self.feed is not None:
             self.feed.stop()
@@ -257,8 +257,12 @@ class RolloutFeed:
                     pass
 
     def _receive(self) -> None:
-        message = self.bridge.recv() if self.t.rank == 0 else None
-        message = _leader_broadcast(message, self.t.layout.device)
+        t = self.t
+        message = self.bridge.recv() if t.rank == 0 else None
+        message = _leader_broadcast(message, t.layout.device)
+        signal = message.pop("signal")  # acted on once, here, never replayed from a checkpoint's queue
+        if signal and t.signals is not None and t.signals.received is None:
+            t.signals.received = f"{signal} on a rollout rank"  # the job stops at this step's end, with a checkpoint
         self.received = message["step"]
         self.queue[message["step"]] = message
         self.rollout_state = message["state"]
@@ -277,13 +281,14 @@ class RolloutFeed:
         while self.received < limit:
             self._receive()
 
-    def stop(self) -> None:
-        """Receive what the rollout side can still make, then tell it to stop (module doc)."""
+    def stop(self, preempted: bool = False) -> None:
+        """Receive what the rollout side can still make, then tell it to stop (module doc); `preempted`: the run
+        stopped on a signal with its checkpoint, and the rollout ranks exit with the same status."""
         if self.stopped:
             return
         self.drain(self.steps)
         if self.t.rank == 0:
-            self.bridge.send({"kind": "stop"})
+            self.bridge.send({"kind": "stop", "preempted": preempted})
             self.bridge.flush()
         self.bridge.wait_weights()
         self.stopped = True
@@ -368,6 +373,17 @@ class RolloutWorker:
         t.reward.load_state_dict(state["reward"])
 
     def run(self) -> None:
+        """The rollout loop (module doc). SIGTERM / SIGUSR1 do not end it: they are reported to the training side with
+        the next batch, which stops the job at a step boundary with a checkpoint (`megalign.trainers.stopping`) and
+        then this loop, which raises `Preempted` too."""
+        with StopSignals() as self.signals:
+            stop = self._run()
+        if stop.get("preempted"):
+            logger.warning("the training side stopped on a signal with its checkpoint; the rollout side is exiting with "
+                           "status %d too (resume=auto continues)", PREEMPTED_EXIT_STATUS)
+            raise Preempted()
+
+    def _run(self) -> dict:
         t = self.t
         start = self._control()
         self._restore(start["state"])
@@ -383,9 +399,10 @@ class RolloutWorker:
             self._produce(step)
             step += 1
         else:
-            self._control()  # the training side's stop
+            control = self._control()  # the training side's stop
         if t.rank == 0:
             self.bridge.flush()
+        return control
 
     def _produce(self, step: int) -> None:
         """Collect step `step`'s batch on every rollout rank; the leader sends the parts (module doc)."""
@@ -397,13 +414,14 @@ class RolloutWorker:
         part = {"train": train.to("cpu"), "generated": generated.to("cpu"), "counts": counts,
                 "state": self._state(), "metrics": t.rollout_metrics, "seconds": dict(t.timer.seconds)}
         parts: list = [None] * dist.get_world_size() if t.rank == 0 else None
-        dist.gather_object(part, parts, dst=0)
+        dist.gather_object((part, self.signals.received), parts, dst=0)
         if t.rank == 0:
-            parts = parts[::t.layout.tp]  # tp rank 0 of each dp replica, in dp order (rollout pp = 1)
+            signal = next((received for _, received in parts if received), None)  # any rollout rank's
+            parts = [p for p, _ in parts[::t.layout.tp]]  # tp rank 0 of each dp replica, in dp order (pp = 1)
             metrics = {**parts[0]["metrics"], "time/rollout_step": time.perf_counter() - start}
             self.bridge.send({"step": step, "version": self.version, "state": [p.pop("state") for p in parts],
                               "parts": parts, "metrics": metrics, "seconds": parts[0]["seconds"],
-                              "errors": errors})
+                              "errors": errors, "signal": signal})
 
 
 def _same(version: int, expected: int, where: str) -> bool:

@@ -56,8 +56,8 @@ def torchrun(run_dir, policy, *overrides, nproc=2, log=None, wait=True, algo="gr
     return proc
 
 
-def kill_tree(pid):
-    """SIGKILL `pid`'s descendants (torchrun's workers, which run in sessions of their own), then `pid`."""
+def descendants(pid):
+    """`pid` and its descendants, parents first."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -72,7 +72,12 @@ def kill_tree(pid):
         node = stack.pop()
         order.append(node)
         stack.extend(children.get(node, []))
-    for node in reversed(order):
+    return order
+
+
+def kill_tree(pid):
+    """SIGKILL `pid`'s descendants (torchrun's workers, which run in sessions of their own), then `pid`."""
+    for node in reversed(descendants(pid)):
         try:
             os.kill(node, signal.SIGKILL)
         except ProcessLookupError:
@@ -209,6 +214,51 @@ def test_kill_9_mid_run_then_resume_equals_the_uninterrupted_run(policy, tmp_pat
     torchrun(str(tmp_path / "straight"), policy, *steps)
     assert metric_rows(killed) == metric_rows(tmp_path / "straight")
     same_weights(killed, tmp_path / "straight", 30)
+
+
+def rollout_worker(pid):
+    """The pid of torchrun `pid`'s worker that rolls out (the job's last rank, LOCAL_RANK=1 of 2)."""
+    for node in descendants(pid):
+        try:
+            environ = open(f"/proc/{node}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"LOCAL_RANK=1" in environ and b"RANK=1" in environ:
+            return node
+    raise AssertionError("no rollout worker found")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["torchrun", "rollout"])
+def test_a_signal_stops_both_sides_with_a_checkpoint_and_resume_equals_the_straight_run(policy, tmp_path, who):
+    """SIGTERM to torchrun (forwarded to every worker), or SIGUSR1 to the rollout rank alone (reported to the training
+    side with its next batch): the training side stops at a step boundary with a checkpoint, stops the rollout
+    side, both exit with status 75, and resume=auto continues as if nothing had happened."""
+    steps = ("steps=30", "save_every=0", "placement.max_staleness=1")
+    stopped = str(tmp_path / "stopped")
+    proc = torchrun(stopped, policy, *steps, wait=False)
+    metrics = os.path.join(stopped, "metrics.jsonl")
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(metrics) and os.path.getsize(metrics)):
+            assert proc.poll() is None and time.monotonic() < deadline, open(stopped + ".log").read()
+            time.sleep(0.01)
+        if who == "torchrun":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.kill(rollout_worker(proc.pid), signal.SIGUSR1)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    text = open(stopped + ".log").read()
+    assert text.count("exiting with status 75") == 2, text  # the training rank and the rollout rank
+    saved = CheckpointManager(stopped).steps()
+    assert len(saved) == 1 and 1 <= saved[0] < 30, (saved, text)
+    torchrun(stopped, policy, *steps, log=stopped + ".resumed.log")
+    torchrun(str(tmp_path / "straight"), policy, *steps)
+    assert metric_rows(stopped) == metric_rows(tmp_path / "straight")
+    same_weights(stopped, tmp_path / "straight", 30)
 
 
 @pytest.mark.slow
