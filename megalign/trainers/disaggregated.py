@@ -115,11 +115,9 @@ def check_disaggregated(cfg: Any, split: Split) -> None:
         if cfg.rollout.prompts_per_step % dp:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the "
                              f"{side} side's dp={dp} (placement.mode=disaggregated)")
-    refused = [(cfg.rollout.env is not None, "rollout.env (multi-turn episodes)"),
-               (cfg.actor.lora is not None, "actor.lora (the rollout ranks would need the adapters)")]
-    for asked, what in refused:
-        if asked:
-            raise ValueError(f"placement.mode=disaggregated does not run {what} yet; use placement.mode=colocated")
+    if cfg.actor.lora is not None:
+        raise ValueError("placement.mode=disaggregated does not run actor.lora yet (the rollout ranks would need the "
+                         "adapters); use placement.mode=colocated")
 
 
 def job_split(cfg: Any) -> Optional[Split]:

@@ -141,12 +141,18 @@ def _colocated(algo, policy, run_dir, *overrides):
     spec.train_fn()(load_config(spec.config_class(), None, algo_overrides(algo, policy, run_dir, *overrides)))
 
 
+EPISODES = (f"rollout.env={{name: '{TESTS}/trainers/multiturn_envs.py:DigitEnv', max_turn_tokens: 4}}",
+            "rollout.max_response_length=24")
+
+
 @pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow),
-                                  pytest.param("online_dpo", marks=pytest.mark.slow)])
+                                  pytest.param("online_dpo", marks=pytest.mark.slow), "grpo_episodes"])
 def test_staleness_0_equals_the_colocated_run_bit_for_bit(policy, tmp_path, algo):
-    torchrun(str(tmp_path / "async"), policy, "steps=3", "placement.max_staleness=0", algo=algo)
-    run_distributed(_colocated, algo, policy, str(tmp_path / "sync"), "steps=3", world_size=1)
+    algo, extra = ("grpo", EPISODES) if algo == "grpo_episodes" else (algo, ())
+    torchrun(str(tmp_path / "async"), policy, "steps=3", "placement.max_staleness=0", *extra, algo=algo)
+    run_distributed(_colocated, algo, policy, str(tmp_path / "sync"), "steps=3", *extra, world_size=1)
     rows = metric_rows(tmp_path / "async")
+    assert bool(extra) == any(key.startswith("env/") for key in rows[0])  # multi-turn episodes ran where asked
     assert [r["async/staleness"] for r in rows] == [0.0, 0.0, 0.0]
     assert [r["async/version"] for r in rows] == [0.0, 1.0, 2.0]
     assert without(rows, ASYNC) == metric_rows(tmp_path / "sync")
