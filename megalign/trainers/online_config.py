@@ -289,6 +289,15 @@ def check_actor(cfg: OnlineConfig, device_type: str, needs_reference: bool) -> b
     """The actor's start-up checks that read only the configuration (`check_microbatches`, `batch_invariant_switch`);
     returns whether the run uses the batch-invariant mode."""
     check_microbatches("actor", cfg.actor)
+    # every MoE forward is an all-to-all over the ep group: its ranks must run the same forwards
+    if cfg.actor.ep > 1 and cfg.rollout.pack:
+        raise ValueError(f"actor.ep={cfg.actor.ep} needs rollout.pack=false: packed forwards number as the ranks' "
+                         f"token counts fill the packs, so the ranks of an ep group would run different numbers of "
+                         f"expert all-to-alls")
+    if cfg.actor.ep > 1 and getattr(cfg.algo, "dynamic_sampling", False):
+        raise ValueError(f"actor.ep={cfg.actor.ep} needs algo.dynamic_sampling=false: the ranks would keep different "
+                         f"numbers of groups, so their sampling rounds and update forwards (an expert all-to-all "
+                         f"each) would not match")
     return batch_invariant_switch(cfg, device_type, needs_reference)
 
 

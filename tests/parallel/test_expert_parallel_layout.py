@@ -221,7 +221,7 @@ def _grpo(policy, root, batch_file):
     for ep in (1, 2):
         run_dir = os.path.join(root, f"ep{ep}")
         train_replayed(GRPOTrainer, tiny_config(policy, run_dir, f"actor.ep={ep}", "optim.grad_clip=0.5",
-                                                f"optim.lr={LR}", "export_hf=true"), batch_file)
+                                                f"optim.lr={LR}", "export_hf=true", "rollout.pack=false"), batch_file)
         runs[ep] = run_dir
     if dist.get_rank() == 0:
         norms = _grad_norms(runs[1], "actor/grad_norm")

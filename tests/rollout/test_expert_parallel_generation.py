@@ -30,6 +30,7 @@ from megalign.rollout.routing import RoutingRecorder
 from megalign.trainers.episodes import check_episode_setup
 from megalign.trainers.evaluation import EvalConfig, evaluate_generation
 from megalign.trainers.grpo import GRPOConfig, GRPOTrainer
+from megalign.trainers.online_config import check_actor
 
 LOGP_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the experts' grouped matmuls run over other row counts at ep = 2
 LR = 1e-2
@@ -117,13 +118,14 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def _grpo(policy, root):
+def _grpo(policy, root, *overrides):
     runs = {}
     for ep in (1, 2):
         runs[ep] = os.path.join(root, f"ep{ep}")
         trainer = GRPOTrainer(tiny_config(policy, runs[ep], f"actor.ep={ep}", "optim.grad_clip=0.5", f"optim.lr={LR}",
                                           "export_hf=true", "actor.routing_replay=true", "eval.max_samples=3",
-                                          "eval.batch_size=1", "rollout.engine.max_batch=8"))
+                                          "eval.batch_size=1", "rollout.engine.max_batch=8", "rollout.pack=false",
+                                          *overrides))
         assert trainer.train().updates == 2
     if dist.get_rank() == 0:
         one, two = _metrics(runs[1]), _metrics(runs[2])
@@ -148,6 +150,14 @@ def _grpo(policy, root):
 def test_grpo_at_ep2_samples_and_trains_as_ep1(tmp_path):
     policy = tiny_moe(tmp_path / "policy", k=2)
     run_distributed(_grpo, policy, str(tmp_path), timeout_s=180)
+
+
+def test_packed_forwards_and_dynamic_sampling_refused_at_ep2(tmp_path):
+    with pytest.raises(ValueError, match=r"actor\.ep=2 needs rollout\.pack=false"):
+        check_actor(load_config(GRPOConfig, None, [f"run_dir={tmp_path}", "actor.ep=2"]), "cpu", False)
+    with pytest.raises(ValueError, match=r"actor\.ep=2 needs algo\.dynamic_sampling=false"):
+        check_actor(load_config(GRPOConfig, None, [f"run_dir={tmp_path}", "actor.ep=2", "rollout.pack=false",
+                                                   "algo.dynamic_sampling=true"]), "cpu", False)
 
 
 def test_multiturn_refused_at_ep2():
