@@ -124,6 +124,8 @@ class Bridge:
 
     def send(self, obj: Any) -> None:
         """Send `obj` to the other side's leader without waiting for it to be received (`flush` waits)."""
+        self._pending = [(works, kept) for works, kept in self._pending  # free what the peer already received
+                         if not all(work.is_completed() for work in works)]
         payload = _payload(obj)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         works = [self.pg.send([size], self.peer, self.OBJECT_TAG), self.pg.send([payload], self.peer, self.OBJECT_TAG)]
