@@ -146,6 +146,26 @@ class Bridge:
         self.pg.recv([payload], self.peer, self.OBJECT_TAG).wait()
         return pickle.loads(payload.numpy().tobytes())
 
+    def close(self, meet: bool = True) -> None:
+        """Shut the bridge's process groups down while the interpreter is whole. They are not the default group, so
+        `destroy_process_group` does not reach them, and a gloo group left to interpreter finalization can abort the
+        process at exit (SIGABRT, "terminate called without an active exception": its worker threads release tensors
+        after Python is gone). `meet`: a normal end; first wait for every send and meet the other side at a barrier,
+        so that neither side closes its connections under the other's traffic (after an error the other side may
+        never come, and nothing is waited for)."""
+        if self.pg is None:
+            return
+        if meet:
+            self.flush()
+            self.wait_weights()
+            self.pg.barrier().wait()
+        self._pending.clear()
+        self._weight_works.clear()
+        for group in [self.pg, *self.weight_groups]:
+            if group is not None:
+                group.shutdown()
+        self.pg, self.weight_groups = None, []
+
     # ----- weights
 
     def _broadcast(self, group, tensor: torch.Tensor) -> None:

@@ -188,17 +188,30 @@ class Placement:
 
     def train_placed(self, train: Callable[[], Any]) -> Any:
         """`train()` (the trainer's lifecycle) on the training side, the rollout side stopped when it ends or is
-        preempted; the rollout loop on the rollout side (None)."""
+        preempted; the rollout loop on the rollout side (None). The bridge closes at the end, the two sides together
+        when both reached their planned end (a preemption included)."""
+        if self.bridge is None:
+            return train()
+        ended = False
+        try:
+            result = self._run_side(train)
+            ended = True
+            return result
+        except Preempted:
+            ended = True
+            raise
+        finally:
+            self.bridge.close(meet=ended)
+
+    def _run_side(self, train: Callable[[], Any]) -> Any:
         if self.rollout_side:
             return RolloutWorker(self, self.bridge).run()
         try:
             result = train()
         except Preempted:
-            if self.feed is not None:
-                self.feed.stop(preempted=True)
+            self.feed.stop(preempted=True)
             raise
-        if self.feed is not None:
-            self.feed.stop()
+        self.feed.stop()
         return result
 
 
