@@ -115,7 +115,7 @@ def export_peft_adapter(model, path: Union[str, os.PathLike], base_model_name_or
             config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
                       "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
                       "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}), "bias": "none",
-                      "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
+                      "fan_in_fan_out": False, "inference_mode": True, "use_rslora": cfg.use_rslora, "use_dora": False,
                       "init_lora_weights": True, "modules_to_save": None}
             os.makedirs(path, exist_ok=True)
             tmp = f".tmp{os.getpid()}"

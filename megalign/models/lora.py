@@ -62,7 +62,8 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass
 class LoRAConfig:
-    """rank r, alpha (the update is scaled by alpha / r), dropout on the adapter's input, target modules by name."""
+    """rank r, alpha (the update is scaled by alpha / r, or alpha / sqrt(r) with `use_rslora`), dropout on the
+    adapter's input, target modules by name."""
 
     rank: int = option(8, doc="adapter rank r")
     alpha: float = option(16.0, doc="the update is scaled by alpha / rank")
@@ -70,6 +71,8 @@ class LoRAConfig:
     target_modules: Union[str, list[str]] = option(
         ["q_proj", "v_proj"], doc="adapted linears by name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                   "down_proj), or 'all-linear'")
+    use_rslora: bool = option(False, doc="scale by alpha / sqrt(rank) (rank-stabilised LoRA, Kalajievski 2023; "
+                                         "PEFT's use_rslora) instead of alpha / rank")
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -86,7 +89,9 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        """alpha / r; with `use_rslora` alpha / sqrt(r), which keeps the update's size (and so the learning rate
+        that suits it) from shrinking as the rank grows (Kalajievski 2023, arXiv 2312.03732)."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     def modules(self) -> list[str]:
         """The target names, `all-linear` expanded."""

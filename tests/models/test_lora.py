@@ -173,19 +173,22 @@ def test_merged_export_reloads_in_transformers(tmp_path):
     assert not any(m.lora_merged for m in lora_modules(model).values())
 
 
-def test_peft_loads_the_adapter_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_peft_loads_the_adapter_with_the_same_logits(tmp_path, use_rslora):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
     make_causal_lm(tmp_path / "base", "qwen2_tied")
     model = from_pretrained(tmp_path / "base").eval()
-    apply_lora(model, LoRAConfig(rank=4, alpha=16, target_modules="all-linear"))
+    apply_lora(model, LoRAConfig(rank=4, alpha=16, target_modules="all-linear", use_rslora=use_rslora))
+    scales = {m.lora_scale for m in model.modules() if hasattr(m, "lora_scale")}
+    assert scales == {8.0 if use_rslora else 4.0}  # 16 / sqrt(4), 16 / 4
     _randomise_adapters(model)
     ids = random_ids(2, 9)
     with torch.no_grad():
         ours = model(ids)
     export_peft_adapter(model, tmp_path / "adapter", str(tmp_path / "base"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 16
+    assert config["r"] == 4 and config["lora_alpha"] == 16 and config["use_rslora"] is use_rslora
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     with torch.no_grad():
         base_logits = hf(ids).logits
