@@ -42,6 +42,9 @@ def _worker(rank: int, world_size: int, tmp: str, timeout_s: float, fn: Callable
     )
     try:
         fn(*args)
+        # the ranks leave together: a rank that is done (e.g. it raised an expected start-up error) and closes its
+        # connections while a peer still connects a group of both makes the peer fail with "connection closed by peer"
+        dist.barrier()
     except BaseException:
         # written before the process group closes, so it exists before any peer sees this rank go
         with open(os.path.join(tmp, f"rank{rank}.traceback"), "w") as f:
