@@ -14,7 +14,8 @@ greedy accuracy, then `n` samples per prompt reranked by the PRM (the solution w
 scores highest, min aggregation as in Lightman et al. 2023 and Math-Shepherd; `prm_aggregate`) and by
 the ORM (its score at the final step), against majority voting and the oracle pass@n. Judges rerank too
 (`judges`: `reward.judges` entries of kind `judge`, `megalign.roles.judge`): each sample's judge score, the
-highest picked, beside the PRM and ORM.
+highest picked, beside the PRM and ORM. Each verifier's ranking AUC over all the fresh samples (right vs wrong,
+`ranking_auc`) says whether it ranks samples of unseen prompts at all, apart from what the argmax of n picks.
 
 Design choices:
 
@@ -301,7 +302,8 @@ def _vote(responses: Sequence[str], answer) -> float:
 
 
 def best_of_n(cfg: BestOfNConfig) -> dict:
-    """Greedy, majority vote, best-of-n by ORM and PRM, pass@n on the held-out prompts (module doc)."""
+    """Greedy, majority vote, best-of-n by ORM and PRM, pass@n on the held-out prompts (module doc), and each
+    verifier's ranking AUC of right vs wrong over all the fresh samples (`ranking_auc`)."""
     layout = _layout(cfg.device)
     for key in ("prm", "orm"):
         if getattr(cfg, key) is not None:
@@ -335,10 +337,11 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
         term = judge_reward(j, load_judge(j.name, j.judge, layout, f"judges[{k}].judge"))
         scores[j.name] = term([chains[i].prompt for i in mine for _ in range(cfg.n)], samples,
                               [chains[i].answer for i in mine for _ in range(cfg.n)])
-    results = []
+    results, right_all = [], []
     for r, i in enumerate(mine):
         group = samples[r * cfg.n:(r + 1) * cfg.n]
         right = [math_accuracy(s, chains[i].answer) > 0.5 for s in group]
+        right_all += right
         row = {"greedy": float(math_accuracy(greedy[r], chains[i].answer) > 0.5), "vote": _vote(group, chains[i].answer),
                "pass": float(any(right)), "sample_mean": sum(right) / cfg.n}
         for name, values in scores.items():
@@ -348,11 +351,35 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
     rows = _gather(results, layout)
     summary = {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}
     summary.update(prompts=len(rows), n=cfg.n, prm_aggregate=cfg.prm_aggregate, judges=[j.name for j in cfg.judges])
+    scored = _gather([(0, (scores, right_all))], layout)  # every rank's samples: the AUCs are over all of them
+    summary["auc"] = {name: ranking_auc([float(v) for part, _ in scored for v in part[name]],
+                                        [y for _, part in scored for y in part]) for name in scores}
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
         atomic_write_text(cfg.out, json.dumps(summary, indent=1) + "\n")
         print(best_of_n_table(summary), flush=True)
     return summary
+
+
+def ranking_auc(scores: Sequence[float], right: Sequence[bool]) -> Optional[float]:
+    """ROC AUC of a verifier's `scores` at telling the `right` samples from the wrong ones: the probability that a
+    random right sample outscores a random wrong one, ties counting half (Mann-Whitney U / (n_right * n_wrong),
+    from average ranks). 0.5 is chance, 1 a perfect ranking; None when all samples are right or all wrong. Invalid
+    solutions (score -inf) rank lowest."""
+    positives = sum(bool(y) for y in right)
+    negatives = len(right) - positives
+    if positives == 0 or negatives == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda k: scores[k])
+    rank_sum, start = 0.0, 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and scores[order[end + 1]] == scores[order[start]]:
+            end += 1
+        average_rank = (start + end) / 2 + 1  # 1-based ranks start + 1 ... end + 1 share their mean
+        rank_sum += average_rank * sum(bool(right[k]) for k in order[start:end + 1])
+        start = end + 1
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
 def best_of_n_table(summary: dict) -> str:
@@ -368,5 +395,8 @@ def best_of_n_table(summary: dict) -> str:
     width = max(len(name) for name, _ in lines + [("change", 0)])
     out = [f"held-out accuracy ({summary['prompts']} prompts)"] + [f"  {name:<{width}}  {value:6.1%}"
                                                                   for name, value in lines]
+    aucs = [f"{name} {'-' if auc is None else f'{auc:.3f}'}" for name, auc in summary.get("auc", {}).items()]
+    if aucs:
+        out.append(f"  right vs wrong samples, ranking AUC: {', '.join(aucs)}")
     out.append(f"  {'change':<{width}}  {(summary['prm'] - summary['greedy']) * 100:+.1f} points")
     return "\n".join(out)
