@@ -14,8 +14,8 @@ greedy accuracy, then `n` samples per prompt reranked by the PRM (the solution w
 scores highest, min aggregation as in Lightman et al. 2023 and Math-Shepherd; `prm_aggregate`) and by
 the ORM (its score at the final step), against majority voting and the oracle pass@n. Judges rerank too
 (`judges`: `reward.judges` entries of kind `judge`, `megalign.roles.judge`): each sample's judge score, the
-highest picked, beside the PRM and ORM. Each verifier's ranking AUC over all the fresh samples (right vs wrong,
-`ranking_auc`) says whether it ranks samples of unseen prompts at all, apart from what the argmax of n picks.
+highest picked, beside the PRM and ORM. Each verifier's ranking AUC of right vs wrong fresh samples (`ranking_auc`), over all of them and over the pairs of one
+prompt, says whether it ranks samples of unseen prompts at all, and whether it ranks them where best-of-n needs it.
 
 Design choices:
 
@@ -303,7 +303,7 @@ def _vote(responses: Sequence[str], answer) -> float:
 
 def best_of_n(cfg: BestOfNConfig) -> dict:
     """Greedy, majority vote, best-of-n by ORM and PRM, pass@n on the held-out prompts (module doc), and each
-    verifier's ranking AUC of right vs wrong over all the fresh samples (`ranking_auc`)."""
+    verifier's ranking AUC of right vs wrong fresh samples, over all of them and within a prompt (`ranking_auc`)."""
     layout = _layout(cfg.device)
     for key in ("prm", "orm"):
         if getattr(cfg, key) is not None:
@@ -352,8 +352,10 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
     summary = {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}
     summary.update(prompts=len(rows), n=cfg.n, prm_aggregate=cfg.prm_aggregate, judges=[j.name for j in cfg.judges])
     scored = _gather([(0, (scores, right_all))], layout)  # every rank's samples: the AUCs are over all of them
-    summary["auc"] = {name: ranking_auc([float(v) for part, _ in scored for v in part[name]],
-                                        [y for _, part in scored for y in part]) for name in scores}
+    right_all = [y for _, part in scored for y in part]
+    for key, group in (("auc", None), ("auc_within_prompt", cfg.n)):
+        summary[key] = {name: ranking_auc([float(v) for part, _ in scored for v in part[name]], right_all, group)
+                        for name in scores}
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
         atomic_write_text(cfg.out, json.dumps(summary, indent=1) + "\n")
@@ -361,15 +363,24 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
     return summary
 
 
-def ranking_auc(scores: Sequence[float], right: Sequence[bool]) -> Optional[float]:
+def ranking_auc(scores: Sequence[float], right: Sequence[bool], group: Optional[int] = None) -> Optional[float]:
     """ROC AUC of a verifier's `scores` at telling the `right` samples from the wrong ones: the probability that a
-    random right sample outscores a random wrong one, ties counting half (Mann-Whitney U / (n_right * n_wrong),
-    from average ranks). 0.5 is chance, 1 a perfect ranking; None when all samples are right or all wrong. Invalid
-    solutions (score -inf) rank lowest."""
+    right sample outscores a wrong one, ties counting half (Mann-Whitney U / (n_right * n_wrong), from average
+    ranks). 0.5 is chance, 1 a perfect ranking; None when no (right, wrong) pair exists. Invalid solutions (score
+    -inf) rank lowest. With `group` = n the pairs are only those of the same prompt (consecutive runs of n samples),
+    which is the ranking best-of-n uses: a verifier can rank all samples well by telling easy prompts from hard ones
+    and still not pick the right sample among one prompt's."""
+    spans = [(0, len(scores))] if group is None else [(k, k + group) for k in range(0, len(scores), group)]
+    u = pairs = 0.0
+    for start, end in spans:
+        part_u, positives, negatives = _mann_whitney(scores[start:end], right[start:end])
+        u, pairs = u + part_u, pairs + positives * negatives
+    return u / pairs if pairs else None
+
+
+def _mann_whitney(scores: Sequence[float], right: Sequence[bool]) -> tuple[float, int, int]:
+    """(U, right count, wrong count): U counts the (right, wrong) pairs where the right one scores higher, ties half."""
     positives = sum(bool(y) for y in right)
-    negatives = len(right) - positives
-    if positives == 0 or negatives == 0:
-        return None
     order = sorted(range(len(scores)), key=lambda k: scores[k])
     rank_sum, start = 0.0, 0
     while start < len(order):
@@ -379,7 +390,7 @@ def ranking_auc(scores: Sequence[float], right: Sequence[bool]) -> Optional[floa
         average_rank = (start + end) / 2 + 1  # 1-based ranks start + 1 ... end + 1 share their mean
         rank_sum += average_rank * sum(bool(right[k]) for k in order[start:end + 1])
         start = end + 1
-    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+    return rank_sum - positives * (positives + 1) / 2, positives, len(right) - positives
 
 
 def best_of_n_table(summary: dict) -> str:
@@ -395,8 +406,9 @@ def best_of_n_table(summary: dict) -> str:
     width = max(len(name) for name, _ in lines + [("change", 0)])
     out = [f"held-out accuracy ({summary['prompts']} prompts)"] + [f"  {name:<{width}}  {value:6.1%}"
                                                                   for name, value in lines]
-    aucs = [f"{name} {'-' if auc is None else f'{auc:.3f}'}" for name, auc in summary.get("auc", {}).items()]
-    if aucs:
-        out.append(f"  right vs wrong samples, ranking AUC: {', '.join(aucs)}")
+    for key, pairs in (("auc", "all samples"), ("auc_within_prompt", "within a prompt")):
+        aucs = [f"{name} {'-' if auc is None else f'{auc:.3f}'}" for name, auc in summary.get(key, {}).items()]
+        if aucs:
+            out.append(f"  ranking AUC, right vs wrong, {pairs}: {', '.join(aucs)}")
     out.append(f"  {'change':<{width}}  {(summary['prm'] - summary['greedy']) * 100:+.1f} points")
     return "\n".join(out)

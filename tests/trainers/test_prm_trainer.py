@@ -184,8 +184,9 @@ def test_label_steps_and_best_of_n_run_end_to_end(policy, tmp_path):
     for key in ("greedy", "vote", "prm", "orm", "sample_mean"):
         assert 0 <= summary[key] <= summary["pass"] or key == "greedy"
     assert best_of_n_table(summary).splitlines()[-1].strip().startswith("change")
-    assert set(summary["auc"]) == {"prm", "orm"}
-    assert all(auc is None or 0 <= auc <= 1 for auc in summary["auc"].values())
+    for key in ("auc", "auc_within_prompt"):
+        assert set(summary[key]) == {"prm", "orm"}
+        assert all(auc is None or 0 <= auc <= 1 for auc in summary[key].values())
 
 
 def test_ranking_auc_against_hand_worked_pairs():
@@ -196,3 +197,9 @@ def test_ranking_auc_against_hand_worked_pairs():
     assert ranking_auc([0.3, 0.2], [False, True]) == 0.0
     assert ranking_auc([0.3, 0.3], [False, True]) == 0.5
     assert ranking_auc([0.1, 0.2], [True, True]) is None
+    # two prompts of 3 samples, in each the wrong ones outscore the right ones: 0 within a prompt; across prompts the
+    # easy prompt's right answers (0.9, 0.8) outscore the hard one's wrong ones (0.2, 0.3): 4 of the 9 pairs
+    scores, right = [0.9, 0.8, 0.95, 0.1, 0.2, 0.3], [True, True, False, True, False, False]
+    assert ranking_auc(scores, right) == pytest.approx(4 / 9)
+    assert ranking_auc(scores, right, group=3) == 0.0
+    assert ranking_auc([0.5, 0.4, 0.3, 0.6], [True, False, True, True], group=2) == 1.0  # the all-right prompt adds no pair
