@@ -330,7 +330,7 @@ def test_lora_layer_count_equals_saved_tensors(family, head_dim, targets, dtype)
 def test_run_config_with_lora_plans_the_adapter_off_reference():
     plan, model = plan_from_run_config(os.path.join(ROOT, "examples", "grpo_lora_arith.yaml"), gpus=2,
                                        model="qwen3-0.6b", overrides=["algo.kl_coef=0.01"])
-    assert plan.actor.lora == LoRAConfig(rank=16, alpha=32.0, target_modules="all-linear")
+    assert plan.actor.lora == LoRAConfig(rank=16, alpha=32.0, target_modules="all-linear", use_rslora=True)
     assert plan.reference is not None and Planner(plan, model).shared_reference
     estimate = plan_memory(plan, model)
     scoring = estimate.phase_peaks()["scoring"].roles
