@@ -14,8 +14,9 @@ greedy accuracy, then `n` samples per prompt reranked by the PRM (the solution w
 scores highest, min aggregation as in Lightman et al. 2023 and Math-Shepherd; `prm_aggregate`) and by
 the ORM (its score at the final step), against majority voting and the oracle pass@n. Judges rerank too
 (`judges`: `reward.judges` entries of kind `judge`, `megalign.roles.judge`): each sample's judge score, the
-highest picked, beside the PRM and ORM. Each verifier's ranking AUC of right vs wrong fresh samples (`ranking_auc`), over all of them and over the pairs of one
-prompt, says whether it ranks samples of unseen prompts at all, and whether it ranks them where best-of-n needs it.
+highest picked, beside the PRM and ORM. Each verifier's ranking AUC of right vs wrong fresh samples
+(`ranking_auc`), over all of them and over the pairs of one prompt, says whether it ranks samples of unseen prompts
+at all, and whether it ranks them where best-of-n needs it.
 
 Design choices:
 
@@ -337,11 +338,11 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
         term = judge_reward(j, load_judge(j.name, j.judge, layout, f"judges[{k}].judge"))
         scores[j.name] = term([chains[i].prompt for i in mine for _ in range(cfg.n)], samples,
                               [chains[i].answer for i in mine for _ in range(cfg.n)])
-    results, right_all = [], []
+    results, mine_right = [], []  # this rank's samples: right or not, in sample order
     for r, i in enumerate(mine):
         group = samples[r * cfg.n:(r + 1) * cfg.n]
         right = [math_accuracy(s, chains[i].answer) > 0.5 for s in group]
-        right_all += right
+        mine_right += right
         row = {"greedy": float(math_accuracy(greedy[r], chains[i].answer) > 0.5), "vote": _vote(group, chains[i].answer),
                "pass": float(any(right)), "sample_mean": sum(right) / cfg.n}
         for name, values in scores.items():
@@ -351,7 +352,7 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
     rows = _gather(results, layout)
     summary = {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}
     summary.update(prompts=len(rows), n=cfg.n, prm_aggregate=cfg.prm_aggregate, judges=[j.name for j in cfg.judges])
-    scored = _gather([(0, (scores, right_all))], layout)  # every rank's samples: the AUCs are over all of them
+    scored = _gather([(0, (scores, mine_right))], layout)  # every rank's samples: the AUCs are over all of them
     right_all = [y for _, part in scored for y in part]
     for key, group in (("auc", None), ("auc_within_prompt", cfg.n)):
         summary[key] = {name: ranking_auc([float(v) for part, _ in scored for v in part[name]], right_all, group)
