@@ -33,6 +33,11 @@ any batch size; the scores reach every rank of its pp group, which holds one bat
   weight, and when verifier / user-function terms are configured their total is the verifier its
   agreement is measured against (`<name>_agreement`: 1 where judge >= 1/2 and verifier >= 1/2 agree).
 
+- `reward.check_with`: a verifier term (weight 0 to monitor only) that every outcome model's ranking is checked
+  against each step on the current policy's samples (`reward/<name>/pairwise_acc` over the same-prompt pairs the
+  verifier separates, `megalign.rewards.ranking`): an RM's held-out accuracy as the policy moves, where reward
+  hacking shows (the RM's score rises while this falls).
+
 Only the reward models and judges hold device memory ("weights" of each role, offloadable).
 """
 from __future__ import annotations
@@ -50,6 +55,7 @@ from megalign.models import CausalLM
 from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import DEFAULT_TIMEOUT_S, RewardTerm, build_reward
+from megalign.rewards.registry import reward_label
 from megalign.rewards.judge import JudgeTemplate, TemplateOnly
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 from megalign.roles.judge import Judge, JudgeRewardConfig, judge_reward
@@ -129,6 +135,11 @@ class RewardConfig:
     gated: Optional[GatedRewardConfig] = option(None, doc="Llama 2's gate over two outcome models of `models`; null: off")
     judges: list[JudgeRewardConfig] = option([], doc="judge / rubric terms, each read from its own judge role (name, "
                                                      "weight, kind judge | rubric, judge: {path, tp, template, mode...})")
+    check_with: Optional[str] = option(
+        None, doc="label of a verifier term of `terms` every outcome reward model's ranking is checked against each "
+                  "step on the current policy's samples: reward/<model>/pairwise_acc, the fraction of same-prompt "
+                  "pairs the term separates that the model orders the same way (give the term weight 0 to monitor "
+                  "without rewarding); null: off")
     max_failure_fraction: float = option(
         0.5, doc="stop the run when a term fails (raises, non-number, times out) on more than this fraction of a "
                  "step's samples")
@@ -162,6 +173,14 @@ class RewardConfig:
                 if kinds.get(name) != "outcome":
                     raise ValueError(f"gated.{key}={name!r} must name an outcome reward model of reward.models; "
                                      f"outcome models: {[n for n, k in kinds.items() if k == 'outcome']}")
+        if self.check_with is not None:
+            labels = [t.label or reward_label(t.name) for t in self.terms]
+            if self.check_with not in labels:
+                raise ValueError(f"reward.check_with={self.check_with!r} names no term of reward.terms; their labels: "
+                                 f"{labels} (add the verifier with weight 0 to monitor without rewarding)")
+            if not [m for _, m in self.reward_models() if m.kind == "outcome"]:
+                raise ValueError("reward.check_with checks outcome reward models' rankings, but reward.model / "
+                                 "reward.models hold none")
         if not 0 <= self.max_failure_fraction <= 1:
             raise ValueError(f"max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):

@@ -50,6 +50,7 @@ from megalign.models import from_pretrained
 from megalign.parallel import ParallelLayout
 from megalign.rewards.judge import JudgeTemplate, TemplateOnly
 from megalign.rewards.math import extract_answer, math_accuracy, normalize_answer
+from megalign.rewards.ranking import ranking_auc
 from megalign.roles.judge import JudgeRewardConfig, judge_reward, load_judge
 from megalign.roles.reward import step_probs
 from megalign.roles.reward_exports import load_prm_info
@@ -362,36 +363,6 @@ def best_of_n(cfg: BestOfNConfig) -> dict:
         atomic_write_text(cfg.out, json.dumps(summary, indent=1) + "\n")
         print(best_of_n_table(summary), flush=True)
     return summary
-
-
-def ranking_auc(scores: Sequence[float], right: Sequence[bool], group: Optional[int] = None) -> Optional[float]:
-    """ROC AUC of a verifier's `scores` at telling the `right` samples from the wrong ones: the probability that a
-    right sample outscores a wrong one, ties counting half (Mann-Whitney U / (n_right * n_wrong), from average
-    ranks). 0.5 is chance, 1 a perfect ranking; None when no (right, wrong) pair exists. Invalid solutions (score
-    -inf) rank lowest. With `group` = n the pairs are only those of the same prompt (consecutive runs of n samples),
-    which is the ranking best-of-n uses: a verifier can rank all samples well by telling easy prompts from hard ones
-    and still not pick the right sample among one prompt's."""
-    spans = [(0, len(scores))] if group is None else [(k, k + group) for k in range(0, len(scores), group)]
-    u = pairs = 0.0
-    for start, end in spans:
-        part_u, positives, negatives = _mann_whitney(scores[start:end], right[start:end])
-        u, pairs = u + part_u, pairs + positives * negatives
-    return u / pairs if pairs else None
-
-
-def _mann_whitney(scores: Sequence[float], right: Sequence[bool]) -> tuple[float, int, int]:
-    """(U, right count, wrong count): U counts the (right, wrong) pairs where the right one scores higher, ties half."""
-    positives = sum(bool(y) for y in right)
-    order = sorted(range(len(scores)), key=lambda k: scores[k])
-    rank_sum, start = 0.0, 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and scores[order[end + 1]] == scores[order[start]]:
-            end += 1
-        average_rank = (start + end) / 2 + 1  # 1-based ranks start + 1 ... end + 1 share their mean
-        rank_sum += average_rank * sum(bool(right[k]) for k in order[start:end + 1])
-        start = end + 1
-    return rank_sum - positives * (positives + 1) / 2, positives, len(right) - positives
 
 
 def best_of_n_table(summary: dict) -> str:

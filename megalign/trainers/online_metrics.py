@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megalign.parallel.collectives import all_reduce
+from megalign.rewards.ranking import ranking_pairs
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums
 from megalign.trainers.logging import memory_report
@@ -18,10 +19,10 @@ from megalign.trainers.logging import memory_report
 class OnlineMetrics:
     """`rollout_sums` and `step_metrics` for an `OnlineTrainer`."""
 
-    @staticmethod
-    def rollout_sums(generated: RolloutBatch) -> MetricSums:
-        """The sums over every generated response that `step_metrics` turns into means (reward, terms, lengths)."""
-        sums = MetricSums()
+    def rollout_sums(self, generated: RolloutBatch) -> MetricSums:
+        """The sums over every generated response that `step_metrics` turns into means (reward, terms, lengths) and,
+        with `reward.check_with`, each outcome reward model's ranking pairs (`pairwise_sums`)."""
+        sums = self.pairwise_sums(generated)
         rewards = generated.rewards.double()
         sums.add("reward", rewards.sum())
         sums.add("reward_sq", (rewards ** 2).sum())
@@ -30,6 +31,20 @@ class OnlineMetrics:
         sums.add("length", generated.lengths.sum())
         sums.add("unfinished", (~generated.finished).sum())
         sums.add("responses", len(generated))
+        return sums
+
+    def pairwise_sums(self, generated: RolloutBatch) -> MetricSums:
+        """Per outcome reward model, the same-prompt pairs of this step's samples that the `reward.check_with`
+        verifier separates (right vs wrong) and the U of those the model orders the same way, ties half
+        (`megalign.rewards.ranking`): the model's held-out pairwise accuracy on the current policy's samples."""
+        sums, check = MetricSums(), self.cfg.reward.check_with
+        if check is None:
+            return sums
+        right = (generated.terms[check] >= 0.5).tolist()
+        for model in self.reward.outcome:
+            u, pairs = ranking_pairs(generated.terms[model.name].tolist(), right, generated.group_size)
+            sums.add(f"pairs_u/{model.name}", u)
+            sums.add(f"pairs/{model.name}", pairs)
         return sums
 
     def reward_error_metrics(self) -> dict[str, float]:
@@ -56,6 +71,10 @@ class OnlineMetrics:
             **algorithm,
             "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),
         }
+        for model in self.reward.outcome if self.cfg.reward.check_with is not None else ():
+            pairs = total[f"pairs/{model.name}"]
+            metrics[f"reward/{model.name}/pairs"] = pairs
+            metrics[f"reward/{model.name}/pairwise_acc"] = total[f"pairs_u/{model.name}"] / pairs if pairs else float("nan")
         if self.cfg.eval.metric in terms:
             metrics["accuracy"] = metrics[f"reward/{self.cfg.eval.metric}/mean"]
         metrics.update(self.reward_error_metrics())

@@ -182,3 +182,45 @@ def test_ppo_normalises_each_model_and_whitens_the_gated_score(models, tmp_path)
         run_distributed(_ppo, models["policy"], str(tmp_path / "bad"), "reward.terms=[]", f"data.path={bad}",
                         f"reward.models=[{{name: s, path: {models['s']}}}, {{name: h, path: {models['h']}}}]",
                         "reward.gated={safety: s, helpful: h}", world_size=1)
+
+
+def _pairwise_sums_on_a_rank():
+    from megalign.trainers.online_metrics import OnlineMetrics
+    # 2 prompts x G = 3; verifier (>= 1/2 is right): prompt 1 right, wrong, wrong; prompt 2 all right (no pair).
+    # RM a: the right sample (0.5) above one wrong (0.1) and tied with the other (0.5): 1.5 of 2. RM b: below both: 0
+    batch = SimpleNamespace(group_size=3, terms={
+        "check": torch.tensor([1.0, 0.0, 0.4, 1.0, 0.9, 0.5]),
+        "a": torch.tensor([0.5, 0.1, 0.5, 0.0, 0.0, 0.0]), "b": torch.tensor([-1.0, 2.0, 0.0, 1.0, 2.0, 3.0])})
+    owner = SimpleNamespace(cfg=SimpleNamespace(reward=SimpleNamespace(check_with="check")),
+                            reward=SimpleNamespace(outcome=[SimpleNamespace(name="a"), SimpleNamespace(name="b")]))
+    totals = OnlineMetrics.pairwise_sums(owner, batch).reduce(None, torch.device("cpu"))
+    assert totals == {"pairs_u/a": 1.5, "pairs/a": 2.0, "pairs_u/b": 0.0, "pairs/b": 2.0}
+    owner.cfg.reward.check_with = None
+    assert OnlineMetrics.pairwise_sums(owner, batch).reduce(None, torch.device("cpu")) == {}
+
+
+def test_pairwise_sums_count_the_verifier_separated_pairs_of_each_prompt():
+    run_distributed(_pairwise_sums_on_a_rank, world_size=1)
+
+
+def test_check_with_names_a_term_and_needs_an_outcome_model():
+    terms = "terms=[{name: math_accuracy, weight: 0.0}]"
+    cfg = load_config(RewardConfig, None, [terms, "model.path=x", "check_with=math_accuracy"])
+    assert cfg.check_with == "math_accuracy" and cfg.terms[0].weight == 0.0
+    with pytest.raises(ConfigError, match="check_with='accuracy' names no term of reward.terms; their labels: "
+                                          r"\['math_accuracy'\]"):
+        load_config(RewardConfig, None, [terms, "model.path=x", "check_with=accuracy"])
+    with pytest.raises(ConfigError, match="hold none"):
+        load_config(RewardConfig, None, [terms, "check_with=math_accuracy"])
+
+
+def test_ppo_logs_the_reward_models_pairwise_accuracy_on_its_samples(models, tmp_path):
+    run_distributed(_ppo, models["policy"], str(tmp_path / "run"), f"reward.model.path={models['a']}",
+                    f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 0.0}}]",
+                    "reward.check_with=digit_fraction", world_size=1, timeout_s=120)
+    row = metric_rows(str(tmp_path / "run"))[-1]
+    # 4 prompts x G = 4: at most 4 separated pairs per prompt (2 right x 2 wrong)
+    assert 0 <= row["reward/reward_model/pairs"] <= 16 and row["reward/reward_model/pairs"] == int(row["reward/reward_model/pairs"])
+    if row["reward/reward_model/pairs"]:
+        assert 0 <= row["reward/reward_model/pairwise_acc"] <= 1
+    assert row["reward/mean"] == pytest.approx(row["reward/reward_model/mean"], rel=1e-5, abs=1e-6)  # weight 0

@@ -20,7 +20,7 @@ from megalign.algos import IGNORE_INDEX, prm_loss
 from megalign.config import load_config
 from megalign.data import CharTokenizer, collate_stepwise, encode_steps, load_stepwise
 from megalign.models import from_pretrained
-from megalign.tools.best_of_n import (BestOfNConfig, LabelStepsConfig, _vote, best_of_n, best_of_n_table, ranking_auc,
+from megalign.tools.best_of_n import (BestOfNConfig, LabelStepsConfig, _vote, best_of_n, best_of_n_table,
                                       label_steps, split_steps, verifier_scores)
 from megalign.roles.reward import step_logits, step_probs
 from megalign.roles.reward_exports import load_prm_info
@@ -187,19 +187,3 @@ def test_label_steps_and_best_of_n_run_end_to_end(policy, tmp_path):
     for key in ("auc", "auc_within_prompt"):
         assert set(summary[key]) == {"prm", "orm"}
         assert all(auc is None or 0 <= auc <= 1 for auc in summary[key].values())
-
-
-def test_ranking_auc_against_hand_worked_pairs():
-    # right: 0.9, 0.5, 0.3; wrong: 0.5, 0.1 -> pairs (right above wrong): 0.9 beats both (2), 0.5 ties 0.5 (0.5) and
-    # beats 0.1 (1), 0.3 beats 0.1 (1): 4.5 of 6
-    assert ranking_auc([0.9, 0.5, 0.5, 0.1, 0.3], [True, True, False, False, True]) == pytest.approx(4.5 / 6)
-    assert ranking_auc([float("-inf"), 0.2], [False, True]) == 1.0  # an invalid solution ranks lowest
-    assert ranking_auc([0.3, 0.2], [False, True]) == 0.0
-    assert ranking_auc([0.3, 0.3], [False, True]) == 0.5
-    assert ranking_auc([0.1, 0.2], [True, True]) is None
-    # two prompts of 3 samples, in each the wrong ones outscore the right ones: 0 within a prompt; across prompts the
-    # easy prompt's right answers (0.9, 0.8) outscore the hard one's wrong ones (0.2, 0.3): 4 of the 9 pairs
-    scores, right = [0.9, 0.8, 0.95, 0.1, 0.2, 0.3], [True, True, False, True, False, False]
-    assert ranking_auc(scores, right) == pytest.approx(4 / 9)
-    assert ranking_auc(scores, right, group=3) == 0.0
-    assert ranking_auc([0.5, 0.4, 0.3, 0.6], [True, False, True, True], group=2) == 1.0  # the all-right prompt adds no pair
