@@ -13,7 +13,9 @@
 # them -> held-out best-of-16 reranked by each, ending with the PRM's change over greedy), or ppo (the
 # classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
 # (launch/sample_pairs.py) -> PPO whose only reward is that RM, the critic started from the RM; ends
-# with PPO's before/after held-out accuracy table), or ppo_verifier (SFT -> PPO whose only reward is the
+# with PPO's before/after held-out accuracy table; PPO_ROUNDS=K > 1 iterates as Llama 2 did: each round samples the
+# current policy, continues the RM on those pairs and runs PPO from the last round's policy and critic, in
+# RUN_ROOT/{self_pairs,rm_self,ppo_arith}_rK), or ppo_verifier (SFT -> PPO whose only reward is the
 # verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk),
 # or judge (issue 27: SFT -> judge rows of (problem, candidate, criterion) -> Y/N with the SFT policy's own samples
 # among the candidates (launch/judge_tools.py data) -> SFT of a judge from the SFT export
@@ -138,14 +140,22 @@ case "$PIPELINE" in
     run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_arith" \
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   ppo)
-    run launch/sample_pairs.py model_path="$ROOT/sft_arith/hf" out_dir="$ROOT/self_pairs" \
-        samples_per_prompt=16 pairs_per_prompt=4 ${PAIRS_OVERRIDES:-}
-    run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_self" \
-        model.path="$ROOT/sft_arith/hf" data.path="$ROOT/self_pairs/pairs.jsonl" \
-        data.eval_path="$ROOT/self_pairs/pairs_held_out.jsonl" algo.margin=false ${RM_OVERRIDES:-}
-    run launch/train_ppo.py --config examples/ppo_arith.yaml run_dir="$ROOT/ppo_arith" \
-        actor.path="$ROOT/sft_arith/hf" critic.path="$ROOT/rm_self/hf" reward.model.path="$ROOT/rm_self/hf" \
-        ${STAGE_OVERRIDES:-} ;;
+    # iterated RLHF (Llama 2, section 3.2.3): PPO_ROUNDS rounds; before each, pairs of the current policy's own samples
+    # labelled by the verifier (the human labellers' stand-in) and the RM continued on them from the last round's
+    POLICY="$ROOT/sft_arith/hf" RM_INIT="$ROOT/sft_arith/hf" CRITIC=""
+    ROUNDS=${PPO_ROUNDS:-1}
+    for ROUND in $(seq 1 "$ROUNDS"); do
+      SUFFIX=$([ "$ROUNDS" = 1 ] && echo "" || echo "_r$ROUND")
+      run launch/sample_pairs.py model_path="$POLICY" out_dir="$ROOT/self_pairs$SUFFIX" seed=$((ROUND - 1)) \
+          samples_per_prompt=16 pairs_per_prompt=4 ${PAIRS_OVERRIDES:-}
+      run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_self$SUFFIX" \
+          model.path="$RM_INIT" data.path="$ROOT/self_pairs$SUFFIX/pairs.jsonl" \
+          data.eval_path="$ROOT/self_pairs$SUFFIX/pairs_held_out.jsonl" algo.margin=false ${RM_OVERRIDES:-}
+      run launch/train_ppo.py --config examples/ppo_arith.yaml run_dir="$ROOT/ppo_arith$SUFFIX" \
+          actor.path="$POLICY" reference.path="$ROOT/sft_arith/hf" critic.path="${CRITIC:-$ROOT/rm_self$SUFFIX/hf}" \
+          reward.model.path="$ROOT/rm_self$SUFFIX/hf" ${STAGE_OVERRIDES:-}
+      POLICY="$ROOT/ppo_arith$SUFFIX/hf" RM_INIT="$ROOT/rm_self$SUFFIX/hf" CRITIC="$ROOT/ppo_arith$SUFFIX/critic_hf"
+    done ;;
   ppo_verifier)
     run launch/train_ppo.py --config examples/ppo_verifier_arith.yaml run_dir="$ROOT/ppo_verifier_arith" \
         actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
