@@ -303,8 +303,8 @@ class Runner:
 
     def phase_ppo(self, timeout: float) -> tuple[str, dict]:
         overrides = self.trainer_overrides("ppo") + [
-            "export_hf=false", "reward.model=null", "critic.path=null", "critic.dtype=bf16", "reference.dtype=bf16",
-            "algo.critic_warmup=0", "algo.reward_normalize=false"]
+            "export_hf=false", "reward.model=null", "reward.check_with=null", "critic.path=null", "critic.dtype=bf16",
+            "reference.dtype=bf16", "algo.critic_warmup=0", "algo.reward_normalize=false"]
         return self.trainer_phase("ppo", timeout, "train_ppo.py", "ppo_arith.yaml", overrides, ("actor", "critic"))
 
     def phase_rollout(self, timeout: float) -> tuple[str, dict]:
