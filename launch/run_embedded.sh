@@ -19,11 +19,17 @@
 # without the _r1 suffix), or ppo_verifier (SFT -> PPO whose only reward is the
 # verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk),
 # or judge (issue 27: SFT -> judge rows of (problem, candidate, criterion) -> Y/N with the SFT policy's own samples
-# among the candidates (launch/judge_tools.py data) -> SFT of a judge from the SFT export
-# (examples/judge_sft_arith.yaml) -> its held-out agreement with the labels (`judge agreement  NN.N%`) -> GRPO whose
-# only reward is the judge's rubric score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed
-# and steps (the control) -> both against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets
-# both GRPO runs' steps, default 200: every step asks the judge three criteria per sample).
+# among the candidates (launch/judge_tools.py data) -> SFT of a judge from the SFT export in two stages, the
+# `correct` criterion's rows alone (600 steps at lr 1.5e-3), then all three criteria (examples/judge_sft_arith.yaml) -> its
+# held-out agreement with the labels (`judge agreement  NN.N%`) -> GRPO whose only reward is the judge's rubric
+# score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed and steps (the control) -> both
+# against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets both GRPO runs' steps, default
+# 200: every step asks the judge three criteria per sample),
+# or rlaif (issue 27: judge's stages up to the agreement -> RL-CAI labels of two SFT samples per training prompt from
+# that judge, pointwise on the `correct` criterion as a one-principle constitution (launch/cai_tools.py label, the
+# config judge_tools.py data writes, overrides in LABEL_OVERRIDES) -> DPO (examples/dpo_arith.yaml) on the AI labels,
+# and as the control on the verifier's labels of the same samples -> both against the SFT policy, with the labels'
+# agreement with the verifier (`label agreement  NN.N%`), ending with `change` of the AI-label run).
 # or tools (issue 28: SFT from scratch on tool-using traces driven through ToolEnv (launch/tool_traces.py data,
 # examples/sft_tools_arith.yaml) -> GRPO with the calculator (examples/grpo_tools_arith.yaml, turns ending at eos
 # as the traces do: no '</tool_call>' stop string, 96 tokens a turn for a 86-token call) -> the control: a plain SFT
@@ -45,13 +51,14 @@
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's and kto's sampling in PAIRS_OVERRIDES, for kto's DPO
 # control in CONTROL_OVERRIDES, for ppo's RM stage
-# in RM_OVERRIDES, for judge's rows in DATA_OVERRIDES and its judge SFT in JUDGE_OVERRIDES (STAGE_OVERRIDES go
-# to both of its GRPO runs), for the tools and user_sim tables in COMPARE_OVERRIDES.
+# in RM_OVERRIDES, for judge's and rlaif's rows in DATA_OVERRIDES and their judge SFT (both stages) in JUDGE_OVERRIDES
+# (STAGE_OVERRIDES go to both GRPO runs of judge and both DPO runs of rlaif), for the tools and user_sim tables in
+# COMPARE_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|tools|user_sim|moe) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|rlaif|tools|user_sim|moe) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -160,13 +167,34 @@ case "$PIPELINE" in
   ppo_verifier)
     run launch/train_ppo.py --config examples/ppo_verifier_arith.yaml run_dir="$ROOT/ppo_verifier_arith" \
         actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
-  judge)
+  judge|rlaif)
     DATA="$ROOT/judge_data" STEPS=${JUDGE_STEPS:-200}
     run launch/judge_tools.py data out_dir="$DATA" policy="$ROOT/sft_arith/hf" ${DATA_OVERRIDES:-}
+    # the judge's curriculum: the comparison (`correct` rows) alone, then all three criteria from that judge
+    run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_correct" \
+        model.path="$ROOT/sft_arith/hf" data.path="$DATA/judge_train_correct.jsonl" steps=600 optim.lr=1.5e-3 \
+        ${JUDGE_OVERRIDES:-}
     run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_arith" \
-        model.path="$ROOT/sft_arith/hf" data.path="$DATA/judge_train.jsonl" ${JUDGE_OVERRIDES:-}
+        model.path="$ROOT/judge_correct/hf" data.path="$DATA/judge_train.jsonl" ${JUDGE_OVERRIDES:-}
     run launch/judge_tools.py agreement judge="$ROOT/judge_arith/hf" items="$DATA/judge_held_out.jsonl" \
         summary_path="$ROOT/judge_agreement.json"
+    if [ "$PIPELINE" = rlaif ]; then
+      # AI labels of two SFT samples per training prompt from the judge (pointwise, the `correct` criterion as the
+      # constitution), and the verifier's labels of the same samples as the control
+      run launch/cai_tools.py label --config "$DATA/label.yaml" policy="$ROOT/sft_arith/hf" \
+          judge.path="$ROOT/judge_arith/hf" out_dir="$ROOT/rlaif" ${LABEL_OVERRIDES:-}
+      for LABELS in ai verifier; do
+        PAIRS=$([ "$LABELS" = ai ] && echo pairs || echo pairs_verifier)
+        run launch/train_dpo.py --config examples/dpo_arith.yaml run_dir="$ROOT/dpo_${LABELS}_labels" \
+            model.path="$ROOT/sft_arith/hf" data.path="$ROOT/rlaif/$PAIRS.jsonl" ${STAGE_OVERRIDES:-}
+      done
+      run launch/judge_tools.py compare before="$ROOT/sft_arith/hf" prompts="$DATA/prompts_held_out.jsonl" \
+          "after=[$ROOT/dpo_ai_labels/hf, $ROOT/dpo_verifier_labels/hf]" \
+          "names=[DPO on the judge's labels, DPO on the verifier's labels (control)]" \
+          agreement="$ROOT/rlaif/label_report.json" agreement_key=train.verifier_agreement \
+          agreement_name="label agreement"
+      exit 0
+    fi
     # the rubric config's runs/ paths (the judge's among them, inside a list) under ROOT
     sed "s#\([ :]\)runs/#\1$ROOT/#" examples/grpo_rubric_arith.yaml > "$ROOT/grpo_rubric_arith.yaml"
     run launch/train_grpo.py --config "$ROOT/grpo_rubric_arith.yaml" steps="$STEPS" ${STAGE_OVERRIDES:-}

@@ -55,6 +55,10 @@ from megalign.rewards.math import last_boxed, math_accuracy
 JUDGE_TEMPLATE = "{criterion}? {prompt}{response} vs \\boxed{{{reference}}}\n"
 """The judge prompt of the embedded task (module doc); the verdict is the next token, "Y" or "N"."""
 
+LABEL_TEMPLATE = JUDGE_TEMPLATE.replace("{criterion}", "{principle}")
+"""The same layout as a pointwise judge template of `launch/cai_tools.py label` (`run_embedded.sh rlaif`): the
+constitution's principle in the criterion's place, so the judge reads exactly what it was trained on."""
+
 VERDICTS = ("Y", "N")
 """The two answer tokens (positive first): the judge config's `answers`."""
 

@@ -5,13 +5,19 @@ labels (`label`, RL-CAI's labeller) here, critique-revise (SL-CAI) in `megalign.
 `label(cfg)` (`python launch/cai_tools.py label policy=... judge.path=... judge.template=... [key=value ...]`):
 the policy samples two responses per prompt at `temperature`; a judge model (`megalign.roles.judge`,
 `judge.*` keys: any causal-LM folder, logprob or generate verdicts) reads the template filled with
-`{prompt}`, `{response_a}`, `{response_b}` and, when a `constitution` is given, `{principle}` (one drawn
-per prompt) and answers p(A) = p(response_a is better) (a `generate` judge's parsed number is read as p(A),
-so its pattern should give 1 for A and 0 for B, or a probability). Position bias (judges favour one slot) is
-removed by asking both orders and averaging: p = (p(A | a, b) + 1 - p(A | b, a)) / 2 is the probability
-that a is better; chosen = a when p > 1/2. Rows are TRL's explicit-prompt preference format
+`{prompt}`, `{response_a}`, `{response_b}`, `{reference}` (the prompt row's answer, which the prompt
+loader requires, for judges that grade against one) and, when a `constitution` is given,
+`{principle}` (one drawn per prompt) and answers p(A) = p(response_a is better) (a `generate` judge's parsed
+number is read as p(A), so its pattern should give 1 for A and 0 for B, or a probability). Position bias
+(judges favour one slot) is removed by asking both orders and averaging: p = (p(A | a, b) + 1 - p(A | b, a)) / 2
+is the probability that a is better; chosen = a when p > 1/2.
+A template with `{response}` instead of the two slots is a pointwise judge (yes / no on one response, the
+principle read as a criterion, e.g. the embedded judge of `megalign.data.judge_rows`): it scores each sample
+alone, s_a = p(yes | a) and s_b, and p = s_a (1 - s_b) / (s_a (1 - s_b) + s_b (1 - s_a)), the probability that
+a is the one meeting the principle given that exactly one does (independent verdicts; 1/2 when both are 0 or
+both 1); no position bias to remove. Rows are TRL's explicit-prompt preference format
 (`prompt`, `chosen`, `rejected`, `answer`) plus `label_probability` (p of the chosen one, in (1/2, 1]),
-the two raw verdicts `judge_scores` ([p(A | a, b), p(A | b, a)]), `principle`, and `margin` = log(q / (1 - q))
+the two raw verdicts `judge_scores` ([p(A | a, b), p(A | b, a)]; pointwise [s_a, s_b] of a and b), `principle`, and `margin` = log(q / (1 - q))
 with q = label_probability clipped to 1 - 1e-3 (the Bradley-Terry reward gap the judge implies, at most 6.9).
 `margin` is the soft-label column megalign reads (`megalign.data.preference`): the reward-model trainer
 subtracts it in its margin loss (`algo.margin`); the DPO trainer loads the same rows and ignores it.
@@ -218,7 +224,8 @@ def run_chunks(cfg: CAIConfig, command: str, work: Work, layout: ParallelLayout,
                summary: Callable[[dict[str, int]], dict[str, Any]] = dict) -> dict[str, dict[str, Any]]:
     """Run `work` over every split's prompts chunk by chunk, resumably, and write the merged files (module doc).
 
-    Returns {split: counts} (summed over the chunks, then passed through `summary`), on every rank.
+    Returns {split: counts} (summed over the chunks, then passed through `summary`), on every rank; rank 0 also
+    writes it to out_dir/<command>_report.json (e.g. the label agreement a pipeline's table quotes).
     """
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.policy)
     train, held_out = prompt_datasets(cfg.data, tokenizer, cfg.out_dir)
@@ -250,6 +257,8 @@ def run_chunks(cfg: CAIConfig, command: str, work: Work, layout: ParallelLayout,
         dist.broadcast_object_list(holder, src=0)
         report[split] = holder[0]
         logger.info("%s %s: %s", command, split, report[split])
+    if dist.get_rank() == 0:
+        atomic_write_text(os.path.join(cfg.out_dir, f"{command}_report.json"), json.dumps(report, indent=1) + "\n")
     dist.barrier()
     return report
 
@@ -286,16 +295,26 @@ class LabelConfig(CAIConfig):
             raise ValueError(f"judge.tp and judge.pp must be 1 in the CAI tools, got {self.judge.tp}, {self.judge.pp}")
         if not 0 <= self.tie_tolerance < 0.5:
             raise ValueError(f"tie_tolerance must be in [0, 0.5), got {self.tie_tolerance}")
-        supplied = ("prompt", "response_a", "response_b") + (("principle",) if self.principles else ())
+        slots = ("response",) if self.pointwise else ("response_a", "response_b")
+        supplied = ("prompt", *slots, "reference") + (("principle",) if self.principles else ())
         JudgeTemplate(self.judge.template, "judge.template").check(
-            supplied, ("response_a", "response_b"), "label" + ("" if self.principles else " without a constitution"))
+            supplied, slots, "label" + ("" if self.principles else " without a constitution"))
+
+    @property
+    def pointwise(self) -> bool:
+        """Whether the judge scores one response at a time (its template has `{response}`; module doc)."""
+        return "response" in JudgeTemplate(self.judge.template, "judge.template").fields
 
 
-def _pair_verdict(s_ab: float, s_ba: float, ok: bool) -> Optional[float]:
-    """p(a better than b) from the verdicts of both orders, or None when either is unusable (module doc)."""
+def _pair_verdict(s_ab: float, s_ba: float, ok: bool, pointwise: bool = False) -> Optional[float]:
+    """p(a better than b), or None when either verdict is unusable (module doc): from the verdicts of both orders,
+    or with `pointwise` from the two responses' own verdicts s_a = `s_ab`, s_b = `s_ba`."""
     if not ok or not (0.0 <= s_ab <= 1.0 and 0.0 <= s_ba <= 1.0):
         return None
-    return (s_ab + 1.0 - s_ba) / 2.0
+    if not pointwise:
+        return (s_ab + 1.0 - s_ba) / 2.0
+    a_only, b_only = s_ab * (1.0 - s_ba), s_ba * (1.0 - s_ab)
+    return 0.5 if a_only + b_only == 0.0 else a_only / (a_only + b_only)
 
 
 class _Labeller:
@@ -325,25 +344,35 @@ class _Labeller:
                 continue
             principle = principle_stream(cfg.seed, split, start + i).choice(cfg.principles) if cfg.principles else ""
             pairs.append((e, a, b, principle))
-        rows = [{"prompt": e.prompt_text, "response_a": a, "response_b": b, "principle": pr} for e, a, b, pr in pairs]
-        rows += [{**row, "response_a": row["response_b"], "response_b": row["response_a"]} for row in rows]
-        verdicts = self.judge.verdicts(self.judge.template, rows)
+        verdicts = self.judge.verdicts(self.judge.template, self._judge_rows(pairs))
         self.judge.new_step()
         verifier = verifier_scores(cfg, [e for e, *_ in pairs for _ in (0, 1)], [t for _, a, b, _ in pairs
                                                                                   for t in (a, b)]) \
             if cfg.verifier and pairs else None
         return self._rows(pairs, verdicts, verifier, counts)
 
+    def _judge_rows(self, pairs) -> list[dict[str, str]]:
+        """The judge's filled fields: pointwise a_0, b_0, a_1, ...; else every pair as (a, b), then all as (b, a)."""
+        rows = []
+        for e, a, b, principle in pairs:
+            common = {"prompt": e.prompt_text, "reference": str(e.answer), "principle": principle}
+            rows += ([{**common, "response": a}, {**common, "response": b}] if self.cfg.pointwise else
+                     [{**common, "response_a": a, "response_b": b}])
+        if self.cfg.pointwise:
+            return rows
+        return rows + [{**row, "response_a": row["response_b"], "response_b": row["response_a"]} for row in rows]
+
     def _rows(self, pairs, verdicts, verifier, counts: Counter) -> dict[str, Any]:
-        n, out, control = len(pairs), [], []
+        n, out, control, pointwise = len(pairs), [], [], self.cfg.pointwise
         for j, (e, a, b, principle) in enumerate(pairs):
-            s_ab, s_ba = verdicts.scores[j], verdicts.scores[n + j]
+            ia, ib = (2 * j, 2 * j + 1) if pointwise else (j, n + j)
+            s_ab, s_ba = verdicts.scores[ia], verdicts.scores[ib]
             prefers = None  # the verifier's choice: "a", "b" or None
             if verifier is not None and verifier[2 * j] != verifier[2 * j + 1]:
                 prefers = "a" if verifier[2 * j] > verifier[2 * j + 1] else "b"
                 good, bad = (a, b) if prefers == "a" else (b, a)
                 control.append({"prompt": e.prompt_text, "chosen": good, "rejected": bad, "answer": e.answer})
-            p = _pair_verdict(s_ab, s_ba, verdicts.parsed[j] and verdicts.parsed[n + j])
+            p = _pair_verdict(s_ab, s_ba, verdicts.parsed[ia] and verdicts.parsed[ib], pointwise)
             if p is None:
                 counts["unparsed"] += 1
                 continue
@@ -351,7 +380,8 @@ class _Labeller:
                 counts["ties"] += 1
                 continue
             chosen, rejected, q, side = (a, b, p, "a") if p > 0.5 else (b, a, 1.0 - p, "b")
-            counts["position_consistent"] += (s_ab > 0.5) == (s_ba < 0.5)
+            if not pointwise:
+                counts["position_consistent"] += (s_ab > 0.5) == (s_ba < 0.5)
             row = {"prompt": e.prompt_text, "chosen": chosen, "rejected": rejected, "answer": e.answer,
                    "label_probability": q, "judge_scores": [s_ab, s_ba], "principle": principle}
             if self.cfg.margin:

@@ -6,8 +6,15 @@
 - `judge_train.jsonl`: the judge's SFT rows from the training problems (`prompt` = the filled judge
   template, `response` = "Y" / "N"), the `correct` rows balanced and repeated (`correct_repeats`), for
   `launch/train_sft.py data.path=...`;
+- `judge_train_correct.jsonl`: the balanced training rows of the `correct` criterion alone, not repeated: the first
+  stage of the judge's curriculum (`run_embedded.sh judge` trains the comparison on these, then all three criteria
+  on `judge_train.jsonl` from that judge; trained on the mix from the start the judge learns the two format
+  criteria and not the comparison, BENCHMARKS.md "Models in the reward loop");
 - `judge_held_out.jsonl`: the same rows from the held-out problems, never trained on, for `agreement`;
-- `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column.
+- `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column;
+- `constitution.txt` (one principle: the `correct` criterion) and `label.yaml`, the config of RLAIF labels from
+  the trained judge (`launch/cai_tools.py label --config label.yaml policy=... judge.path=...`, a pointwise judge
+  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs).
 
 Candidates are the made-up ones of `synthetic_candidates` plus, when `policy` is given,
 `samples_per_prompt` samples of that policy per problem (temperature `temperature`): GRPO shows the
@@ -39,8 +46,8 @@ import torch.distributed as dist
 
 from megalign.config import atomic_write_text, option
 from megalign.data import ArithTaskConfig, PromptExample, build_tokenizer, load_prompts, make_splits
-from megalign.data.judge_rows import (JUDGE_TEMPLATE, VERDICTS, balanced, judge_items, repeated, rubric_prompt_rows,
-                                      sft_row, synthetic_candidates)
+from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, LABEL_TEMPLATE, VERDICTS, balanced, judge_items,
+                                      repeated, rubric_prompt_rows, sft_row, synthetic_candidates)
 from megalign.data.prompts import read_rows
 from megalign.data.tokenizer import TokenizerConfig
 from megalign.models import from_pretrained
@@ -59,7 +66,7 @@ logger = logging.getLogger(__name__)
 class JudgeDataConfig:
     """Which problems, which policy samples candidates, where the rows go (module doc)."""
 
-    out_dir: str = option("runs/judge_data", doc="folder of the four .jsonl files")
+    out_dir: str = option("runs/judge_data", doc="folder of the files of the module doc")
     arith: ArithTaskConfig = option(ArithTaskConfig(), doc="the arithmetic task and its split (the policy's)")
     policy: Optional[str] = option(None, doc="HF folder of the policy whose samples join the candidates; null: "
                                              "the made-up candidates only")
@@ -121,7 +128,7 @@ def label_counts(items: list[dict]) -> dict[str, dict[str, int]]:
 
 
 def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
-    """Write the four files of the module doc; returns {split: label counts}. Every rank calls it."""
+    """Write the files of the module doc; returns {split: label counts}. Every rank calls it."""
     if cfg.policy is not None:
         check_model_path(cfg.policy, "policy")
     layout = ParallelLayout.build(tp=1, device_type=resolve_device(cfg.device))
@@ -136,12 +143,22 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
         report[split] = label_counts(items)
         rows = items
         if split == "train":
-            rows = repeated(balanced(rows, "correct") if cfg.balance else rows, "correct", cfg.correct_repeats)
+            rows = balanced(rows, "correct") if cfg.balance else rows
+            if dist.get_rank() == 0:
+                _write(os.path.join(cfg.out_dir, "judge_train_correct.jsonl"),
+                       [sft_row(item, template) for item in rows if item["key"] == "correct"])
+            rows = repeated(rows, "correct", cfg.correct_repeats)
         logger.info("judge rows %s: %d items of %d problems, %d rows written (balanced / repeated: %s); labels %s", split,
                     len(items), len(problems), len(rows), len(rows) != len(items), report[split])
         if dist.get_rank() == 0:
             _write(os.path.join(cfg.out_dir, f"judge_{split}.jsonl"), [sft_row(item, template) for item in rows])
             _write(os.path.join(cfg.out_dir, f"prompts_{split}.jsonl"), rubric_prompt_rows(problems))
+    if dist.get_rank() == 0:
+        constitution = os.path.join(os.path.abspath(cfg.out_dir), "constitution.txt")
+        atomic_write_text(constitution, CRITERIA["correct"] + "\n")
+        label = {"constitution": constitution, "verifier": "math_accuracy",
+                 "judge": {"template": LABEL_TEMPLATE, "answers": list(VERDICTS), "chat_template": False}}
+        atomic_write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
     dist.barrier()
     return report
 
@@ -230,8 +247,11 @@ class CompareConfig:
     names: list[str] = option(["GRPO, rubric reward from the judge", "GRPO, verifier reward (control)"],
                               doc="one table label per `after` folder")
     prompts: str = option("runs/judge_data/prompts_held_out.jsonl", doc="held-out prompt rows (prompt, answer)")
-    agreement: Optional[str] = option(None, doc="a `judge_agreement` summary_path to quote its overall agreement; "
-                                                "null: none")
+    agreement: Optional[str] = option(None, doc="a JSON file to quote an agreement from: a `judge_agreement` "
+                                                "summary_path, or `cai_tools.py label`'s label_report.json; null: none")
+    agreement_key: str = option("all", doc="where the agreement sits in that file, dotted (the label report's: "
+                                           "train.verifier_agreement)")
+    agreement_name: str = option("judge agreement", doc="the table's name of the quoted agreement")
     max_new_tokens: int = option(16, doc="greedy tokens per response (GRPO's max_response_length)")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
 
@@ -243,9 +263,10 @@ class CompareConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def comparison_lines(before: float, after: list[tuple[str, float]], agreement: Optional[float]) -> list[str]:
+def comparison_lines(before: float, after: list[tuple[str, float]], agreement: Optional[float],
+                     agreement_name: str = "judge agreement") -> list[str]:
     """The before/after table: one row per policy with its gain, the first run's gain as a fraction of each
-    control's, the judge's agreement, and last `change  +N.N points` (the first run's gain)."""
+    control's, the judge's (or the labels') agreement, and last `change  +N.N points` (the first run's gain)."""
     gains = [(name, (acc - before) * 100) for name, acc in after]
     rows = [("initial policy", f"{before:6.1%}")]
     rows += [(name, f"{acc:6.1%}  ({gain:+.1f} points)") for (name, acc), (_, gain) in zip(after, gains)]
@@ -253,7 +274,7 @@ def comparison_lines(before: float, after: list[tuple[str, float]], agreement: O
     width = max(len(name) for name, _ in rows)
     lines = ["held-out accuracy (greedy)"] + [f"  {name:<{width}}  {value}" for name, value in rows]
     if agreement is not None:
-        lines.append(f"judge agreement  {100 * agreement:.1f}%")
+        lines.append(f"{agreement_name}  {100 * agreement:.1f}%")
     return lines + [f"change  {gains[0][1]:+.1f} points"]
 
 
@@ -272,7 +293,12 @@ def compare(cfg: CompareConfig) -> list[float]:
     agreement = None
     if cfg.agreement is not None:
         with open(cfg.agreement) as fh:
-            agreement = json.load(fh)["all"]
+            agreement = json.load(fh)
+        for part in cfg.agreement_key.split("."):
+            if not isinstance(agreement, dict) or part not in agreement:
+                raise ValueError(f"agreement_key={cfg.agreement_key!r}: {cfg.agreement} has no {part!r} there")
+            agreement = agreement[part]
     if dist.get_rank() == 0:
-        print("\n".join(comparison_lines(accuracies[0], list(zip(cfg.names, accuracies[1:])), agreement)), flush=True)
+        print("\n".join(comparison_lines(accuracies[0], list(zip(cfg.names, accuracies[1:])), agreement,
+                                          cfg.agreement_name)), flush=True)
     return accuracies

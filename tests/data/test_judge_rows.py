@@ -10,12 +10,14 @@ import pytest
 import yaml
 from parallel.dist_utils import run_distributed
 
+from megalign.config import load_config
 from megalign.data import ArithProblem, ArithTaskConfig, CharTokenizer, encode_sft, load_prompts, load_sft, make_splits
 from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, RUBRIC, VERDICTS, balanced, criterion_label,
                                       judge_items, repeated, rubric_prompt_rows, sft_row, synthetic_candidates)
 from megalign.rewards.judge import JudgeTemplate, rubric_items
 from megalign.roles.judge import Judge, JudgeConfig
-from megalign.tools.judge_data import JudgeDataConfig, _read_items, agreement_lines, write_judge_data
+from megalign.tools.cai import LabelConfig
+from megalign.tools.judge_data import JudgeDataConfig, _read_items, agreement_lines, comparison_lines, write_judge_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -141,6 +143,8 @@ def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
     assert len(rows["train"]) == len(repeated(balanced(raw, "correct"), "correct", 3)) > len(balanced(raw, "correct"))
     n_correct = sum(i["key"] == "correct" for i in balanced(raw, "correct"))
     assert sum(r["key"] == "correct" for r in rows["train"]) == 3 * n_correct
+    first_stage = [json.loads(line) for line in open(tmp_path / "judge_train_correct.jsonl")]  # the curriculum's
+    assert [r["prompt"] for r in first_stage] == [r["prompt"] for r in rows["train"] if r["key"] == "correct"][::3]
     assert len(rows["held_out"]) == 3 * sum(len(set(synthetic_candidates(p))) for p in held_out)  # these are not
     for r in rows["train"][:30]:
         assert r["response"] == ("Y" if criterion_label(r["key"], r["candidate"], r["answer"]) else "N")
@@ -149,6 +153,14 @@ def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
     prompts = [json.loads(line) for line in open(tmp_path / "prompts_held_out.jsonl")]
     assert [p["prompt"] for p in prompts] == [p.prompt for p in held_out] and prompts[0]["rubric"] == RUBRIC
     assert len(_read_items(str(tmp_path / "judge_held_out.jsonl"))) == len(rows["held_out"])
+    # RLAIF labels from the trained judge: the config loads, its one principle is the `correct` criterion, and the
+    # pointwise template renders a (prompt, response, principle) exactly as the judge's SFT row of that criterion
+    label = load_config(LabelConfig, str(tmp_path / "label.yaml"), ["judge.path=j", "policy=p"])
+    assert label.pointwise and label.principles == [CRITERIA["correct"]] and label.verifier == "math_accuracy"
+    row = next(r for r in rows["train"] if r["key"] == "correct")
+    fields = {"prompt": row["problem"], "response": row["candidate"], "reference": str(row["answer"]),
+              "principle": label.principles[0]}
+    assert JudgeTemplate(label.judge.template, "t").render(fields) == row["prompt"]
 
 
 def test_read_items_names_the_row(tmp_path):
@@ -162,3 +174,14 @@ def test_read_items_names_the_row(tmp_path):
 def test_agreement_lines_by_hand():
     lines = agreement_lines({"all": (7, 8), "criterion correct": (1, 2)})
     assert lines == ["  all                 87.5%  (7/8)", "  criterion correct   50.0%  (1/2)", "judge agreement  87.5%"]
+
+
+def test_comparison_lines_by_hand():
+    # 20% -> 35% (+15) and a control 20% -> 40% (+20): the first run gains 75% of the control's gain
+    lines = comparison_lines(0.2, [("DPO, AI labels", 0.35), ("DPO, verifier labels", 0.4)], 0.912, "label agreement")
+    assert lines == ["held-out accuracy (greedy)",
+                     "  initial policy                       20.0%",
+                     "  DPO, AI labels                       35.0%  (+15.0 points)",
+                     "  DPO, verifier labels                 40.0%  (+20.0 points)",
+                     "  gain / DPO, verifier labels's gain   75.0%",
+                     "label agreement  91.2%", "change  +15.0 points"]

@@ -28,6 +28,7 @@ from megalign.trainers.sft import train_sft
 
 VERIFIER = f"{HERE}/grpo_helpers.py:digit_fraction"
 JUDGE_TEMPLATE = "{prompt}|{response_a}|{response_b}|{principle}>"
+POINTWISE = "{principle}? {prompt}|{response} vs {reference}>"
 PRINCIPLES = ["be brief", "be right", "use digits"]
 CRITIQUE, REVISION = "{prompt}{response}|{principle}?", "{prompt}{response}|{principle}|{critique}!"
 
@@ -100,6 +101,7 @@ def test_label_rows_resume_and_two_processes(models, tmp_path):
         run_distributed(_label, _label_overrides(models, straight, "tie_tolerance=0.1"), world_size=1)
 
     report = json.loads((straight / "report.json").read_text())
+    assert json.loads((straight / "label_report.json").read_text()) == report  # the file a pipeline's table quotes
     rows = [json.loads(line) for line in (straight / "pairs.jsonl").read_text().splitlines()]
     train = report["train"]
     assert train["prompts"] == 20 and train["responses"] == 40
@@ -142,6 +144,26 @@ def test_pair_verdict_by_hand():
     assert _pair_verdict(0.9, 0.9, True) == pytest.approx(0.5)
     assert _pair_verdict(0.2, 0.6, True) == pytest.approx(0.3)
     assert _pair_verdict(0.8, 0.4, False) is None and _pair_verdict(1.5, 0.4, True) is None
+    # pointwise: p = s_a (1 - s_b) / (s_a (1 - s_b) + s_b (1 - s_a)); 0.8 * 0.6 = 0.48 against 0.4 * 0.2 = 0.08
+    assert _pair_verdict(0.8, 0.4, True, pointwise=True) == pytest.approx(0.48 / 0.56)
+    assert _pair_verdict(1.0, 0.0, True, pointwise=True) == 1.0 and _pair_verdict(0.3, 0.3, True, True) == 0.5
+    assert _pair_verdict(0.0, 0.0, True, True) == 0.5 and _pair_verdict(1.0, 1.0, True, True) == 0.5
+
+
+def test_label_pointwise_judge_against_transformers(models, tmp_path):
+    out = tmp_path / "pointwise"
+    run_distributed(_label, _label_overrides(models, out, f"judge.template={POINTWISE}", "held_out=false"),
+                    world_size=1)
+    rows = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    assert len(rows) >= 10 and "position_consistent" not in json.loads((out / "report.json").read_text())["train"]
+    judge = AutoModelForCausalLM.from_pretrained(models["judge"]).eval()
+    for row in rows:
+        s_c, s_r = (_hf_p_a(judge, POINTWISE.format(prompt=row["prompt"], response=t, principle=row["principle"],
+                                                    reference=row["answer"])) for t in (row["chosen"], row["rejected"]))
+        q = s_c * (1 - s_r) / (s_c * (1 - s_r) + s_r * (1 - s_c))
+        assert row["label_probability"] == pytest.approx(q, abs=1e-5) and q > 0.5
+        assert sorted(row["judge_scores"]) == pytest.approx(sorted([s_c, s_r]), abs=1e-5)
+
 
 
 def test_constitution_and_template_errors(models, tmp_path):
@@ -165,6 +187,8 @@ def test_constitution_and_template_errors(models, tmp_path):
         load_config(LabelConfig, None, base + ["judge.template={prompt} {respnse_a} {response_b}"])
     with pytest.raises(ConfigError, match=r"\{principle\} is not one that label without a constitution supplies"):
         load_config(LabelConfig, None, [o for o in base if not o.startswith("constitution=")])
+    with pytest.raises(ConfigError, match=r"\{response_b\} is not one that label supplies"):  # pointwise: one slot
+        load_config(LabelConfig, None, base + ["judge.template={response} {response_b} {principle}"])
     with pytest.raises(ConfigError, match="needs the field {response_b}"):
         load_config(LabelConfig, None, base + ["judge.template={prompt} {response_a}"])
     with pytest.raises(ConfigError, match=r"gap.txt:2"):
