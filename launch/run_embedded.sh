@@ -58,7 +58,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
 case "${1:-}" in
-  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|rlaif|tools|user_sim|moe) PIPELINE=$1; shift ;;
+  grpo|online_dpo|dpo|ipo|hinge|robust|simpo|cpo|orpo|rm|kto|prm|ppo|ppo_verifier|judge|rlaif|critique_revise|tools|user_sim|moe) PIPELINE=$1; shift ;;
 esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
@@ -167,9 +167,28 @@ case "$PIPELINE" in
   ppo_verifier)
     run launch/train_ppo.py --config examples/ppo_verifier_arith.yaml run_dir="$ROOT/ppo_verifier_arith" \
         actor.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
-  judge|rlaif)
+  judge|rlaif|critique_revise)
     DATA="$ROOT/judge_data" STEPS=${JUDGE_STEPS:-200}
     run launch/judge_tools.py data out_dir="$DATA" policy="$ROOT/sft_arith/hf" ${DATA_OVERRIDES:-}
+    if [ "$PIPELINE" = critique_revise ]; then
+      # a reviser fine-tuned from the SFT policy on critique and revision rows, then SL-CAI from the SFT policy's
+      # samples, then SFT of the SFT policy on the revisions and, as the control, on the initial samples
+      run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/reviser_arith" \
+          model.path="$ROOT/sft_arith/hf" data.path="$DATA/reviser_train.jsonl" data.max_length=128 steps=600 \
+          ${REVISER_OVERRIDES:-}
+      run launch/cai_tools.py critique-revise --config "$DATA/revise.yaml" policy="$ROOT/sft_arith/hf" \
+          reviser="$ROOT/reviser_arith/hf" out_dir="$ROOT/cai_sft" ${CAI_OVERRIDES:-}
+      for ROWS in sft sft_initial; do
+        run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/${ROWS}_cai" \
+            model.path="$ROOT/sft_arith/hf" data.path="$ROOT/cai_sft/$ROWS.jsonl" ${STAGE_OVERRIDES:-}
+      done
+      REPORT="$ROOT/cai_sft/critique-revise_report.json"
+      run launch/judge_tools.py compare before="$ROOT/sft_arith/hf" prompts="$DATA/prompts_held_out.jsonl" \
+          "after=[$ROOT/sft_cai/hf, $ROOT/sft_initial_cai/hf]" \
+          "names=[SFT on the revisions, SFT on the initial samples (control)]" \
+          "quotes={initial samples' accuracy: $REPORT:train.initial_accuracy, revisions' accuracy: $REPORT:train.final_accuracy}"
+      exit 0
+    fi
     # the judge's curriculum: the comparison (`correct` rows) alone, then all three criteria from that judge
     run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_correct" \
         model.path="$ROOT/sft_arith/hf" data.path="$DATA/judge_train_correct.jsonl" steps=600 optim.lr=1.5e-3 \
@@ -191,8 +210,7 @@ case "$PIPELINE" in
       run launch/judge_tools.py compare before="$ROOT/sft_arith/hf" prompts="$DATA/prompts_held_out.jsonl" \
           "after=[$ROOT/dpo_ai_labels/hf, $ROOT/dpo_verifier_labels/hf]" \
           "names=[DPO on the judge's labels, DPO on the verifier's labels (control)]" \
-          agreement="$ROOT/rlaif/label_report.json" agreement_key=train.verifier_agreement \
-          agreement_name="label agreement"
+          "quotes={label agreement: $ROOT/rlaif/label_report.json:train.verifier_agreement}"
       exit 0
     fi
     # the rubric config's runs/ paths (the judge's among them, inside a list) under ROOT

@@ -37,6 +37,11 @@ Design choices:
   of the `correct` criterion are balanced by repeating the rarer label (`balanced`), and then repeated
   as a whole (`repeated`): the judge learns the two format criteria within a few tens of steps, after
   which their rows carry almost no loss, while the comparison takes hundreds of steps of `correct` rows.
+- A reviser for SL-CAI's critique-revise (`reviser_rows`, `run_embedded.sh critique_revise`): a tiny model cannot
+  critique or revise untaught, so it is fine-tuned on two rows per (problem, candidate), as a user would fine-tune
+  one on wrong -> right rewrites: the critique prompt (`CRITIQUE_TEMPLATE`, the principle being the `correct`
+  criterion) -> "right", or "wrong, it is <result>" (the critique computes the result, as the policy must),
+  and the revision prompt with that critique (`REVISION_TEMPLATE`) -> the problem's own response `\\boxed{result}`.
 - `RUBRIC` is the prompt rows' rubric column for GRPO: the three criteria as RaR items with categories
   (essential 1.0 / important 0.7 / optional 0.3), so the rubric score is
   (c_correct + 0.7 c_boxed + 0.3 c_only) / 2.
@@ -58,6 +63,11 @@ JUDGE_TEMPLATE = "{criterion}? {prompt}{response} vs \\boxed{{{reference}}}\n"
 LABEL_TEMPLATE = JUDGE_TEMPLATE.replace("{criterion}", "{principle}")
 """The same layout as a pointwise judge template of `launch/cai_tools.py label` (`run_embedded.sh rlaif`): the
 constitution's principle in the criterion's place, so the judge reads exactly what it was trained on."""
+
+CRITIQUE_TEMPLATE = "{principle}? {prompt}{response}\ncritique:"
+REVISION_TEMPLATE = "{prompt}{response}\ncritique:{critique}\nrevision:"
+"""SL-CAI's critique and revision prompts on the embedded task (`launch/cai_tools.py critique-revise`, short enough
+for the 128 positions of the embedded model); `reviser_rows` trains a reviser on them."""
 
 VERDICTS = ("Y", "N")
 """The two answer tokens (positive first): the judge config's `answers`."""
@@ -144,3 +154,17 @@ def sft_row(item: dict, template: JudgeTemplate) -> dict:
 def rubric_prompt_rows(problems: Sequence[ArithProblem]) -> list[dict]:
     """GRPO prompt rows with the `rubric` column: `prompt`, `answer`, `rubric` (`RUBRIC`)."""
     return [{"prompt": p.prompt, "answer": p.answer, "rubric": RUBRIC} for p in problems]
+
+
+def reviser_rows(problem: ArithProblem, responses: Sequence[str]) -> list[dict]:
+    """The reviser's SFT rows of `problem` (module doc): per distinct response a critique row and a revision row,
+    `prompt` the filled template, `response` the target, plus `problem`, `candidate`, `answer`, `stage`."""
+    rows = []
+    for r in dict.fromkeys(responses):
+        critique = "right" if criterion_label("correct", r, problem.answer) else f"wrong, it is {problem.answer}"
+        fields = {"prompt": problem.prompt, "response": r, "principle": CRITERIA["correct"], "critique": critique}
+        common = {"problem": problem.prompt, "candidate": r, "answer": problem.answer}
+        rows.append({**common, "stage": "critique", "prompt": CRITIQUE_TEMPLATE.format(**fields), "response": critique})
+        rows.append({**common, "stage": "revision", "prompt": REVISION_TEMPLATE.format(**fields),
+                     "response": problem.response})
+    return rows

@@ -10,7 +10,9 @@ the prompt's own seeded stream over the constitution, asks the reviser (the poli
 `completion` (TRL's prompt-completion format), `answer`, and the whole trace in extra columns (ignored by
 the trainers): `initial_response` and `revisions`, a list of {principle, critique, revision, accepted}
 per round; with a `verifier`, `initial_score` and `final_score`, and the report gives both accuracies over
-the written rows (`initial_accuracy`, `final_accuracy`).
+the written rows (`initial_accuracy`, `final_accuracy`). `sft_initial.jsonl` holds the same prompts with their
+initial responses instead (an empty one left out, counted as `initial_empty`): SL-CAI's ablation, SFT on the
+samples before any revision (the control of `run_embedded.sh critique_revise`).
 
 CLI keys: the shared ones of `megalign.tools.cai.CAIConfig` (`policy`, `out_dir`, `data.*`, `num_prompts`,
 `held_out`, `constitution` (required here), `temperature`, `max_new_tokens` (initial responses and revisions),
@@ -159,12 +161,17 @@ class _Reviser:
         cfg = self.cfg
         scores = (verifier_scores(cfg, list(chunk) * 2, list(initial) + list(final)) if cfg.verifier
                   else [None] * (2 * len(chunk)))
-        rows = []
+        rows, control = [], []
         for i, e in enumerate(chunk):
             reason = "empty" if not final[i].strip() else "unfinished" if cfg.drop_unfinished and not done[i] else None
             if reason is not None:
                 counts[reason] += 1
                 continue
+            if initial[i].strip():
+                control.append({"prompt": e.prompt_text, "response": initial[i], "completion": initial[i],
+                                "answer": e.answer})
+            else:
+                counts["initial_empty"] += 1
             row = {"prompt": e.prompt_text, "response": final[i], "completion": final[i], "answer": e.answer,
                    "initial_response": initial[i], "revisions": traces[i]}
             if cfg.verifier:
@@ -173,7 +180,7 @@ class _Reviser:
                 counts["final_score_sum"] += scores[len(chunk) + i]
             rows.append(row)
         counts["rows"] = len(rows)
-        return {"files": {"sft": rows}, "counts": dict(counts)}
+        return {"files": {"sft": rows, "sft_initial": control}, "counts": dict(counts)}
 
 
 def _summary(counts: dict[str, Any]) -> dict[str, Any]:
@@ -186,7 +193,7 @@ def _summary(counts: dict[str, Any]) -> dict[str, Any]:
 
 
 def critique_revise(cfg: CritiqueReviseConfig) -> dict[str, dict[str, Any]]:
-    """Write out_dir/sft.jsonl (and sft_held_out.jsonl); returns {split: counts}. Every rank calls it (module doc)."""
+    """Write out_dir/sft.jsonl and sft_initial.jsonl (and their *_held_out.jsonl); returns {split: counts}. Every rank calls it (module doc)."""
     check_model_path(cfg.policy, "policy")
     if cfg.reviser is not None:
         check_model_path(cfg.reviser, "reviser")

@@ -14,7 +14,11 @@
 - `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column;
 - `constitution.txt` (one principle: the `correct` criterion) and `label.yaml`, the config of RLAIF labels from
   the trained judge (`launch/cai_tools.py label --config label.yaml policy=... judge.path=...`, a pointwise judge
-  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs).
+  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs);
+- `reviser_train.jsonl`: SFT rows of a reviser (`judge_rows.reviser_rows`: a critique and a revision row per
+  training problem and candidate, the same candidates as the judge's) and `revise.yaml`, the config of SL-CAI's
+  `launch/cai_tools.py critique-revise --config revise.yaml policy=... reviser=...` with the templates it was
+  trained on and the same constitution.
 
 Candidates are the made-up ones of `synthetic_candidates` plus, when `policy` is given,
 `samples_per_prompt` samples of that policy per problem (temperature `temperature`): GRPO shows the
@@ -39,15 +43,16 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megalign.config import atomic_write_text, option
 from megalign.data import ArithTaskConfig, PromptExample, build_tokenizer, load_prompts, make_splits
-from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, LABEL_TEMPLATE, VERDICTS, balanced, judge_items,
-                                      repeated, rubric_prompt_rows, sft_row, synthetic_candidates)
+from megalign.data.judge_rows import (CRITERIA, CRITIQUE_TEMPLATE, JUDGE_TEMPLATE, LABEL_TEMPLATE, REVISION_TEMPLATE,
+                                      VERDICTS, balanced, judge_items, repeated, reviser_rows, rubric_prompt_rows,
+                                      sft_row, synthetic_candidates)
 from megalign.data.prompts import read_rows
 from megalign.data.tokenizer import TokenizerConfig
 from megalign.models import from_pretrained
@@ -136,10 +141,11 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
     report = {}
     for split, problems in zip(("train", "held_out"), make_splits(cfg.arith)):
         samples = _policy_samples(cfg, problems, layout, split) if cfg.policy is not None else [[]] * len(problems)
-        items = []
+        items, revise = [], []
         for p, sampled in zip(problems, samples):
             items += judge_items(p, sampled, "policy")
             items += judge_items(p, [s for s in synthetic_candidates(p, cfg.seed) if s not in sampled], "synthetic")
+            revise += reviser_rows(p, list(sampled) + synthetic_candidates(p, cfg.seed))
         report[split] = label_counts(items)
         rows = items
         if split == "train":
@@ -147,6 +153,7 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
             if dist.get_rank() == 0:
                 _write(os.path.join(cfg.out_dir, "judge_train_correct.jsonl"),
                        [sft_row(item, template) for item in rows if item["key"] == "correct"])
+                _write(os.path.join(cfg.out_dir, "reviser_train.jsonl"), revise)
             rows = repeated(rows, "correct", cfg.correct_repeats)
         logger.info("judge rows %s: %d items of %d problems, %d rows written (balanced / repeated: %s); labels %s", split,
                     len(items), len(problems), len(rows), len(rows) != len(items), report[split])
@@ -159,6 +166,10 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
         label = {"constitution": constitution, "verifier": "math_accuracy",
                  "judge": {"template": LABEL_TEMPLATE, "answers": list(VERDICTS), "chat_template": False}}
         atomic_write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
+        revise = {"constitution": constitution, "verifier": "math_accuracy", "critique_template": CRITIQUE_TEMPLATE,
+                  "revision_template": REVISION_TEMPLATE, "max_new_tokens": cfg.max_new_tokens,
+                  "critique_max_new_tokens": 24}
+        atomic_write_text(os.path.join(cfg.out_dir, "revise.yaml"), json.dumps(revise, indent=1) + "\n")
     dist.barrier()
     return report
 
@@ -247,11 +258,10 @@ class CompareConfig:
     names: list[str] = option(["GRPO, rubric reward from the judge", "GRPO, verifier reward (control)"],
                               doc="one table label per `after` folder")
     prompts: str = option("runs/judge_data/prompts_held_out.jsonl", doc="held-out prompt rows (prompt, answer)")
-    agreement: Optional[str] = option(None, doc="a JSON file to quote an agreement from: a `judge_agreement` "
-                                                "summary_path, or `cai_tools.py label`'s label_report.json; null: none")
-    agreement_key: str = option("all", doc="where the agreement sits in that file, dotted (the label report's: "
-                                           "train.verifier_agreement)")
-    agreement_name: str = option("judge agreement", doc="the table's name of the quoted agreement")
+    agreement: Optional[str] = option(None, doc="a `judge_agreement` summary_path to quote its overall agreement; "
+                                                "null: none")
+    quotes: dict[str, str] = option({}, doc="more fractions to quote under the table, {name: 'FILE.json:dotted.key'}, "
+                                            "e.g. {label agreement: runs/rlaif/label_report.json:train.verifier_agreement}")
     max_new_tokens: int = option(16, doc="greedy tokens per response (GRPO's max_response_length)")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="auto: CUDA when available")
 
@@ -261,20 +271,34 @@ class CompareConfig:
                              f"folders and {len(self.names)} names")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name, where in self.quotes.items():
+            if ":" not in where:
+                raise ValueError(f"quotes[{name!r}] = {where!r} must be 'FILE.json:dotted.key'")
 
 
-def comparison_lines(before: float, after: list[tuple[str, float]], agreement: Optional[float],
-                     agreement_name: str = "judge agreement") -> list[str]:
+def _quoted(where: str) -> float:
+    """The number at 'FILE.json:dotted.key' (`CompareConfig.quotes`); ValueError naming the file and the key."""
+    path, key = where.rsplit(":", 1)
+    with open(path) as fh:
+        value = json.load(fh)
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{path} has no {key!r} (no {part!r} there)")
+        value = value[part]
+    return float(value)
+
+
+def comparison_lines(before: float, after: list[tuple[str, float]], quotes: Sequence[tuple[str, float]] = ()) -> list[str]:
     """The before/after table: one row per policy with its gain, the first run's gain as a fraction of each
-    control's, the judge's (or the labels') agreement, and last `change  +N.N points` (the first run's gain)."""
+    control's, a `name  NN.N%` line per quoted fraction (the judge's or the labels' agreement), and last
+    `change  +N.N points` (the first run's gain)."""
     gains = [(name, (acc - before) * 100) for name, acc in after]
     rows = [("initial policy", f"{before:6.1%}")]
     rows += [(name, f"{acc:6.1%}  ({gain:+.1f} points)") for (name, acc), (_, gain) in zip(after, gains)]
     rows += [(f"gain / {name}'s gain", f"{gains[0][1] / gain:6.1%}" if gain else "-") for name, gain in gains[1:]]
     width = max(len(name) for name, _ in rows)
     lines = ["held-out accuracy (greedy)"] + [f"  {name:<{width}}  {value}" for name, value in rows]
-    if agreement is not None:
-        lines.append(f"{agreement_name}  {100 * agreement:.1f}%")
+    lines += [f"{name}  {100 * value:.1f}%" for name, value in quotes]
     return lines + [f"change  {gains[0][1]:+.1f} points"]
 
 
@@ -290,15 +314,8 @@ def compare(cfg: CompareConfig) -> list[float]:
     for path in [cfg.before, *cfg.after]:
         model = from_pretrained(path, layout=layout).eval()
         accuracies.append(evaluate_generation(model, examples, tokenizer, EvalConfig(), cfg.max_new_tokens, layout)[0])
-    agreement = None
-    if cfg.agreement is not None:
-        with open(cfg.agreement) as fh:
-            agreement = json.load(fh)
-        for part in cfg.agreement_key.split("."):
-            if not isinstance(agreement, dict) or part not in agreement:
-                raise ValueError(f"agreement_key={cfg.agreement_key!r}: {cfg.agreement} has no {part!r} there")
-            agreement = agreement[part]
+    quotes = [("judge agreement", _quoted(f"{cfg.agreement}:all"))] if cfg.agreement is not None else []
+    quotes += [(name, _quoted(where)) for name, where in cfg.quotes.items()]
     if dist.get_rank() == 0:
-        print("\n".join(comparison_lines(accuracies[0], list(zip(cfg.names, accuracies[1:])), agreement,
-                                          cfg.agreement_name)), flush=True)
+        print("\n".join(comparison_lines(accuracies[0], list(zip(cfg.names, accuracies[1:])), quotes)), flush=True)
     return accuracies

@@ -13,11 +13,13 @@ from parallel.dist_utils import run_distributed
 from megalign.config import load_config
 from megalign.data import ArithProblem, ArithTaskConfig, CharTokenizer, encode_sft, load_prompts, load_sft, make_splits
 from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, RUBRIC, VERDICTS, balanced, criterion_label,
-                                      judge_items, repeated, rubric_prompt_rows, sft_row, synthetic_candidates)
+                                      judge_items, repeated, reviser_rows, rubric_prompt_rows, sft_row, synthetic_candidates)
 from megalign.rewards.judge import JudgeTemplate, rubric_items
 from megalign.roles.judge import Judge, JudgeConfig
 from megalign.tools.cai import LabelConfig
-from megalign.tools.judge_data import JudgeDataConfig, _read_items, agreement_lines, comparison_lines, write_judge_data
+from megalign.tools.cai_revise import CritiqueReviseConfig
+from megalign.tools.judge_data import (CompareConfig, JudgeDataConfig, _quoted, _read_items, agreement_lines,
+                                      comparison_lines, write_judge_data)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -161,6 +163,26 @@ def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
     fields = {"prompt": row["problem"], "response": row["candidate"], "reference": str(row["answer"]),
               "principle": label.principles[0]}
     assert JudgeTemplate(label.judge.template, "t").render(fields) == row["prompt"]
+    # SL-CAI: the reviser's rows use the very templates of the critique-revise config, which loads
+    revise = load_config(CritiqueReviseConfig, str(tmp_path / "revise.yaml"), ["policy=p", "reviser=r"])
+    assert revise.principles == [CRITERIA["correct"]] and revise.verifier == "math_accuracy"
+    reviser = [json.loads(line) for line in open(tmp_path / "reviser_train.jsonl")]
+    assert reviser == [r for p in train for r in reviser_rows(p, synthetic_candidates(p))]
+    assert load_sft(str(tmp_path / "reviser_train.jsonl"), CharTokenizer(), 128)[0]
+    first = reviser[0]
+    fields = {"prompt": first["problem"], "response": first["candidate"], "principle": revise.principles[0]}
+    assert JudgeTemplate(revise.critique_template, "t").render(fields) == first["prompt"]
+    assert JudgeTemplate(revise.revision_template, "t").render({**fields, "critique": first["response"]}) \
+        == reviser[1]["prompt"]
+
+
+def test_reviser_rows_by_hand():
+    rows = reviser_rows(ArithProblem(3, "*", 4), ["\\boxed{12}", "\\boxed{13}", "\\boxed{13}"])
+    assert [(r["stage"], r["prompt"], r["response"]) for r in rows] == [
+        ("critique", CRITERIA["correct"] + "? 3*4=\\boxed{12}\ncritique:", "right"),
+        ("revision", "3*4=\\boxed{12}\ncritique:right\nrevision:", "\\boxed{12}"),
+        ("critique", CRITERIA["correct"] + "? 3*4=\\boxed{13}\ncritique:", "wrong, it is 12"),
+        ("revision", "3*4=\\boxed{13}\ncritique:wrong, it is 12\nrevision:", "\\boxed{12}")]
 
 
 def test_read_items_names_the_row(tmp_path):
@@ -178,10 +200,20 @@ def test_agreement_lines_by_hand():
 
 def test_comparison_lines_by_hand():
     # 20% -> 35% (+15) and a control 20% -> 40% (+20): the first run gains 75% of the control's gain
-    lines = comparison_lines(0.2, [("DPO, AI labels", 0.35), ("DPO, verifier labels", 0.4)], 0.912, "label agreement")
+    lines = comparison_lines(0.2, [("DPO, AI labels", 0.35), ("DPO, verifier labels", 0.4)], [("label agreement", 0.912)])
     assert lines == ["held-out accuracy (greedy)",
                      "  initial policy                       20.0%",
                      "  DPO, AI labels                       35.0%  (+15.0 points)",
                      "  DPO, verifier labels                 40.0%  (+20.0 points)",
                      "  gain / DPO, verifier labels's gain   75.0%",
                      "label agreement  91.2%", "change  +15.0 points"]
+
+
+def test_quoted_numbers_name_file_and_key(tmp_path):
+    path = tmp_path / "label_report.json"
+    path.write_text(json.dumps({"train": {"verifier_agreement": 0.9}}))
+    assert _quoted(f"{path}:train.verifier_agreement") == 0.9
+    with pytest.raises(ValueError, match=r"label_report.json has no 'train.agreement' \(no 'agreement' there\)"):
+        _quoted(f"{path}:train.agreement")
+    with pytest.raises(ValueError, match="must be 'FILE.json:dotted.key'"):
+        CompareConfig(quotes={"label agreement": str(path)})

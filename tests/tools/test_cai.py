@@ -233,6 +233,10 @@ def test_critique_revise_rows_against_transformers_and_sft(models, tmp_path):
     assert accepted > 0 and report["rejected_revisions"] == 2 * len(rows) - accepted
     assert report["final_accuracy"] == pytest.approx(sum(r["final_score"] for r in rows) / len(rows))
     assert report["initial_accuracy"] == pytest.approx(sum(r["initial_score"] for r in rows) / len(rows))
+    control = [json.loads(line) for line in (one / "sft_initial.jsonl").read_text().splitlines()]  # the ablation
+    assert control == [{"prompt": r["prompt"], "response": r["initial_response"], "completion": r["initial_response"],
+                        "answer": r["answer"]} for r in rows if r["initial_response"].strip()]
+    assert len(control) == len(rows) - report.get("initial_empty", 0)
 
     # the rows train megalign's SFT trainer for a step
     run_distributed(lambda: train_sft(sft_config(str(tmp_path / "sft"), f"data.path={one}/sft.jsonl", "steps=1",
