@@ -29,7 +29,12 @@
 # that judge, pointwise on the `correct` criterion as a one-principle constitution (launch/cai_tools.py label, the
 # config judge_tools.py data writes, overrides in LABEL_OVERRIDES) -> DPO (examples/dpo_arith.yaml) on the AI labels,
 # and as the control on the verifier's labels of the same samples -> both against the SFT policy, with the labels'
-# agreement with the verifier (`label agreement  NN.N%`), ending with `change` of the AI-label run).
+# agreement with the verifier (`label agreement  NN.N%`), ending with `change` of the AI-label run),
+# or critique_revise (issue 27: judge's rows -> a reviser SFT from the SFT export on their critique / revision rows
+# (REVISER_OVERRIDES) -> SL-CAI critique-revise of the SFT policy's samples by that reviser (launch/cai_tools.py
+# critique-revise with the config judge_tools.py data writes, CAI_OVERRIDES) -> SFT from the SFT export on the
+# revisions and, as the control, on the initial samples (examples/sft_arith.yaml) -> both against the SFT policy, with
+# the verifier accuracy of the initial samples and of the revisions, ending with `change` of the revisions' SFT).
 # or tools (issue 28: SFT from scratch on tool-using traces driven through ToolEnv (launch/tool_traces.py data,
 # examples/sft_tools_arith.yaml) -> GRPO with the calculator (examples/grpo_tools_arith.yaml, turns ending at eos
 # as the traces do: no '</tool_call>' stop string, 96 tokens a turn for a 86-token call) -> the control: a plain SFT
@@ -51,9 +56,9 @@
 # Extra `key=value` overrides for the last stage go in STAGE_OVERRIDES (GRPO_OVERRIDES is kept as its
 # name for grpo), for SFT in SFT_OVERRIDES, for ppo's and kto's sampling in PAIRS_OVERRIDES, for kto's DPO
 # control in CONTROL_OVERRIDES, for ppo's RM stage
-# in RM_OVERRIDES, for judge's and rlaif's rows in DATA_OVERRIDES and their judge SFT (both stages) in JUDGE_OVERRIDES
-# (STAGE_OVERRIDES go to both GRPO runs of judge and both DPO runs of rlaif), for the tools and user_sim tables in
-# COMPARE_OVERRIDES.
+# in RM_OVERRIDES, for judge's, rlaif's and critique_revise's rows in DATA_OVERRIDES and their judge SFT (both
+# stages) in JUDGE_OVERRIDES (STAGE_OVERRIDES go to both GRPO runs of judge, both DPO runs of rlaif and both SFT runs
+# of critique_revise), for the tools and user_sim tables in COMPARE_OVERRIDES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPELINE=grpo
