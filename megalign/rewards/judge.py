@@ -37,6 +37,9 @@ FIELDS = ("prompt", "response", "reference", "criterion", "rubric", "principle",
 CATEGORY_WEIGHTS = {"essential": 1.0, "important": 0.7, "optional": 0.3, "pitfall": 0.9}
 """RaR's default weight of a rubric item by category (arXiv 2507.17746; pitfalls phrased positively)."""
 
+RUBRIC_CATEGORIES = (*CATEGORY_WEIGHTS, "weighted")
+"""The categories a rubric item can have; "weighted": an item given by its weight alone."""
+
 
 class JudgeTemplate:
     """A judge prompt with named fields, from a config string or a file.
@@ -128,19 +131,23 @@ def _text(value: Any) -> str:
 class _JudgedReward:
     """What every judge reward shares: its name, its judge, the counters and the agreement with a verifier."""
 
-    def __init__(self, name: str, judge: VerdictSource, supplied: Sequence[str], required: Sequence[str]):
+    def __init__(self, name: str, judge: VerdictSource, supplied: Sequence[str], required: Sequence[str],
+                 binary: bool = False):
         if not name or "/" in name or ":" in name:
             raise ValueError(f"judge reward name {name!r} must be non-empty without '/' or ':' (it names metrics)")
-        self.name, self.judge = name, judge
+        self.name, self.judge, self.binary = name, judge, binary
         judge.template.check(supplied, required, f"the {type(self).__name__} {name!r}")
         self.verdicts = self.unparsed = self.cache_hits = 0
         self.last: dict[str, float] = {}
 
     def _ask(self, rows: Sequence[Mapping[str, str]]) -> Verdicts:
+        """The judge's verdicts on `rows`, counted; with `binary` each score becomes 1 at >= 1/2, else 0."""
         out = self.judge.verdicts(self.judge.template, rows)
         self.verdicts += len(rows)
         self.unparsed += out.parsed.count(False)
         self.cache_hits += out.cache_hits
+        if self.binary:
+            out = dataclasses.replace(out, scores=[1.0 if s >= 0.5 else 0.0 for s in out.scores])
         return out
 
     def _record(self, scores: Sequence[float], verifier: Optional[Sequence[float]]) -> None:
@@ -171,9 +178,9 @@ class JudgeReward(_JudgedReward):
     """One judge score per response: the template filled with the prompt, the response, the reference answer and
     `criterion` (a fixed string, when given)."""
 
-    def __init__(self, name: str, judge: VerdictSource, criterion: Optional[str] = None):
+    def __init__(self, name: str, judge: VerdictSource, criterion: Optional[str] = None, binary: bool = False):
         supplied = ("prompt", "response", "reference") + (("criterion",) if criterion is not None else ())
-        super().__init__(name, judge, supplied, ("response",))
+        super().__init__(name, judge, supplied, ("response",), binary)
         self.criterion = criterion
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any],
@@ -235,19 +242,24 @@ class RubricReward(_JudgedReward):
     """RaR's rubric reward (module doc): items from the metadata column `column` of each prompt row.
 
     `mode="explicit"`: one verdict per (response, item), reward sum_j w_j c_j / sum_j w_j; the last batch's
-    per-item scores are kept in `item_scores` and their mean per category logged (`reward/<name>/<category>`).
+    per-item scores are kept in `item_scores`, each response's mean score per category (`RUBRIC_CATEGORIES`, NaN
+    where its rubric has no item of it) in `category_scores`, which the trainers log as the terms
+    `<name>_<category>` (`megalign.roles.reward`: `reward/<name>_<category>/mean` over the responses that have
+    the category), and their batch means in `metrics()` (`reward/<name>/<category>`).
     `mode="implicit"`: one verdict per response on the whole rubric (`{rubric}`, `render_rubric`).
     """
 
-    def __init__(self, name: str, judge: VerdictSource, column: str = "rubric", mode: str = "explicit"):
+    def __init__(self, name: str, judge: VerdictSource, column: str = "rubric", mode: str = "explicit",
+                 binary: bool = False):
         if mode not in ("explicit", "implicit"):
             raise ValueError(f"rubric mode must be 'explicit' or 'implicit', got {mode!r}")
         field = "criterion" if mode == "explicit" else "rubric"
-        super().__init__(name, judge, ("prompt", "response", "reference", field), ("response", field))
+        super().__init__(name, judge, ("prompt", "response", "reference", field), ("response", field), binary)
         if not column:
             raise ValueError("rubric column must name a field of the prompt rows")
         self.column, self.mode = column, mode
         self.item_scores: list[list[float]] = []
+        self.category_scores: dict[str, list[float]] = {}
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any],
                  metadata: Optional[Sequence[Mapping[str, Any]]] = None,
@@ -266,16 +278,20 @@ class RubricReward(_JudgedReward):
             return scores
         flat = self._ask([{**b, "criterion": item.criterion} for b, items in zip(base, rubrics) for item in items])
         scores, self.item_scores, start = [], [], 0
-        by_category: dict[str, list[float]] = {}
+        self.category_scores = {k: [] for k in RUBRIC_CATEGORIES}
         for items in rubrics:
             c = flat.scores[start:start + len(items)]
             start += len(items)
             self.item_scores.append(c)
             scores.append(sum(item.weight * cj for item, cj in zip(items, c)) / sum(item.weight for item in items))
-            for item, cj in zip(items, c):
-                by_category.setdefault(item.category or "weighted", []).append(cj)
+            for k, values in self.category_scores.items():
+                mine = [cj for item, cj in zip(items, c) if (item.category or "weighted") == k]
+                values.append(sum(mine) / len(mine) if mine else math.nan)
         self._record(scores, verifier)
-        self.last.update({f"reward/{self.name}/{k}": sum(v) / len(v) for k, v in by_category.items()})
+        for k, values in self.category_scores.items():
+            known = [v for v in values if not math.isnan(v)]
+            if known:
+                self.last[f"reward/{self.name}/{k}"] = sum(known) / len(known)
         return scores
 
 

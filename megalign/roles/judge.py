@@ -94,6 +94,9 @@ class JudgeRewardConfig:
     rubric_column: str = option("rubric", doc="rubric: the prompt rows' field holding the items")
     rubric_mode: Literal["explicit", "implicit"] = option(
         "explicit", doc="rubric: explicit = one verdict per item, sum w c / sum w; implicit = one verdict on the rubric")
+    binary: bool = option(False, doc="score each verdict 1 when >= 1/2, else 0 (RaR's 0/1 item verdicts); false: the "
+                                     "probability. GRPO normalises each group by its std, so with probabilities a group "
+                                     "of wrong answers gets full-size advantages from the judge's doubt alone")
 
     def __post_init__(self):
         if self.kind not in ("judge", "rubric"):
@@ -224,6 +227,6 @@ def load_judge(name: str, cfg: JudgeConfig, layout: ParallelLayout, key: str = "
 def judge_reward(cfg: JudgeRewardConfig, judge: Judge):
     """The reward term `cfg` describes on `judge` (its template checked against the fields the term supplies)."""
     if cfg.kind == "judge":
-        return JudgeReward(cfg.name, judge, cfg.criterion)
-    return RubricReward(cfg.name, judge, cfg.rubric_column, cfg.rubric_mode)
+        return JudgeReward(cfg.name, judge, cfg.criterion, cfg.binary)
+    return RubricReward(cfg.name, judge, cfg.rubric_column, cfg.rubric_mode, cfg.binary)
 

@@ -56,7 +56,7 @@ from megalign.parallel import ParallelLayout, Pipeline
 from megalign.parallel.collectives import all_reduce
 from megalign.rewards import DEFAULT_TIMEOUT_S, RewardTerm, build_reward
 from megalign.rewards.registry import reward_label
-from megalign.rewards.judge import JudgeTemplate, TemplateOnly
+from megalign.rewards.judge import JudgeTemplate, RubricReward, TemplateOnly
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 from megalign.roles.judge import Judge, JudgeRewardConfig, judge_reward
 
@@ -394,6 +394,8 @@ class Reward:
             verifier = breakdown.total if self.functions is not None else None
             terms[fn.name] = torch.tensor(fn(prompts, responses, answers, metadata, verifier=verifier))
             total += weight * terms[fn.name]
+            if isinstance(fn, RubricReward) and fn.mode == "explicit":  # NaN: no item of that category
+                terms.update({f"{fn.name}_{k}": torch.tensor(v) for k, v in fn.category_scores.items()})
             if verifier is not None:
                 terms[f"{fn.name}_agreement"] = ((terms[fn.name] >= 0.5) == (torch.tensor(verifier) >= 0.5)).float()
         gated = {self.gated.safety, self.gated.helpful} if self.gated is not None else set()

@@ -120,8 +120,18 @@ def _policy_samples(cfg: JudgeDataConfig, problems, layout: ParallelLayout, spli
     return [merged[i] for i in range(len(problems))]
 
 
+def _write_text(path: str, text: str) -> None:
+    """Write `text` atomically unless the file already holds exactly it: the rows are the same on a rerun (seeded),
+    and an untouched file lets the stages that trained on it resume (`resume: auto` refuses a changed data file)."""
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            if fh.read() == text:
+                return
+    atomic_write_text(path, text)
+
+
 def _write(path: str, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+    _write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def label_counts(items: list[dict]) -> dict[str, dict[str, int]]:
@@ -162,14 +172,14 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
             _write(os.path.join(cfg.out_dir, f"prompts_{split}.jsonl"), rubric_prompt_rows(problems))
     if dist.get_rank() == 0:
         constitution = os.path.join(os.path.abspath(cfg.out_dir), "constitution.txt")
-        atomic_write_text(constitution, CRITERIA["correct"] + "\n")
+        _write_text(constitution, CRITERIA["correct"] + "\n")
         label = {"constitution": constitution, "verifier": "math_accuracy",
                  "judge": {"template": LABEL_TEMPLATE, "answers": list(VERDICTS), "chat_template": False}}
-        atomic_write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
+        _write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
         revise = {"constitution": constitution, "verifier": "math_accuracy", "critique_template": CRITIQUE_TEMPLATE,
                   "revision_template": REVISION_TEMPLATE, "max_new_tokens": cfg.max_new_tokens,
                   "critique_max_new_tokens": 24}
-        atomic_write_text(os.path.join(cfg.out_dir, "revise.yaml"), json.dumps(revise, indent=1) + "\n")
+        _write_text(os.path.join(cfg.out_dir, "revise.yaml"), json.dumps(revise, indent=1) + "\n")
     dist.barrier()
     return report
 

@@ -26,8 +26,10 @@ class OnlineMetrics:
         rewards = generated.rewards.double()
         sums.add("reward", rewards.sum())
         sums.add("reward_sq", (rewards ** 2).sum())
-        for name, values in generated.terms.items():
-            sums.add(f"term/{name}", values.double().sum())
+        for name, values in generated.terms.items():  # NaN: the term does not apply (a rubric category absent)
+            known = ~torch.isnan(values.double())
+            sums.add(f"term/{name}", values.double()[known].sum())
+            sums.add(f"count/{name}", known.sum())
         sums.add("length", generated.lengths.sum())
         sums.add("unfinished", (~generated.finished).sum())
         sums.add("responses", len(generated))
@@ -66,7 +68,8 @@ class OnlineMetrics:
         mean = total["reward"] / n
         metrics = {
             "reward/mean": mean, "reward/std": max(total["reward_sq"] / n - mean ** 2, 0.0) ** 0.5,
-            **{f"reward/{name}/mean": total[f"term/{name}"] / n for name in terms},
+            **{f"reward/{name}/mean": total[f"term/{name}"] / total[f"count/{name}"] if total[f"count/{name}"]
+               else float("nan") for name in terms},
             "response_length/mean": total["length"] / n, "response_length/clip_ratio": total["unfinished"] / n,
             **algorithm,
             "tokens_per_s": total["length"] / max(self.timer.seconds.get("generate", 0.0), 1e-9),

@@ -136,6 +136,9 @@ def _write(out_dir):
 
 def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
     run_distributed(_write, str(tmp_path), world_size=1, timeout_s=120)
+    stamps = {f: os.stat(tmp_path / f).st_mtime_ns for f in os.listdir(tmp_path) if not os.path.isdir(tmp_path / f)}
+    run_distributed(_write, str(tmp_path), world_size=1, timeout_s=120)  # a rerun leaves the same files untouched
+    assert {f: os.stat(tmp_path / f).st_mtime_ns for f in stamps} == stamps
     train, held_out = make_splits(ArithTaskConfig(max_operand=3))
     rows = {split: [json.loads(line) for line in open(tmp_path / f"judge_{split}.jsonl")] for split in ("train", "held_out")}
     assert {r["problem"] for r in rows["train"]} == {p.prompt for p in train}

@@ -213,6 +213,15 @@ def test_rubric_explicit_and_implicit_against_the_paper():
     assert reward.item_scores == [[1.0, 0.0, 1.0, 0.5], [1.0]]
     m = reward.metrics()
     assert m["reward/rar/essential"] == 1.0 and m["reward/rar/important"] == 0.0 and m["reward/rar/weighted"] == 0.5
+    # per response and category: the mean verdict of its items of it, None (NaN) when it has none
+    want = {"essential": [1.0, 1.0], "important": [0.0, None], "optional": [None, None], "pitfall": [1.0, None],
+            "weighted": [0.5, None]}
+    assert {k: [None if math.isnan(x) else x for x in v] for k, v in reward.category_scores.items()} == want
+    assert "reward/rar/optional" not in m
+    # binary: RaR's 0/1 verdicts, each score thresholded at 1/2 before the weighted sum (0.5 -> 1)
+    hard = RubricReward("rar", _Stub({**c, "is short": 0.4}, "{prompt}|{response}|{criterion}"), binary=True)
+    assert hard(["2*3"], ["6"], [6], meta[:1]) == [pytest.approx((1.0 + 0.9) / (1.0 + 0.7 + 0.9 + 2.0))]
+    assert JudgeReward("j", _Stub({"q": 0.5}, "{response} {criterion}"), criterion="q", binary=True)(["p"], ["r"], [1]) == [1.0]
     assert m["reward/rar/agreement"] == 0.5 and m["reward/rar/verdicts"] == 5
 
     text = render_rubric(rubric_items(rubric, "row"))

@@ -92,7 +92,8 @@ def _grpo(policy, run_dir, out, *overrides, trainer_cls=GRPOTrainer, config=tiny
 
 
 def reference_rewards(judge_path, rubric_path, seen):
-    """[(total, j, rar, j_agreement)] per recorded row, from separately loaded judges (module doc)."""
+    """[(total, j, rar, j_agreement, {category: mean verdict of the row's items of it, NaN: none})] per recorded row,
+    from separately loaded judges (module doc)."""
     layout = ParallelLayout.build(tp=1)
     cfg = dict(answers=["Y", "N"], chat_template=False)
     judge = load_judge("ref_j", JudgeConfig(path=judge_path, template=JUDGE_TEMPLATE, **cfg), layout)
@@ -111,7 +112,11 @@ def reference_rewards(judge_path, rubric_path, seen):
             w = [it.get("weight") or CATEGORY[it["category"]] for it in items]
             rar = sum(wi * ci for wi, ci in zip(w, c)) / sum(w)
             verifier = digit_fraction(prompt, response, None, meta)
-            out.append((verifier + 0.5 * j + 0.5 * rar, j, rar, float((j >= 0.5) == (verifier >= 0.5))))
+            by_category = {}
+            for cat in (*CATEGORY, "weighted"):
+                mine = [ci for it, ci in zip(items, c) if it.get("category", "weighted") == cat]
+                by_category[cat] = sum(mine) / len(mine) if mine else float("nan")
+            out.append((verifier + 0.5 * j + 0.5 * rar, j, rar, float((j >= 0.5) == (verifier >= 0.5)), by_category))
     return out
 
 
@@ -123,8 +128,14 @@ def _reference(folders, seen_files, out):
     got = [(t, terms["j"][n], terms["rar"][n], terms["j_agreement"][n])
            for *_, total, terms in seen for n, t in enumerate(total.tolist())]
     assert len(got) == len(want) > 0
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor([w[:4] for w in want],
+                                                                                     dtype=torch.float64),
                                rtol=1e-5, atol=1e-5)
+    for cat in want[0][4]:  # each rubric category's term: the row's mean verdict on its items of it, NaN without any
+        got_cat = [v for *_, terms in seen for v in terms[f"rar_{cat}"].tolist()]
+        torch.testing.assert_close(torch.tensor(got_cat, dtype=torch.float64),
+                                   torch.tensor([w[4][cat] for w in want], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.save(want, out)
 
 
@@ -138,6 +149,10 @@ def _logged_means_match(run_dir, want, steps, per_step):
         mine = [want[(rank * steps + step) * per_step + i] for rank in range(ranks) for i in range(per_step)]
         for k, key in enumerate(("reward/mean", "reward/j/mean", "reward/rar/mean", "reward/j_agreement/mean")):
             assert row[key] == pytest.approx(sum(m[k] for m in mine) / len(mine), abs=1e-5), (step, key)
+        for cat in mine[0][4]:  # means over the responses whose rubric has the category (NaN when none has)
+            known = [m[4][cat] for m in mine if m[4][cat] == m[4][cat]]
+            got = row[f"reward/rar_{cat}/mean"]  # NaN is written as null
+            assert got == pytest.approx(sum(known) / len(known), abs=1e-5) if known else got is None, (step, cat)
         assert row["reward/j/verdicts"] == (step + 1) * len(mine) and row["reward/j/unparsed"] == 0
     return rows
 
