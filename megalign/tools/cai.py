@@ -3,12 +3,13 @@ labels (`label`, RL-CAI's labeller) here, critique-revise (SL-CAI) in `megalign.
 `launch/cai_tools.py`, and both built on the resumable, multi-process chunk runner of this module.
 
 `label(cfg)` (`python launch/cai_tools.py label policy=... judge.path=... judge.template=... [key=value ...]`):
-the policy samples two responses per prompt at `temperature`; a judge model (`megalign.roles.judge`,
-`judge.*` keys: any causal-LM folder, logprob or generate verdicts) reads the template filled with
-`{prompt}`, `{response_a}`, `{response_b}`, `{reference}` (the prompt row's answer, which the prompt
-loader requires, for judges that grade against one) and, when a `constitution` is given,
-`{principle}` (one drawn per prompt) and answers p(A) = p(response_a is better) (a `generate` judge's parsed
-number is read as p(A), so its pattern should give 1 for A and 0 for B, or a probability). Position bias
+the policy samples two responses per prompt at `temperature` (`pairs_per_prompt` such pairs, each of two
+fresh samples); a judge model (`megalign.roles.judge`, `judge.*` keys: any causal-LM folder, logprob or
+generate verdicts) reads the template filled with `{prompt}`, `{response_a}`, `{response_b}`, `{reference}`
+(the prompt row's answer, which the prompt loader requires, for judges that grade against one) and, when a
+`constitution` is given, `{principle}` (one drawn per pair from the prompt's stream) and answers
+p(A) = p(response_a is better) (a `generate` judge's parsed number is read as p(A), so its pattern should give
+1 for A and 0 for B, or a probability). Position bias
 (judges favour one slot) is removed by asking both orders and averaging: p = (p(A | a, b) + 1 - p(A | b, a)) / 2
 is the probability that a is better; chosen = a when p > 1/2.
 A template with `{response}` instead of the two slots is a pointwise judge (yes / no on one response, the
@@ -285,6 +286,8 @@ class LabelConfig(CAIConfig):
     judge: Optional[JudgeConfig] = option(None, doc="(required) the judge: path, template with {response_a} and "
                                                     "{response_b} (and {prompt}, {principle}), verdict mode, answers")
     tie_tolerance: float = option(0.0, doc="leave out (and count) pairs with |p - 1/2| <= this: ties")
+    pairs_per_prompt: int = option(1, doc="pairs labelled per prompt, each of two fresh samples (2 x this samples), "
+                                          "each with its own principle")
     margin: bool = option(True, doc="write the `margin` column log(q / (1 - q)) of the label probability q")
 
     def __post_init__(self):
@@ -295,6 +298,8 @@ class LabelConfig(CAIConfig):
             raise ValueError(f"judge.tp and judge.pp must be 1 in the CAI tools, got {self.judge.tp}, {self.judge.pp}")
         if not 0 <= self.tie_tolerance < 0.5:
             raise ValueError(f"tie_tolerance must be in [0, 0.5), got {self.tie_tolerance}")
+        if self.pairs_per_prompt < 1:
+            raise ValueError(f"pairs_per_prompt must be >= 1, got {self.pairs_per_prompt}")
         slots = ("response",) if self.pointwise else ("response_a", "response_b")
         supplied = ("prompt", *slots, "reference") + (("principle",) if self.principles else ())
         JudgeTemplate(self.judge.template, "judge.template").check(
@@ -330,20 +335,23 @@ class _Labeller:
 
     def __call__(self, split: str, chunk: list[PromptExample], start: int) -> dict[str, Any]:
         cfg = self.cfg
+        k = cfg.pairs_per_prompt
         texts, finished = sample(self.policy, self.tokenizer, [e.prompt_ids for e in chunk],
-                                 range(start, start + len(chunk)), 2, self.params,
+                                 range(start, start + len(chunk)), 2 * k, self.params,
                                  stage_seed(cfg.seed, split, "samples"), cfg.engine)
         counts = Counter(prompts=len(chunk), responses=len(texts), finished=sum(finished))
         pairs = []  # (example, a, b, principle)
         for i, e in enumerate(chunk):
-            a, b = texts[2 * i], texts[2 * i + 1]
-            reason = ("unfinished" if cfg.drop_unfinished and not (finished[2 * i] and finished[2 * i + 1]) else
-                      "empty" if not a.strip() or not b.strip() else "identical" if a == b else None)
-            if reason is not None:
-                counts[reason] += 1
-                continue
-            principle = principle_stream(cfg.seed, split, start + i).choice(cfg.principles) if cfg.principles else ""
-            pairs.append((e, a, b, principle))
+            stream = principle_stream(cfg.seed, split, start + i)
+            for x, y in ((2 * k * i + 2 * j, 2 * k * i + 2 * j + 1) for j in range(k)):
+                a, b = texts[x], texts[y]
+                principle = stream.choice(cfg.principles) if cfg.principles else ""  # drawn for every pair
+                reason = ("unfinished" if cfg.drop_unfinished and not (finished[x] and finished[y]) else
+                          "empty" if not a.strip() or not b.strip() else "identical" if a == b else None)
+                if reason is not None:
+                    counts[reason] += 1
+                    continue
+                pairs.append((e, a, b, principle))
         verdicts = self.judge.verdicts(self.judge.template, self._judge_rows(pairs))
         self.judge.new_step()
         verifier = verifier_scores(cfg, [e for e, *_ in pairs for _ in (0, 1)], [t for _, a, b, _ in pairs

@@ -14,7 +14,9 @@
 - `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column;
 - `constitution.txt` (one principle: the `correct` criterion) and `label.yaml`, the config of RLAIF labels from
   the trained judge (`launch/cai_tools.py label --config label.yaml policy=... judge.path=...`, a pointwise judge
-  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs);
+  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs; 4 pairs
+  (8 samples) a prompt, as the kto pipeline samples, and pairs the judge is less than 90% sure of left out as ties,
+  `tie_tolerance` 0.4: two wrong answers get p near the judge's doubt, and DPO on such a pair teaches nothing true);
 - `reviser_train.jsonl`: SFT rows of a reviser (`judge_rows.reviser_rows`: a critique and a revision row per
   training problem and candidate, the same candidates as the judge's) and `revise.yaml`, the config of SL-CAI's
   `launch/cai_tools.py critique-revise --config revise.yaml policy=... reviser=...` with the templates it was
@@ -173,7 +175,7 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
     if dist.get_rank() == 0:
         constitution = os.path.join(os.path.abspath(cfg.out_dir), "constitution.txt")
         _write_text(constitution, CRITERIA["correct"] + "\n")
-        label = {"constitution": constitution, "verifier": "math_accuracy",
+        label = {"constitution": constitution, "verifier": "math_accuracy", "pairs_per_prompt": 4, "tie_tolerance": 0.4,
                  "judge": {"template": LABEL_TEMPLATE, "answers": list(VERDICTS), "chat_template": False}}
         _write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
         revise = {"constitution": constitution, "verifier": "math_accuracy", "critique_template": CRITIQUE_TEMPLATE,
@@ -300,12 +302,12 @@ def _quoted(where: str) -> float:
 
 def comparison_lines(before: float, after: list[tuple[str, float]], quotes: Sequence[tuple[str, float]] = ()) -> list[str]:
     """The before/after table: one row per policy with its gain, the first run's gain as a fraction of each
-    control's, a `name  NN.N%` line per quoted fraction (the judge's or the labels' agreement), and last
+    control's ("-" where the control gained nothing), a `name  NN.N%` line per quoted fraction (the judge's or the labels' agreement), and last
     `change  +N.N points` (the first run's gain)."""
     gains = [(name, (acc - before) * 100) for name, acc in after]
     rows = [("initial policy", f"{before:6.1%}")]
     rows += [(name, f"{acc:6.1%}  ({gain:+.1f} points)") for (name, acc), (_, gain) in zip(after, gains)]
-    rows += [(f"gain / {name}'s gain", f"{gains[0][1] / gain:6.1%}" if gain else "-") for name, gain in gains[1:]]
+    rows += [(f"gain / {name}'s gain", f"{gains[0][1] / gain:6.1%}" if gain > 0 else "-") for name, gain in gains[1:]]
     width = max(len(name) for name, _ in rows)
     lines = ["held-out accuracy (greedy)"] + [f"  {name:<{width}}  {value}" for name, value in rows]
     lines += [f"{name}  {100 * value:.1f}%" for name, value in quotes]

@@ -210,6 +210,7 @@ def test_comparison_lines_by_hand():
                      "  DPO, verifier labels                 40.0%  (+20.0 points)",
                      "  gain / DPO, verifier labels's gain   75.0%",
                      "label agreement  91.2%", "change  +15.0 points"]
+    assert comparison_lines(0.2, [("a", 0.18), ("control", 0.19)])[-2] == "  gain / control's gain  -"  # no gain to share
 
 
 def test_quoted_numbers_name_file_and_key(tmp_path):

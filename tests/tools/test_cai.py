@@ -152,10 +152,16 @@ def test_pair_verdict_by_hand():
 
 def test_label_pointwise_judge_against_transformers(models, tmp_path):
     out = tmp_path / "pointwise"
-    run_distributed(_label, _label_overrides(models, out, f"judge.template={POINTWISE}", "held_out=false"),
-                    world_size=1)
+    run_distributed(_label, _label_overrides(models, out, f"judge.template={POINTWISE}", "held_out=false",
+                                             "pairs_per_prompt=2"), world_size=1)
     rows = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
-    assert len(rows) >= 10 and "position_consistent" not in json.loads((out / "report.json").read_text())["train"]
+    report = json.loads((out / "report.json").read_text())["train"]
+    assert report["responses"] == 4 * report["prompts"] and "position_consistent" not in report
+    assert len(rows) > report["prompts"]  # two pairs a prompt, each with its own draw from the prompt's stream
+    prompts = [json.loads(line)["prompt"] for line in (out / "data" / "arith_train.jsonl").read_text().splitlines()]
+    for row in rows:
+        stream = random.Random(f"0/train/{prompts.index(row['prompt'])}")
+        assert row["principle"] in [stream.choice(PRINCIPLES) for _ in range(2)]
     judge = AutoModelForCausalLM.from_pretrained(models["judge"]).eval()
     for row in rows:
         s_c, s_r = (_hf_p_a(judge, POINTWISE.format(prompt=row["prompt"], response=t, principle=row["principle"],
