@@ -30,13 +30,14 @@ any batch size; the scores reach every rank of its pp group, which holds one bat
 - `reward.judges`: judge and rubric terms (`megalign.rewards.judge`), each read from its own judge role
   (`megalign.roles.judge`: a causal LM with its own tokenizer, tp, dtype and offload switch) that the
   trainer builds (`load_judge`) and places like a reward model; a term's score enters the total with its
-  weight, and when verifier / user-function terms are configured their total is the verifier its
-  agreement is measured against (`<name>_agreement`: 1 where judge >= 1/2 and verifier >= 1/2 agree).
+  weight, and when verifier / user-function terms are configured their total (or the `reward.check_with` term
+  alone, which may have weight 0) is the verifier its agreement is measured against (`<name>_agreement`: 1 where
+  judge >= 1/2 and verifier >= 1/2 agree).
 
 - `reward.check_with`: a verifier term (weight 0 to monitor only) that every outcome model's ranking is checked
   against each step on the current policy's samples (`reward/<name>/pairwise_acc` over the same-prompt pairs the
   verifier separates, `megalign.rewards.ranking`): an RM's held-out accuracy as the policy moves, where reward
-  hacking shows (the RM's score rises while this falls).
+  hacking shows (the RM's score rises while this falls); judges' agreement is measured against it too.
 
 Only the reward models and judges hold device memory ("weights" of each role, offloadable).
 """
@@ -138,8 +139,9 @@ class RewardConfig:
     check_with: Optional[str] = option(
         None, doc="label of a verifier term of `terms` every outcome reward model's ranking is checked against each "
                   "step on the current policy's samples: reward/<model>/pairwise_acc, the fraction of same-prompt "
-                  "pairs the term separates that the model orders the same way (give the term weight 0 to monitor "
-                  "without rewarding); null: off")
+                  "pairs the term separates that the model orders the same way, and judges' agreement "
+                  "(<judge>_agreement) is measured against (give the term weight 0 to monitor without rewarding); "
+                  "null: off")
     max_failure_fraction: float = option(
         0.5, doc="stop the run when a term fails (raises, non-number, times out) on more than this fraction of a "
                  "step's samples")
@@ -178,9 +180,9 @@ class RewardConfig:
             if self.check_with not in labels:
                 raise ValueError(f"reward.check_with={self.check_with!r} names no term of reward.terms; their labels: "
                                  f"{labels} (add the verifier with weight 0 to monitor without rewarding)")
-            if not [m for _, m in self.reward_models() if m.kind == "outcome"]:
-                raise ValueError("reward.check_with checks outcome reward models' rankings, but reward.model / "
-                                 "reward.models hold none")
+            if not [m for _, m in self.reward_models() if m.kind == "outcome"] and not self.judges:
+                raise ValueError("reward.check_with checks outcome reward models' rankings and judges' agreement, but "
+                                 "reward.model / reward.models / reward.judges hold none")
         if not 0 <= self.max_failure_fraction <= 1:
             raise ValueError(f"max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
@@ -360,6 +362,7 @@ class Reward:
         self.outcome = [m for m in self.models if isinstance(m, OutcomeReward)]
         self.process = [m for m in self.models if isinstance(m, ProcessReward)]
         self.gated = cfg.gated
+        self.check_with = cfg.check_with
         self.max_failure_fraction = cfg.max_failure_fraction
         term_names = [name for name, _, _ in self.functions.terms] if self.functions is not None else []
         clash = sorted(set(term_names) & {m.name for m in self.models})
@@ -391,7 +394,8 @@ class Reward:
         for judge in self.judges:
             judge.new_step()
         for weight, fn in self.judge_terms:
-            verifier = breakdown.total if self.functions is not None else None
+            verifier = None if self.functions is None else \
+                breakdown.terms[self.check_with] if self.check_with is not None else breakdown.total
             terms[fn.name] = torch.tensor(fn(prompts, responses, answers, metadata, verifier=verifier))
             total += weight * terms[fn.name]
             if isinstance(fn, RubricReward) and fn.mode == "explicit":  # NaN: no item of that category

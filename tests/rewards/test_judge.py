@@ -268,6 +268,12 @@ def _reward_role(logit_path):
     assert counts["reward/j/verdicts"] == 2 and counts["reward/j/unparsed"] == 0
     reward.score(prompts, responses, answers, [{}, {}], torch.zeros(2, 1), torch.ones(2, 1))
     assert reward.error_counts()["reward/j/cache_hits"] == 0  # a new step: the cache was cleared
+    # a weight-0 verifier named by check_with: it adds nothing to the total, and the agreement is measured against it
+    watched = RewardConfig(terms=[RewardTerm("math_accuracy", 0.0)], judges=[judged], check_with="math_accuracy")
+    total, terms = Reward(watched, [], [judge]).score(prompts, responses, answers, [{}, {}], torch.zeros(2, 1),
+                                                      torch.ones(2, 1))
+    assert total.tolist() == pytest.approx([0.5 * p[0], 0.5 * p[1]], abs=1e-5)
+    assert terms["j_agreement"].tolist() == [float(p[0] >= 0.5), float(p[1] < 0.5)]
 
 
 def test_reward_role_scores_judge_terms(tmp_path):

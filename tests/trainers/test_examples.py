@@ -47,7 +47,9 @@ OVERRIDES = {
     "grpo_tools_arith": ONLINE + DIGITS + ["actor.path=runs/sft_arith/hf",  # its own 5000 drawn prompts
                                            "rollout.max_response_length=40", "rollout.env.max_turn_tokens=8"],
     "judge_sft_arith": SUPERVISED + ["model.path=runs/judge_arith/hf"],  # the policy copy with 128 positions
-    "grpo_rubric_arith": ONLINE,  # the judge's rubric score is the reward
+    # the judge's binary rubric score is the reward; a random judge's 0/1 verdicts tie whole groups, so the digits
+    # term joins the reward (and replaces the weight-0 verifier the judge's agreement is checked against)
+    "grpo_rubric_arith": ONLINE + DIGITS + ["reward.check_with=digit_fraction"],
     "sft_tools_arith": SUPERVISED + SCRATCH,  # traces of runs/tool_traces, written in build_runs
     "sft_user_sim": SUPERVISED + SCRATCH,  # traces of runs/user_sim_data, written in build_runs
     # dialogues with ArithmeticUser on the 128-position policy copy (the user's first message is 77 tokens); a random
