@@ -16,7 +16,9 @@ A template with `{response}` instead of the two slots is a pointwise judge (yes 
 principle read as a criterion, e.g. the embedded judge of `megalign.data.judge_rows`): it scores each sample
 alone, s_a = p(yes | a) and s_b, and p = s_a (1 - s_b) / (s_a (1 - s_b) + s_b (1 - s_a)), the probability that
 a is the one meeting the principle given that exactly one does (independent verdicts; 1/2 when both are 0 or
-both 1); no position bias to remove. Rows are TRL's explicit-prompt preference format
+both 1); no position bias to remove. A pointwise judge separates a pair only as a verifier does, one response
+judged to meet the principle (s >= 1/2) and the other not: pairs on one side are ties (p alone reads two wrong
+answers at s = 0.03 and 0.001 as a confident 0.96). Rows are TRL's explicit-prompt preference format
 (`prompt`, `chosen`, `rejected`, `answer`) plus `label_probability` (p of the chosen one, in (1/2, 1]),
 the two raw verdicts `judge_scores` ([p(A | a, b), p(A | b, a)]; pointwise [s_a, s_b] of a and b), `principle`, and `margin` = log(q / (1 - q))
 with q = label_probability clipped to 1 - 1e-3 (the Bradley-Terry reward gap the judge implies, at most 6.9).
@@ -384,7 +386,7 @@ class _Labeller:
             if p is None:
                 counts["unparsed"] += 1
                 continue
-            if abs(p - 0.5) <= self.cfg.tie_tolerance:
+            if abs(p - 0.5) <= self.cfg.tie_tolerance or (pointwise and (s_ab >= 0.5) == (s_ba >= 0.5)):
                 counts["ties"] += 1
                 continue
             chosen, rejected, q, side = (a, b, p, "a") if p > 0.5 else (b, a, 1.0 - p, "b")

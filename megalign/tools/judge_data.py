@@ -15,8 +15,7 @@
 - `constitution.txt` (one principle: the `correct` criterion) and `label.yaml`, the config of RLAIF labels from
   the trained judge (`launch/cai_tools.py label --config label.yaml policy=... judge.path=...`, a pointwise judge
   on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs; 4 pairs
-  (8 samples) a prompt, as the kto pipeline samples, and pairs the judge is less than 90% sure of left out as ties,
-  `tie_tolerance` 0.4: two wrong answers get p near the judge's doubt, and DPO on such a pair teaches nothing true);
+  (8 samples) a prompt, as the kto pipeline samples);
 - `reviser_train.jsonl`: SFT rows of a reviser (`judge_rows.reviser_rows`: a critique and a revision row per
   training problem and candidate, the same candidates as the judge's) and `revise.yaml`, the config of SL-CAI's
   `launch/cai_tools.py critique-revise --config revise.yaml policy=... reviser=...` with the templates it was
@@ -175,7 +174,7 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
     if dist.get_rank() == 0:
         constitution = os.path.join(os.path.abspath(cfg.out_dir), "constitution.txt")
         _write_text(constitution, CRITERIA["correct"] + "\n")
-        label = {"constitution": constitution, "verifier": "math_accuracy", "pairs_per_prompt": 4, "tie_tolerance": 0.4,
+        label = {"constitution": constitution, "verifier": "math_accuracy", "pairs_per_prompt": 4,
                  "judge": {"template": LABEL_TEMPLATE, "answers": list(VERDICTS), "chat_template": False}}
         _write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
         revise = {"constitution": constitution, "verifier": "math_accuracy", "critique_template": CRITIQUE_TEMPLATE,

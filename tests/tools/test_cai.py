@@ -10,11 +10,12 @@ import json
 import math
 import os
 import random
+from collections import Counter
 
 import pytest
 import torch
 from parallel.dist_utils import RankFailure, run_distributed
-from rewards.test_judge import CHAR, random_judge
+from rewards.test_judge import CHAR, hand_p_yes, random_judge, set_logit_judge
 from trainers.grpo_helpers import HERE, digit_fraction, tiny_policy
 from trainers.test_dpo import dpo_config
 from trainers.test_sft import tiny_config as sft_config
@@ -28,7 +29,7 @@ from megalign.trainers.sft import train_sft
 
 VERIFIER = f"{HERE}/grpo_helpers.py:digit_fraction"
 JUDGE_TEMPLATE = "{prompt}|{response_a}|{response_b}|{principle}>"
-POINTWISE = "{principle}? {prompt}|{response} vs {reference}>"
+POINTWISE = "{principle}? {prompt}|{reference}|{response}"  # ends with the response: the logit judge's p(Y) varies
 PRINCIPLES = ["be brief", "be right", "use digits"]
 CRITIQUE, REVISION = "{prompt}{response}|{principle}?", "{prompt}{response}|{principle}|{critique}!"
 
@@ -150,24 +151,27 @@ def test_pair_verdict_by_hand():
     assert _pair_verdict(0.0, 0.0, True, True) == 0.5 and _pair_verdict(1.0, 1.0, True, True) == 0.5
 
 
-def test_label_pointwise_judge_against_transformers(models, tmp_path):
+def test_label_pointwise_judge_by_hand(models, tmp_path):
     out = tmp_path / "pointwise"
+    set_logit_judge(tmp_path / "logit")  # p(Y) a closed form of the last token (hand_p_yes)
     run_distributed(_label, _label_overrides(models, out, f"judge.template={POINTWISE}", "held_out=false",
-                                             "pairs_per_prompt=2"), world_size=1)
+                                             "pairs_per_prompt=2", f"judge.path={tmp_path / 'logit'}",
+                                             "judge.answers=[Y, N]"), world_size=1)
     rows = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
     report = json.loads((out / "report.json").read_text())["train"]
     assert report["responses"] == 4 * report["prompts"] and "position_consistent" not in report
-    assert len(rows) > report["prompts"]  # two pairs a prompt, each with its own draw from the prompt's stream
+    per_prompt = Counter(r["prompt"] for r in rows)  # two pairs a prompt, each with its own draw from the stream
+    assert max(per_prompt.values()) == 2 and report["ties"] > 0 and len(rows) >= 10
     prompts = [json.loads(line)["prompt"] for line in (out / "data" / "arith_train.jsonl").read_text().splitlines()]
     for row in rows:
         stream = random.Random(f"0/train/{prompts.index(row['prompt'])}")
         assert row["principle"] in [stream.choice(PRINCIPLES) for _ in range(2)]
-    judge = AutoModelForCausalLM.from_pretrained(models["judge"]).eval()
     for row in rows:
-        s_c, s_r = (_hf_p_a(judge, POINTWISE.format(prompt=row["prompt"], response=t, principle=row["principle"],
-                                                    reference=row["answer"])) for t in (row["chosen"], row["rejected"]))
+        s_c, s_r = (hand_p_yes(POINTWISE.format(prompt=row["prompt"], response=t, principle=row["principle"],
+                                                reference=row["answer"])) for t in (row["chosen"], row["rejected"]))
         q = s_c * (1 - s_r) / (s_c * (1 - s_r) + s_r * (1 - s_c))
         assert row["label_probability"] == pytest.approx(q, abs=1e-5) and q > 0.5
+        assert s_c >= 0.5 > s_r  # the judge separates the pair; pairs on one side of 1/2 are ties
         assert sorted(row["judge_scores"]) == pytest.approx(sorted([s_c, s_r]), abs=1e-5)
 
 
