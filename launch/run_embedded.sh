@@ -31,7 +31,7 @@
 # and as the control on the verifier's labels of the same samples -> both against the SFT policy, with the labels'
 # agreement with the verifier (`label agreement  NN.N%`), ending with `change` of the AI-label run),
 # or critique_revise (issue 27: judge's rows -> a reviser SFT from the SFT export on their critique / revision rows
-# (REVISER_OVERRIDES) -> SL-CAI critique-revise of the SFT policy's samples by that reviser (launch/cai_tools.py
+# (1500 steps: at 600 its revisions were 30% right, at 1500 55%; REVISER_OVERRIDES) -> SL-CAI critique-revise of the SFT policy's samples by that reviser (launch/cai_tools.py
 # critique-revise with the config judge_tools.py data writes, CAI_OVERRIDES) -> SFT from the SFT export on the
 # revisions and, as the control, on the initial samples (examples/sft_arith.yaml) -> both against the SFT policy, with
 # the verifier accuracy of the initial samples and of the revisions, ending with `change` of the revisions' SFT).
@@ -179,7 +179,7 @@ case "$PIPELINE" in
       # a reviser fine-tuned from the SFT policy on critique and revision rows, then SL-CAI from the SFT policy's
       # samples, then SFT of the SFT policy on the revisions and, as the control, on the initial samples
       run launch/train_sft.py --config examples/sft_arith.yaml run_dir="$ROOT/reviser_arith" \
-          model.path="$ROOT/sft_arith/hf" data.path="$DATA/reviser_train.jsonl" data.max_length=128 steps=600 \
+          model.path="$ROOT/sft_arith/hf" data.path="$DATA/reviser_train.jsonl" data.max_length=128 steps=1500 \
           ${REVISER_OVERRIDES:-}
       run launch/cai_tools.py critique-revise --config "$DATA/revise.yaml" policy="$ROOT/sft_arith/hf" \
           reviser="$ROOT/reviser_arith/hf" out_dir="$ROOT/cai_sft" ${CAI_OVERRIDES:-}

@@ -21,9 +21,10 @@ Design choices:
   `reference: {prompt}\\boxed{reference}`) taught the format criteria but never the comparison: 40.8% on
   the "Y" rows and 84.4% on the "N" rows of `correct`, at the loss of the base rate even on the judge's
   own training rows (BENCHMARKS.md, "Models in the reward loop"). Measured on `correct` rows alone
-  (300 steps) this layout reaches 87.2% / 68.5% where the earlier one reaches 67.8% / 72.4%; on all
-  three criteria (800 steps, `correct` rows x3) it is still at 44.4% / 84.0%: the shared judge does
-  not yet verify (the issue's >= 90% target is missed; same section).
+  (300 steps) this layout reaches 87.2% / 68.5% where the earlier one reaches 67.8% / 72.4%; trained
+  on all three criteria from the start the judge still does not compare (44.4% / 84.0%), while a
+  curriculum, the `correct` rows alone at batch 128 first (`judge_train_correct.jsonl`), then all
+  three, verifies: 92-96% on `correct` (same section; `run_embedded.sh judge` runs it).
 - Criteria (`CRITERIA`, the issue's three) and their labels, from the verifier and two format rules:
   `correct` "the final answer equals the correct result" is `math_accuracy` (the last `\\boxed{}`
   against the gold answer: an unboxed right number is "N", as the verifier scores it 0); `boxed`
