@@ -114,7 +114,8 @@ def test_example_configs_use_the_rows_template_and_answers():
     with open(os.path.join(ROOT, "examples", "grpo_rubric_arith.yaml")) as f:
         cfg = yaml.safe_load(f)
     (judged,) = cfg["reward"]["judges"]
-    assert judged["kind"] == "rubric" and judged["rubric_mode"] == "explicit" and cfg["reward"]["terms"] == []
+    assert judged["kind"] == "rubric" and judged["rubric_mode"] == "explicit" and judged["binary"] is True
+    assert [t["weight"] for t in cfg["reward"]["terms"]] == [0.0]  # the verifier only watches: the judge is the reward
     assert judged["judge"]["template"] == JUDGE_TEMPLATE and judged["judge"]["answers"] == list(VERDICTS)
     assert judged["judge"]["chat_template"] is False
 
