@@ -19,8 +19,9 @@
 # without the _r1 suffix), or ppo_verifier (SFT -> PPO whose only reward is the
 # verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk),
 # or judge (issue 27: SFT -> judge rows of (problem, candidate, criterion) -> Y/N with the SFT policy's own samples
-# among the candidates (launch/judge_tools.py data) -> SFT of a judge from the SFT export in two stages, the
-# `correct` criterion's rows alone (600 steps at lr 1.5e-3), then all three criteria (examples/judge_sft_arith.yaml) -> its
+# and wrong answers one edit off the right one among the candidates (launch/judge_tools.py data) -> SFT of a judge from
+# the SFT export in three stages, the `correct` criterion's rows alone (600 steps at lr 1.5e-3), the same with those
+# hard negatives (600 steps at lr 1e-3), then all three criteria (examples/judge_sft_arith.yaml) -> its
 # held-out agreement with the labels (`judge agreement  NN.N%`) -> GRPO whose only reward is the judge's rubric
 # score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed and steps (the control) -> both
 # against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets both GRPO runs' steps, default
@@ -194,12 +195,16 @@ case "$PIPELINE" in
           "quotes={initial samples' accuracy: $REPORT:train.initial_accuracy, revisions' accuracy: $REPORT:train.final_accuracy}"
       exit 0
     fi
-    # the judge's curriculum: the comparison (`correct` rows) alone, then all three criteria from that judge
+    # the judge's curriculum: the comparison (`correct` rows) alone, then with the hard negatives, then all three
+    # criteria from that judge
     run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_correct" \
         model.path="$ROOT/sft_arith/hf" data.path="$DATA/judge_train_correct.jsonl" steps=600 optim.lr=1.5e-3 \
         ${JUDGE_OVERRIDES:-}
+    run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_hard" \
+        model.path="$ROOT/judge_correct/hf" data.path="$DATA/judge_train_hard.jsonl" steps=600 optim.lr=1e-3 \
+        ${JUDGE_OVERRIDES:-}
     run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_arith" \
-        model.path="$ROOT/judge_correct/hf" data.path="$DATA/judge_train.jsonl" ${JUDGE_OVERRIDES:-}
+        model.path="$ROOT/judge_hard/hf" data.path="$DATA/judge_train.jsonl" ${JUDGE_OVERRIDES:-}
     run launch/judge_tools.py agreement judge="$ROOT/judge_arith/hf" items="$DATA/judge_held_out.jsonl" \
         summary_path="$ROOT/judge_agreement.json"
     if [ "$PIPELINE" = rlaif ]; then

@@ -24,7 +24,8 @@ Design choices:
   (300 steps) this layout reaches 87.2% / 68.5% where the earlier one reaches 67.8% / 72.4%; trained
   on all three criteria from the start the judge still does not compare (44.4% / 84.0%), while a
   curriculum, the `correct` rows alone at batch 128 first (`judge_train_correct.jsonl`), then all
-  three, verifies: 92-96% on `correct` (same section; `run_embedded.sh judge` runs it).
+  three, verifies: 92-96% on `correct` (same section). `run_embedded.sh judge` puts a stage between
+  the two, the `correct` rows with the hard negatives below (`judge_train_hard.jsonl`).
 - Criteria (`CRITERIA`, the issue's three) and their labels, from the verifier and two format rules:
   `correct` "the final answer equals the correct result" is `math_accuracy` (the last `\\boxed{}`
   against the gold answer: an unboxed right number is "N", as the verifier scores it 0); `boxed`
@@ -34,6 +35,12 @@ Design choices:
   one (`wrong_answer`), an unboxed number and a response with extra text around a box (each with the
   right or the wrong answer, by a coin), plus whatever the caller adds: samples of the SFT policy on
   the same problem (`megalign.tools.judge_data`), which are what the judge sees during GRPO.
+  Then the hard negatives (`hard_negatives`): wrong boxed answers one edit away from the right one (a digit
+  changed, the sign flipped, two digits swapped, a digit turned into a letter or a piece of `boxed` written into
+  the number). Without them the judge compared loosely: it accepted 8.9% of the SFT model's wrong answers,
+  14-16% of those one leading digit off, and a GRPO policy rewarded by it learned within 100 steps to answer
+  `\\boxed{2boxed}`, which that judge accepted 64% of the time (held-out accuracy 21.9% -> 1.9%); trained with
+  them, the judge accepted 2.7% of that policy's wrong answers (BENCHMARKS.md, "Models in the reward loop").
   Duplicate texts of a problem are kept once. Most sampled answers are wrong, so the training rows
   of the `correct` criterion are balanced by repeating the rarer label (`balanced`), and then repeated
   as a whole (`repeated`): the judge learns the two format criteria within a few tens of steps, after
@@ -90,6 +97,8 @@ RUBRIC = [
 _ONLY = re.compile(r"\\boxed\{-?\d+\}")
 _EXTRA = ("{prompt}{box}", "{box} is the answer", "so {box}", "{box}{box}")
 _UNBOXED = ("{value}", "answer {value}")
+_NON_DIGITS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ%{}\\"
+_MARKUP = ("boxed", "oxed", "box", "\\boxed", "{")
 
 
 def criterion_label(key: str, response: str, answer: int) -> bool:
@@ -113,6 +122,30 @@ def synthetic_candidates(problem: ArithProblem, seed: int = 0) -> list[str]:
     unboxed = _UNBOXED[int(rng.integers(len(_UNBOXED)))].format(value=unboxed_value)
     extra = _EXTRA[int(rng.integers(len(_EXTRA)))].format(prompt=problem.prompt, box=f"\\boxed{{{extra_value}}}")
     return [problem.response, f"\\boxed{{{wrong}}}", unboxed, extra]
+
+
+def hard_negatives(problem: ArithProblem, seed: int = 0) -> list[str]:
+    """Wrong boxed answers one edit away from the right one (module doc), fixed by (seed, problem): each digit in
+    turn replaced by another digit, the sign flipped, the first two digits swapped, a digit replaced by a non-digit
+    character, and a piece of the `boxed` markup written into the number. Duplicates are kept once, in that order,
+    and a corruption the verifier scores right is dropped (math-verify reads `0oxed` as the product 0 o x e d = 0)."""
+    _check_seed(seed)
+    rng = np.random.default_rng([seed, 0x4E4D, problem.a, _OP_INDEX[problem.op], problem.b])
+    sign, digits = ("-", str(problem.answer)[1:]) if problem.answer < 0 else ("", str(problem.answer))
+    numbers = []
+    for i, d in enumerate(digits):
+        choices = [c for c in "0123456789" if c != d and not (i == 0 and c == "0" and len(digits) > 1)]
+        numbers.append(sign + digits[:i] + str(rng.choice(choices)) + digits[i + 1:])
+    if problem.answer != 0:
+        numbers.append(("" if sign else "-") + digits)
+    if len(digits) > 1 and digits[0] != digits[1]:
+        numbers.append(sign + digits[1] + digits[0] + digits[2:])
+    at = int(rng.integers(len(digits)))
+    numbers.append(sign + digits[:at] + str(rng.choice(list(_NON_DIGITS))) + digits[at + 1:])
+    at = int(rng.integers(len(digits) + 1))
+    numbers.append(sign + digits[:at] + _MARKUP[int(rng.integers(len(_MARKUP)))] + digits[at:])
+    candidates = dict.fromkeys(f"\\boxed{{{n}}}" for n in numbers)
+    return [c for c in candidates if math_accuracy(c, problem.answer) == 0.0]
 
 
 def judge_items(problem: ArithProblem, responses: Sequence[str], source: str) -> list[dict]:

@@ -6,10 +6,12 @@
 - `judge_train.jsonl`: the judge's SFT rows from the training problems (`prompt` = the filled judge
   template, `response` = "Y" / "N"), the `correct` rows balanced and repeated (`correct_repeats`), for
   `launch/train_sft.py data.path=...`;
-- `judge_train_correct.jsonl`: the balanced training rows of the `correct` criterion alone, not repeated: the first
-  stage of the judge's curriculum (`run_embedded.sh judge` trains the comparison on these, then all three criteria
-  on `judge_train.jsonl` from that judge; trained on the mix from the start the judge learns the two format
-  criteria and not the comparison, BENCHMARKS.md "Models in the reward loop");
+- `judge_train_correct.jsonl`: the balanced training rows of the `correct` criterion alone without the hard
+  negatives, not repeated, and `judge_train_hard.jsonl`, the same with them: the first two stages of the judge's
+  curriculum (`run_embedded.sh judge` trains the comparison on the first, sharpens it on the second, then trains
+  all three criteria on `judge_train.jsonl` from that judge; trained on the mix from the start the judge learns
+  the two format criteria and not the comparison, and trained on the hard negatives from the start it had not
+  learnt the comparison in 600 steps, BENCHMARKS.md "Models in the reward loop");
 - `judge_held_out.jsonl`: the same rows from the held-out problems, never trained on, for `agreement`;
 - `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column;
 - `constitution.txt` (one principle: the `correct` criterion) and `label.yaml`, the config of RLAIF labels from
@@ -21,7 +23,8 @@
   `launch/cai_tools.py critique-revise --config revise.yaml policy=... reviser=...` with the templates it was
   trained on and the same constitution.
 
-Candidates are the made-up ones of `synthetic_candidates` plus, when `policy` is given,
+Candidates are the made-up ones of `synthetic_candidates`, the one-edit-off wrong answers of `hard_negatives`
+(source "hard negative"; `hard_negatives: false` leaves them out) and, when `policy` is given,
 `samples_per_prompt` samples of that policy per problem (temperature `temperature`): GRPO shows the
 judge the policy's own samples, so the judge is trained and measured on them too. Each dp rank samples
 its share of the problems (d, d + dp, ...) with a generator seeded by (seed, rank); rank 0 writes
@@ -52,8 +55,8 @@ import torch.distributed as dist
 from megalign.config import atomic_write_text, option
 from megalign.data import ArithTaskConfig, PromptExample, build_tokenizer, load_prompts, make_splits
 from megalign.data.judge_rows import (CRITERIA, CRITIQUE_TEMPLATE, JUDGE_TEMPLATE, LABEL_TEMPLATE, REVISION_TEMPLATE,
-                                      VERDICTS, balanced, judge_items, repeated, reviser_rows, rubric_prompt_rows,
-                                      sft_row, synthetic_candidates)
+                                      VERDICTS, balanced, hard_negatives, judge_items, repeated, reviser_rows,
+                                      rubric_prompt_rows, sft_row, synthetic_candidates)
 from megalign.data.prompts import read_rows
 from megalign.data.tokenizer import TokenizerConfig
 from megalign.models import from_pretrained
@@ -80,6 +83,9 @@ class JudgeDataConfig:
     temperature: float = option(1.0, doc="sampling temperature of the policy (> 0)")
     max_new_tokens: int = option(16, doc="tokens per policy sample at most (GRPO's max_response_length)")
     batch_size: int = option(512, doc="sequences sampled together on each rank")
+    hard_negatives: bool = option(True, doc="add the wrong answers one edit away from the right one "
+                                            "(`judge_rows.hard_negatives`); without them a GRPO policy learned the "
+                                            "judge's blind spots within 100 steps (BENCHMARKS.md)")
     balance: bool = option(True, doc="repeat the training rows of the rarer `correct` label to balance it "
                                      "(`judge_rows.balanced`); the held-out rows are never repeated")
     correct_repeats: int = option(3, doc="then write every training row of the `correct` criterion this many times "
@@ -155,14 +161,21 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
         items, revise = [], []
         for p, sampled in zip(problems, samples):
             items += judge_items(p, sampled, "policy")
-            items += judge_items(p, [s for s in synthetic_candidates(p, cfg.seed) if s not in sampled], "synthetic")
+            synthetic = [s for s in synthetic_candidates(p, cfg.seed) if s not in sampled]
+            items += judge_items(p, synthetic, "synthetic")
+            if cfg.hard_negatives:
+                items += judge_items(p, [s for s in hard_negatives(p, cfg.seed) if s not in list(sampled) + synthetic],
+                                     "hard negative")
             revise += reviser_rows(p, list(sampled) + synthetic_candidates(p, cfg.seed))
         report[split] = label_counts(items)
         rows = items
         if split == "train":
             rows = balanced(rows, "correct") if cfg.balance else rows
             if dist.get_rank() == 0:
+                easy = [item for item in items if item["key"] == "correct" and item["source"] != "hard negative"]
                 _write(os.path.join(cfg.out_dir, "judge_train_correct.jsonl"),
+                       [sft_row(item, template) for item in (balanced(easy, "correct") if cfg.balance else easy)])
+                _write(os.path.join(cfg.out_dir, "judge_train_hard.jsonl"),
                        [sft_row(item, template) for item in rows if item["key"] == "correct"])
                 _write(os.path.join(cfg.out_dir, "reviser_train.jsonl"), revise)
             rows = repeated(rows, "correct", cfg.correct_repeats)

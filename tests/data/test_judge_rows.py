@@ -13,7 +13,8 @@ from parallel.dist_utils import run_distributed
 from megalign.config import load_config
 from megalign.data import ArithProblem, ArithTaskConfig, CharTokenizer, encode_sft, load_prompts, load_sft, make_splits
 from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, RUBRIC, VERDICTS, balanced, criterion_label,
-                                      judge_items, repeated, reviser_rows, rubric_prompt_rows, sft_row, synthetic_candidates)
+                                      hard_negatives, judge_items, repeated, reviser_rows, rubric_prompt_rows, sft_row,
+                                      synthetic_candidates)
 from megalign.rewards.judge import JudgeTemplate, rubric_items
 from megalign.roles.judge import Judge, JudgeConfig
 from megalign.tools.cai import LabelConfig
@@ -60,6 +61,33 @@ def test_synthetic_candidates_cover_right_wrong_unboxed_and_extra_text():
     assert any(synthetic_candidates(p, 0) != synthetic_candidates(p, 1) for p in problems)
     with pytest.raises(ValueError, match="seed"):
         synthetic_candidates(problems[0], seed=-1)
+
+
+@pytest.mark.parametrize("a, op, b, expected", [
+    # 12+7=19 (seed 0): a digit changed at each place, the sign, the two digits swapped, a letter, boxed markup
+    (12, "+", 7, ["79", "15", "-19", "91", "W9", "19oxed"]),
+    (2, "-", 19, ["-47", "-12", "17", "-71", "-1F", "-1\\boxed7"]),  # negative: the digits after the sign
+    (3, "-", 3, ["2", "e"]),  # 0: no sign flip, no swap; math-verify reads 0oxed as the product 0 o x e d = 0
+])
+def test_hard_negatives_by_hand(a, op, b, expected):
+    p = ArithProblem(a, op, b)
+    assert hard_negatives(p, seed=0) == [f"\\boxed{{{n}}}" for n in expected]
+
+
+def test_hard_negatives_are_one_edit_off_and_wrong():
+    problems = make_splits(ArithTaskConfig())[0][:300]
+    for p in problems:
+        right = str(p.answer)
+        for h in hard_negatives(p, seed=0):
+            assert h.startswith("\\boxed{") and not criterion_label("correct", h, p.answer)
+            number = h[len("\\boxed{"):-1]
+            assert number != right and (len(number) == len(right)  # a character replaced or two swapped
+                                        or number.lstrip("-") == right.lstrip("-")  # the sign flipped
+                                        or any(m in number for m in ("boxed", "oxed", "box", "{")))
+        assert hard_negatives(p, seed=0) == hard_negatives(p, seed=0)
+    assert any(hard_negatives(p, 0) != hard_negatives(p, 1) for p in problems)
+    with pytest.raises(ValueError, match="seed"):
+        hard_negatives(problems[0], seed=-1)
 
 
 def test_items_and_sft_row_by_hand():
@@ -131,6 +159,14 @@ def test_rubric_rows_load_as_prompts_with_rar_weights(tmp_path):
     assert RUBRIC[0]["category"] == "essential"
 
 
+def _candidate_items(problem):
+    """The items `write_judge_data` makes of one problem without a policy: the made-up candidates, then the hard
+    negatives that are not among them."""
+    synthetic = synthetic_candidates(problem)
+    return judge_items(problem, synthetic, "synthetic") + judge_items(
+        problem, [h for h in hard_negatives(problem) if h not in synthetic], "hard negative")
+
+
 def _write(out_dir):
     write_judge_data(JudgeDataConfig(out_dir=out_dir, arith=ArithTaskConfig(max_operand=3), device="cpu"))
 
@@ -144,14 +180,21 @@ def test_write_judge_data_keeps_held_out_problems_apart(tmp_path):
     rows = {split: [json.loads(line) for line in open(tmp_path / f"judge_{split}.jsonl")] for split in ("train", "held_out")}
     assert {r["problem"] for r in rows["train"]} == {p.prompt for p in train}
     assert {r["problem"] for r in rows["held_out"]} == {p.prompt for p in held_out}
-    raw = [i for p in train for i in judge_items(p, synthetic_candidates(p), "synthetic")]
+    raw = [i for p in train for i in _candidate_items(p)]
     # the training rows are balanced, then the `correct` ones written correct_repeats (3) times
     assert len(rows["train"]) == len(repeated(balanced(raw, "correct"), "correct", 3)) > len(balanced(raw, "correct"))
     n_correct = sum(i["key"] == "correct" for i in balanced(raw, "correct"))
     assert sum(r["key"] == "correct" for r in rows["train"]) == 3 * n_correct
-    first_stage = [json.loads(line) for line in open(tmp_path / "judge_train_correct.jsonl")]  # the curriculum's
-    assert [r["prompt"] for r in first_stage] == [r["prompt"] for r in rows["train"] if r["key"] == "correct"][::3]
-    assert len(rows["held_out"]) == 3 * sum(len(set(synthetic_candidates(p))) for p in held_out)  # these are not
+    # the curriculum's first two stages: the `correct` rows without the hard negatives, then with them
+    first_stage = [json.loads(line) for line in open(tmp_path / "judge_train_correct.jsonl")]
+    easy = [i for i in raw if i["key"] == "correct" and i["source"] != "hard negative"]
+    assert [r["prompt"] for r in first_stage] == [sft_row(i, JudgeTemplate(JUDGE_TEMPLATE))["prompt"]
+                                                  for i in balanced(easy, "correct")]
+    second_stage = [json.loads(line) for line in open(tmp_path / "judge_train_hard.jsonl")]
+    assert [r["prompt"] for r in second_stage] == [r["prompt"] for r in rows["train"] if r["key"] == "correct"][::3]
+    assert {r["source"] for r in second_stage} - {r["source"] for r in first_stage} == {"hard negative"}
+    assert len(rows["held_out"]) == sum(len(_candidate_items(p)) for p in held_out)  # these are not
+    assert {r["source"] for r in rows["held_out"]} == {"synthetic", "hard negative"}
     for r in rows["train"][:30]:
         assert r["response"] == ("Y" if criterion_label(r["key"], r["candidate"], r["answer"]) else "N")
     examples, _ = load_sft(str(tmp_path / "judge_train.jsonl"), CharTokenizer(), 128)  # the judge SFT reads them
