@@ -40,7 +40,7 @@ Design choices:
   the number). Without them the judge compared loosely: it accepted 8.9% of the SFT model's wrong answers,
   14-16% of those one leading digit off, and a GRPO policy rewarded by it learned within 100 steps to answer
   `\\boxed{2boxed}`, which that judge accepted 64% of the time (held-out accuracy 21.9% -> 1.9%); trained with
-  them, the judge accepted 2.7% of that policy's wrong answers (BENCHMARKS.md, "Models in the reward loop").
+  them (`run_embedded.sh judge`), the judge accepted 3.4% of that policy's wrong answers (BENCHMARKS.md, "Models in the reward loop").
   Duplicate texts of a problem are kept once. Most sampled answers are wrong, so the training rows
   of the `correct` criterion are balanced by repeating the rarer label (`balanced`), and then repeated
   as a whole (`repeated`): the judge learns the two format criteria within a few tens of steps, after
@@ -57,6 +57,7 @@ Design choices:
 from __future__ import annotations
 
 import re
+import string
 from typing import Sequence
 
 import numpy as np
@@ -97,7 +98,7 @@ RUBRIC = [
 _ONLY = re.compile(r"\\boxed\{-?\d+\}")
 _EXTRA = ("{prompt}{box}", "{box} is the answer", "so {box}", "{box}{box}")
 _UNBOXED = ("{value}", "answer {value}")
-_NON_DIGITS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ%{}\\"
+_NON_DIGITS = string.ascii_letters + "%{}\\"
 _MARKUP = ("boxed", "oxed", "box", "\\boxed", "{")
 
 

@@ -164,8 +164,8 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
             synthetic = [s for s in synthetic_candidates(p, cfg.seed) if s not in sampled]
             items += judge_items(p, synthetic, "synthetic")
             if cfg.hard_negatives:
-                items += judge_items(p, [s for s in hard_negatives(p, cfg.seed) if s not in list(sampled) + synthetic],
-                                     "hard negative")
+                seen = set(sampled) | set(synthetic)
+                items += judge_items(p, [s for s in hard_negatives(p, cfg.seed) if s not in seen], "hard negative")
             revise += reviser_rows(p, list(sampled) + synthetic_candidates(p, cfg.seed))
         report[split] = label_counts(items)
         rows = items

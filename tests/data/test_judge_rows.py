@@ -16,6 +16,7 @@ from megalign.data.judge_rows import (CRITERIA, JUDGE_TEMPLATE, RUBRIC, VERDICTS
                                       hard_negatives, judge_items, repeated, reviser_rows, rubric_prompt_rows, sft_row,
                                       synthetic_candidates)
 from megalign.rewards.judge import JudgeTemplate, rubric_items
+from megalign.rewards.math import have_math_verify
 from megalign.roles.judge import Judge, JudgeConfig
 from megalign.tools.cai import LabelConfig
 from megalign.tools.cai_revise import CritiqueReviseConfig
@@ -67,7 +68,8 @@ def test_synthetic_candidates_cover_right_wrong_unboxed_and_extra_text():
     # 12+7=19 (seed 0): a digit changed at each place, the sign, the two digits swapped, a letter, boxed markup
     (12, "+", 7, ["79", "15", "-19", "91", "W9", "19oxed"]),
     (2, "-", 19, ["-47", "-12", "17", "-71", "-1F", "-1\\boxed7"]),  # negative: the digits after the sign
-    (3, "-", 3, ["2", "e"]),  # 0: no sign flip, no swap; math-verify reads 0oxed as the product 0 o x e d = 0
+    # 0: no sign flip, no swap; math-verify reads 0oxed as the product 0 o x e d = 0, right, so it is dropped
+    (3, "-", 3, ["2", "e"] + ([] if have_math_verify() else ["0oxed"])),
 ])
 def test_hard_negatives_by_hand(a, op, b, expected):
     p = ArithProblem(a, op, b)
@@ -81,10 +83,12 @@ def test_hard_negatives_are_one_edit_off_and_wrong():
         for h in hard_negatives(p, seed=0):
             assert h.startswith("\\boxed{") and not criterion_label("correct", h, p.answer)
             number = h[len("\\boxed{"):-1]
-            assert number != right and (len(number) == len(right)  # a character replaced or two swapped
+            changed = [i for i, (x, y) in enumerate(zip(number, right)) if x != y] if len(number) == len(right) else None
+            assert number != right and (changed is not None and len(changed) == 1  # a character replaced
+                                        or changed is not None and len(changed) == 2 and sorted(number) == sorted(right)
+                                        and changed[1] == changed[0] + 1  # two neighbours swapped
                                         or number.lstrip("-") == right.lstrip("-")  # the sign flipped
                                         or any(m in number for m in ("boxed", "oxed", "box", "{")))
-        assert hard_negatives(p, seed=0) == hard_negatives(p, seed=0)
     assert any(hard_negatives(p, 0) != hard_negatives(p, 1) for p in problems)
     with pytest.raises(ValueError, match="seed"):
         hard_negatives(problems[0], seed=-1)
