@@ -18,7 +18,10 @@ alone, s_a = p(yes | a) and s_b, and p = s_a (1 - s_b) / (s_a (1 - s_b) + s_b (1
 a is the one meeting the principle given that exactly one does (independent verdicts; 1/2 when both are 0 or
 both 1); no position bias to remove. A pointwise judge separates a pair only as a verifier does, one response
 judged to meet the principle (s >= 1/2) and the other not: pairs on one side are ties (p alone reads two wrong
-answers at s = 0.03 and 0.001 as a confident 0.96). Rows are TRL's explicit-prompt preference format
+answers at s = 0.03 and 0.001 as a confident 0.96). `accept_at` > 1/2 asks more of the accepted side than a reward
+does (s >= `accept_at`, the other still < 1/2; else counted as `unsure`): a judge's false accepts score lower than
+its true ones (the embedded judge's false accepts on the SFT policy's samples have p(Y) quartiles 0.74 / 0.82 /
+0.92), and a pair of two wrong answers with one falsely accepted trains the wrong one as chosen. Rows are TRL's explicit-prompt preference format
 (`prompt`, `chosen`, `rejected`, `answer`) plus `label_probability` (p of the chosen one, in (1/2, 1]),
 the two raw verdicts `judge_scores` ([p(A | a, b), p(A | b, a)]; pointwise [s_a, s_b] of a and b), `principle`, and `margin` = log(q / (1 - q))
 with q = label_probability clipped to 1 - 1e-3 (the Bradley-Terry reward gap the judge implies, at most 6.9).
@@ -36,7 +39,7 @@ verifier orders, whatever the judge said), the control of `run_embedded.sh rlaif
 CLI keys (`--help` lists them with defaults): the shared ones of `CAIConfig` (`policy`, `out_dir`, `data.*`,
 `num_prompts`, `held_out`, `constitution`, `temperature`, `max_new_tokens`, `chunk_size`, `engine.*`,
 `verifier`, `drop_unfinished`, `seed`, `device`); `label`: `judge.*` (path, template, mode, answers, pattern,
-...), `tie_tolerance`, `margin`; `critique-revise`: see `megalign.tools.cai_revise`.
+...), `tie_tolerance`, `accept_at`, `margin`; `critique-revise`: see `megalign.tools.cai_revise`.
 
 Design choices (both commands):
 
@@ -290,6 +293,8 @@ class LabelConfig(CAIConfig):
     tie_tolerance: float = option(0.0, doc="leave out (and count) pairs with |p - 1/2| <= this: ties")
     pairs_per_prompt: int = option(1, doc="pairs labelled per prompt, each of two fresh samples (2 x this samples), "
                                           "each with its own principle")
+    accept_at: float = option(0.5, doc="pointwise judge: a pair is separated only when one verdict is >= this and "
+                                       "the other < 1/2 (else counted as `unsure`); > 1/2 against false accepts")
     margin: bool = option(True, doc="write the `margin` column log(q / (1 - q)) of the label probability q")
 
     def __post_init__(self):
@@ -302,6 +307,11 @@ class LabelConfig(CAIConfig):
             raise ValueError(f"tie_tolerance must be in [0, 0.5), got {self.tie_tolerance}")
         if self.pairs_per_prompt < 1:
             raise ValueError(f"pairs_per_prompt must be >= 1, got {self.pairs_per_prompt}")
+        if not 0.5 <= self.accept_at <= 1.0:
+            raise ValueError(f"accept_at must be in [0.5, 1], got {self.accept_at}")
+        if self.accept_at != 0.5 and not self.pointwise:
+            raise ValueError("accept_at applies to a pointwise judge (a judge.template with {response}); a pairwise "
+                             "judge's confidence threshold is tie_tolerance")
         slots = ("response",) if self.pointwise else ("response_a", "response_b")
         supplied = ("prompt", *slots, "reference") + (("principle",) if self.principles else ())
         JudgeTemplate(self.judge.template, "judge.template").check(
@@ -388,6 +398,9 @@ class _Labeller:
                 continue
             if abs(p - 0.5) <= self.cfg.tie_tolerance or (pointwise and (s_ab >= 0.5) == (s_ba >= 0.5)):
                 counts["ties"] += 1
+                continue
+            if pointwise and max(s_ab, s_ba) < self.cfg.accept_at:
+                counts["unsure"] += 1
                 continue
             chosen, rejected, q, side = (a, b, p, "a") if p > 0.5 else (b, a, 1.0 - p, "b")
             if not pointwise:

@@ -173,6 +173,16 @@ def test_label_pointwise_judge_by_hand(models, tmp_path):
         assert row["label_probability"] == pytest.approx(q, abs=1e-5) and q > 0.5
         assert s_c >= 0.5 > s_r  # the judge separates the pair; pairs on one side of 1/2 are ties
         assert sorted(row["judge_scores"]) == pytest.approx(sorted([s_c, s_r]), abs=1e-5)
+    # accept_at between the chosen verdicts: the pairs whose accepted side scores below it move to `unsure`
+    accept_at = sorted(max(r["judge_scores"]) for r in rows)[len(rows) // 2] - 1e-6
+    run_distributed(_label, _label_overrides(models, tmp_path / "strict", f"judge.template={POINTWISE}",
+                                             "held_out=false", "pairs_per_prompt=2", f"judge.path={tmp_path / 'logit'}",
+                                             "judge.answers=[Y, N]", f"accept_at={accept_at}"), world_size=1)
+    strict = [json.loads(line) for line in (tmp_path / "strict" / "pairs.jsonl").read_text().splitlines()]
+    sure = [r for r in rows if max(r["judge_scores"]) >= accept_at]
+    assert strict == sure and 0 < len(strict) < len(rows)
+    strict_report = json.loads((tmp_path / "strict" / "report.json").read_text())["train"]
+    assert strict_report["unsure"] == len(rows) - len(sure) and strict_report["ties"] == report["ties"]
 
 
 
@@ -203,6 +213,10 @@ def test_constitution_and_template_errors(models, tmp_path):
         load_config(LabelConfig, None, base + ["judge.template={prompt} {response_a}"])
     with pytest.raises(ConfigError, match=r"gap.txt:2"):
         load_config(LabelConfig, None, base + [f"constitution={tmp_path / 'gap.txt'}"])
+    with pytest.raises(ConfigError, match=r"accept_at applies to a pointwise judge"):
+        load_config(LabelConfig, None, base + ["accept_at=0.9"])
+    with pytest.raises(ConfigError, match=r"accept_at must be in \[0.5, 1\], got 0.4"):
+        load_config(LabelConfig, None, base + ["judge.template={principle} {response}", "accept_at=0.4"])
 
 
 def _hf_greedy(model, text, max_new_tokens):
