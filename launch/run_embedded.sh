@@ -26,8 +26,8 @@
 # score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed and steps (the control) -> both
 # against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets both GRPO runs' steps, default
 # 200: every step asks the judge three criteria per sample),
-# or rlaif (issue 27: judge's stages up to the agreement -> RL-CAI labels of 4 pairs of SFT samples per training prompt from
-# that judge, pointwise on the `correct` criterion as a one-principle constitution (launch/cai_tools.py label, the
+# or rlaif (issue 27: judge's stages up to the agreement -> RL-CAI labels of 8 pairs of SFT samples per training prompt from
+# that judge (accept_at 0.9), pointwise on the `correct` criterion as a one-principle constitution (launch/cai_tools.py label, the
 # config judge_tools.py data writes, overrides in LABEL_OVERRIDES) -> DPO (examples/dpo_arith.yaml) on the AI labels,
 # and as the control on the verifier's labels of the same samples -> both against the SFT policy, with the labels'
 # agreement with the verifier (`label agreement  NN.N%`), ending with `change` of the AI-label run),
@@ -208,7 +208,7 @@ case "$PIPELINE" in
     run launch/judge_tools.py agreement judge="$ROOT/judge_arith/hf" items="$DATA/judge_held_out.jsonl" \
         summary_path="$ROOT/judge_agreement.json"
     if [ "$PIPELINE" = rlaif ]; then
-      # AI labels of 4 pairs of SFT samples per training prompt from the judge (pointwise, the `correct` criterion as the
+      # AI labels of 8 pairs of SFT samples per training prompt from the judge (pointwise, the `correct` criterion as the
       # constitution), and the verifier's labels of the same samples as the control
       run launch/cai_tools.py label --config "$DATA/label.yaml" policy="$ROOT/sft_arith/hf" \
           judge.path="$ROOT/judge_arith/hf" out_dir="$ROOT/rlaif" ${LABEL_OVERRIDES:-}

@@ -16,8 +16,9 @@
 - `prompts_train.jsonl`, `prompts_held_out.jsonl`: the GRPO prompt rows with the `rubric` column;
 - `constitution.txt` (one principle: the `correct` criterion) and `label.yaml`, the config of RLAIF labels from
   the trained judge (`launch/cai_tools.py label --config label.yaml policy=... judge.path=...`, a pointwise judge
-  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs; 4 pairs
-  (8 samples) a prompt, as the kto pipeline samples);
+  on `judge_rows.LABEL_TEMPLATE`, the verifier `math_accuracy` for the agreement and the control pairs; 8 pairs
+  (16 samples) a prompt, a pair separated only when the accepted response scores >= 0.9 (`accept_at`: fewer of the
+  judge's false accepts as chosen; BENCHMARKS.md, the RLAIF runs));
 - `reviser_train.jsonl`: SFT rows of a reviser (`judge_rows.reviser_rows`: a critique and a revision row per
   training problem and candidate, the same candidates as the judge's) and `revise.yaml`, the config of SL-CAI's
   `launch/cai_tools.py critique-revise --config revise.yaml policy=... reviser=...` with the templates it was
@@ -187,7 +188,7 @@ def write_judge_data(cfg: JudgeDataConfig) -> dict[str, dict]:
     if dist.get_rank() == 0:
         constitution = os.path.join(os.path.abspath(cfg.out_dir), "constitution.txt")
         _write_text(constitution, CRITERIA["correct"] + "\n")
-        label = {"constitution": constitution, "verifier": "math_accuracy", "pairs_per_prompt": 4,
+        label = {"constitution": constitution, "verifier": "math_accuracy", "pairs_per_prompt": 8, "accept_at": 0.9,
                  "judge": {"template": LABEL_TEMPLATE, "answers": list(VERDICTS), "chat_template": False}}
         _write_text(os.path.join(cfg.out_dir, "label.yaml"), json.dumps(label, indent=1) + "\n")  # JSON is YAML
         revise = {"constitution": constitution, "verifier": "math_accuracy", "critique_template": CRITIQUE_TEMPLATE,
