@@ -21,15 +21,17 @@ judged to meet the principle (s >= 1/2) and the other not: pairs on one side are
 answers at s = 0.03 and 0.001 as a confident 0.96). `accept_at` > 1/2 asks more of the accepted side than a reward
 does (s >= `accept_at`, the other still < 1/2; else counted as `unsure`): a judge's false accepts score lower than
 its true ones (the embedded judge's false accepts on the SFT policy's samples have p(Y) quartiles 0.74 / 0.82 /
-0.92), and a pair of two wrong answers with one falsely accepted trains the wrong one as chosen. Rows are TRL's explicit-prompt preference format
-(`prompt`, `chosen`, `rejected`, `answer`) plus `label_probability` (p of the chosen one, in (1/2, 1]),
+0.92), and a pair of two wrong answers with one falsely accepted trains the wrong one as chosen (`run_embedded.sh
+rlaif` labels at 0.9; BENCHMARKS.md). Rows are TRL's explicit-prompt preference format (`prompt`, `chosen`,
+`rejected`, `answer`) plus `label_probability` (p of the chosen one, in (1/2, 1]),
 the two raw verdicts `judge_scores` ([p(A | a, b), p(A | b, a)]; pointwise [s_a, s_b] of a and b), `principle`, and `margin` = log(q / (1 - q))
 with q = label_probability clipped to 1 - 1e-3 (the Bradley-Terry reward gap the judge implies, at most 6.9).
 `margin` is the soft-label column megalign reads (`megalign.data.preference`): the reward-model trainer
 subtracts it in its margin loss (`algo.margin`); the DPO trainer loads the same rows and ignores it.
 Left out and counted: pairs with a response cut at `max_new_tokens` (`drop_unfinished`) or empty
 (`unfinished`, `empty`), identical responses (`identical`), verdicts the judge could not parse or outside
-[0, 1] in either order (`unparsed`), and ties |p - 1/2| <= `tie_tolerance` (`ties`; as online DPO's pairwise judge).
+[0, 1] in either order (`unparsed`), and ties |p - 1/2| <= `tie_tolerance` (`ties`; as online DPO's pairwise judge),
+and a pointwise judge's pairs accepted below `accept_at` (`unsure`).
 With `verifier` (e.g. `math_accuracy`; the prompts need answers) each pair's verifier preference is kept
 (`verifier_preference`: 1 it prefers chosen, 0 rejected, null no preference), the label agreement is
 reported (`verifier_agreement` = agreeing / `verifier_decided` among the written rows), and
