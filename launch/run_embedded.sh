@@ -21,7 +21,7 @@
 # or judge (issue 27: SFT -> judge rows of (problem, candidate, criterion) -> Y/N with the SFT policy's own samples
 # and wrong answers one edit off the right one among the candidates (launch/judge_tools.py data) -> SFT of a judge from
 # the SFT export in three stages, the `correct` criterion's rows alone (600 steps at lr 1.5e-3), the same with those
-# hard negatives (600 steps at lr 1e-3), then all three criteria (examples/judge_sft_arith.yaml) -> its
+# hard negatives (600 steps at lr 5e-4), then all three criteria (examples/judge_sft_arith.yaml) -> its
 # held-out agreement with the labels (`judge agreement  NN.N%`) -> GRPO whose only reward is the judge's rubric
 # score (examples/grpo_rubric_arith.yaml) -> GRPO with the verifier, same seed and steps (the control) -> both
 # against the SFT policy, ending with the rubric run's `change`; JUDGE_STEPS sets both GRPO runs' steps, default
@@ -201,7 +201,7 @@ case "$PIPELINE" in
         model.path="$ROOT/sft_arith/hf" data.path="$DATA/judge_train_correct.jsonl" steps=600 optim.lr=1.5e-3 \
         ${JUDGE_OVERRIDES:-}
     run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_hard" \
-        model.path="$ROOT/judge_correct/hf" data.path="$DATA/judge_train_hard.jsonl" steps=600 optim.lr=1e-3 \
+        model.path="$ROOT/judge_correct/hf" data.path="$DATA/judge_train_hard.jsonl" steps=600 optim.lr=5e-4 \
         ${JUDGE_OVERRIDES:-}
     run launch/train_sft.py --config examples/judge_sft_arith.yaml run_dir="$ROOT/judge_arith" \
         model.path="$ROOT/judge_hard/hf" data.path="$DATA/judge_train.jsonl" ${JUDGE_OVERRIDES:-}
