@@ -589,7 +589,7 @@ def worker_rollout(args, sizes: Sizes) -> dict:
                 wall = time.perf_counter() - t
             generated = int(result.attention_mask[:, sizes.rollout_prompt:].sum())
             tokens[name] = result.sequences[:, sizes.rollout_prompt:].cpu()
-            out[name] = {"tokens": generated, "wall_s": round(wall, 3), "tokens_per_s": round(generated / wall, 1),
+            out[name] = {"tokens": generated, "wall_s": round(wall, 4), "tokens_per_s": round(generated / wall, 1),
                          "decode_tokens_per_s": round(stats.decode_tokens / max(stats.decode_s, 1e-9), 1),
                          "prefill_s": round(stats.prefill_s, 4), "decode_steps": stats.decode_steps,
                          "ms_per_decode_step": round(1000 * stats.decode_s / max(stats.decode_steps, 1), 2)}
