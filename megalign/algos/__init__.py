@@ -11,6 +11,7 @@ from megalign.algos.advantages import (
     reinforce_plus_plus,
 )
 from megalign.algos.aggregation import LOSS_AGGREGATIONS, LossAggregation, aggregate_loss, loss_normalizer
+from megalign.algos.calibration import platt_fit, platt_nll
 from megalign.algos.common import MetricSum
 from megalign.algos.grpo import informative_groups, overlong_mask, overlong_penalty, response_advantages
 from megalign.algos.kto import (
@@ -48,7 +49,7 @@ from megalign.algos.prm import IGNORE_INDEX, PRMStats, math_shepherd_labels, prm
 __all__ = [
     "LOSS_AGGREGATIONS", "LossAggregation", "aggregate_loss", "informative_groups", "loss_normalizer",
     "overlong_mask", "overlong_penalty", "response_advantages",
-    "MetricSum",
+    "MetricSum", "platt_fit", "platt_nll",
     "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "discounted_returns", "estimator", "reinforce_plus_plus",
     "POLICY_LOSSES", "cispo_loss", "gspo_loss", "ppo_loss", "select_policy_loss",
     "DPO_LOSSES", "DPO_VARIANTS", "DPOLoss", "ORPO_MAX_AVG_LOGP", "PAIR_LOSSES", "PairLogps", "PairLoss",

@@ -9,6 +9,10 @@
   A run without held-out pairs takes them over its training responses instead (which the model has fit,
   so their spread can be wider than on new text); `source` ("held_out" or "train") and the count
   `<source>_responses` say which. Files written before `source` existed are held-out statistics.
+  Beside them, `platt_a` and `platt_b`: Platt scaling of the score over the same responses, chosen labelled 1 and
+  rejected 0 (`megalign.algos.platt_fit`), so PPO's `algo.reward_calibrate` can read the score as the probability
+  sigmoid(a * s + b) that a response is on the chosen side; with pairs labelled by a verifier (right vs wrong)
+  that is a pass probability.
 
 Both files are written by rank 0 through a temporary name and a rename (`atomic_write_text`).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Optional
 
 from megalign.config import atomic_write_text
 
@@ -48,16 +53,19 @@ REWARD_STATS_SOURCES = ("held_out", "train")
 
 
 def write_reward_stats(path: str, reward_sum: float, reward_sq_sum: float, responses: int,
-                       source: str = "held_out") -> None:
+                       source: str = "held_out", platt: Optional[tuple[float, float]] = None) -> None:
     """`reward_stats.json` in the export folder `path` from the sum and sum of squares of the rewards of
     `responses` responses of `source` (`REWARD_STATS_SOURCES`): mean = sum / n, std = sqrt(max(sum_sq / n - mean^2,
-    0)) (population std); logged with where the numbers come from."""
+    0)) (population std), and the Platt scaling (a, b) of the same responses when given; logged with where the
+    numbers come from."""
     if source not in REWARD_STATS_SOURCES:
         raise ValueError(f"source must be one of {REWARD_STATS_SOURCES}, got {source!r}")
     n = max(responses, 1)
     mean = reward_sum / n
     stats = {"reward_mean": mean, "reward_std": max(reward_sq_sum / n - mean ** 2, 0.0) ** 0.5,
              f"{source}_responses": int(responses), "source": source}
+    if platt is not None:
+        stats["platt_a"], stats["platt_b"] = float(platt[0]), float(platt[1])
     file = os.path.join(path, REWARD_STATS_FILE)
     atomic_write_text(file, json.dumps(stats, indent=1))
     what = "held-out responses" if source == "held_out" else "training responses (no held-out pairs were scored)"
@@ -65,15 +73,31 @@ def write_reward_stats(path: str, reward_sum: float, reward_sq_sum: float, respo
                 responses, what)
 
 
+def _read_stats(path: str, flag: str) -> tuple[str, dict]:
+    """(file, contents) of the export's `reward_stats.json`, read for PPO's `algo.<flag>`; a clear error naming the
+    file and the flag when it is missing."""
+    file = os.path.join(path, REWARD_STATS_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"algo.{flag}=true needs {file} (written by the RM trainer's export); "
+                                f"train the RM with megalign or set algo.{flag}=false")
+    with open(file) as f:
+        return file, json.load(f)
+
+
 def reward_stats(path: str) -> tuple[float, float]:
     """(mean, std) from a reward-model export's `reward_stats.json` (`write_reward_stats`); a clear error when it is
     missing or its std is not positive (normalising by it would divide by zero)."""
-    file = os.path.join(path, REWARD_STATS_FILE)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"algo.reward_normalize=true needs {file} (written by the RM trainer's export); "
-                                f"train the RM with megalign or set algo.reward_normalize=false")
-    with open(file) as f:
-        stats = json.load(f)
+    file, stats = _read_stats(path, "reward_normalize")
     if not stats.get("reward_std", 0) > 0:
         raise ValueError(f"{file}: reward_std must be > 0, got {stats.get('reward_std')!r}")
     return float(stats["reward_mean"]), float(stats["reward_std"])
+
+
+def reward_calibration(path: str) -> tuple[float, float]:
+    """Platt's (a, b) from a reward-model export's `reward_stats.json` (`write_reward_stats`): the reward
+    sigmoid(a * s + b) of PPO's `algo.reward_calibrate`; a clear error when the file or the fit is missing."""
+    file, stats = _read_stats(path, "reward_calibrate")
+    if "platt_a" not in stats or "platt_b" not in stats:
+        raise ValueError(f"{file} has no Platt scaling (platt_a, platt_b): it was exported before megalign fitted "
+                         f"one, or from pairs of one side only; re-export the RM or set algo.reward_calibrate=false")
+    return float(stats["platt_a"]), float(stats["platt_b"])

@@ -7,7 +7,10 @@ exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the 
                    shared with GRPO (`megalign.trainers.dynamic_sampling`, which says why it applies to PPO)
 
     shape_rewards  each outcome RM's score normalised with its own `reward_stats.json` (`algo.reward_normalize`,
-                   not the gated pair's), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, the total clipped
+                   not the gated pair's) or read as its Platt-calibrated probability sigmoid(a * s + b) from the
+                   same file (`algo.reward_calibrate`: flat where the RM is sure, so its arbitrary order among the
+                   responses it ranks far below the boundary barely moves the reward), Llama 2's gated score
+                   WHITEN(LOGIT(R_c)) over dp, the total clipped
     advantages     the critic's values -> per-token rewards (the score at the last response token, the process
                    RMs' step rewards at the tokens that end each step, with `rollout.env.reward_placement=per_turn`
                    each episode turn's reward at the turn's last policy token, -beta * KL_t when `algo.kl_in` is
@@ -50,7 +53,7 @@ from megalign.models import LoRAConfig, ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConfig
-from megalign.roles.reward_exports import reward_stats
+from megalign.roles.reward_exports import reward_calibration, reward_stats
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path, check_stages
 from megalign.trainers.dynamic_sampling import DynamicSampling, DynamicSamplingOptions
@@ -99,6 +102,9 @@ class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
     kl_horizon: float = option(10000.0, doc="adaptive KL controller horizon (samples)")
     reward_normalize: bool = option(False, doc="normalise each outcome reward model's score with its own reward_stats.json "
                                                "(not the gated pair's, module doc)")
+    reward_calibrate: bool = option(False, doc="score each outcome reward model (not the gated pair) as its Platt-"
+                                               "calibrated probability sigmoid(a * s + b), (a, b) from its "
+                                               "reward_stats.json (module doc); excludes reward_normalize")
     reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
     critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
 
@@ -106,6 +112,9 @@ class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
         UpdateSchedule.__post_init__(self)
         self.check_policy_loss(token_rewards=True)
         self.check_dynamic_sampling()
+        if self.reward_normalize and self.reward_calibrate:
+            raise ValueError("algo.reward_normalize and algo.reward_calibrate are two readings of the RM's score; "
+                             "set one")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
         for name in ("cliprange_value", "reward_clip", "kl_target"):
@@ -162,10 +171,12 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         gated = {cfg.reward.gated.safety, cfg.reward.gated.helpful} if cfg.reward.gated is not None else set()
         outcome = [m for _, m in cfg.reward.reward_models() if m.kind == "outcome"]
         normalized = [m for m in outcome if m.name not in gated]
-        if algo.reward_normalize and not normalized:
-            raise ValueError("algo.reward_normalize=true needs a reward model (reward.model or an outcome model of "
-                             "reward.models outside reward.gated)")
+        for flag in ("reward_normalize", "reward_calibrate"):
+            if getattr(algo, flag) and not normalized:
+                raise ValueError(f"algo.{flag}=true needs a reward model (reward.model or an outcome model of "
+                                 "reward.models outside reward.gated)")
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
+        self.score_platt = {m.name: reward_calibration(m.path) for m in normalized} if algo.reward_calibrate else {}
         super().__init__(cfg)
         if self.rollout_side:  # a disaggregated run's rollout ranks only generate and score
             return
@@ -203,13 +214,17 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         self.place("checkpoint", actor=("weights", "optimizer"), critic=("weights", "optimizer"))
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
-        """The sequence score PPO trains on (module doc): each normalised RM's share swapped for its normalised
-        score, the gated share for its whitened score (a collective over dp), then the total clipped."""
+        """The sequence score PPO trains on (module doc): each normalised (calibrated) RM's share swapped for its
+        normalised score (its probability), the gated share for its whitened score (a collective over dp), then the
+        total clipped."""
         algo = self.cfg.algo
         for model in self.reward.outcome:
+            raw = batch.terms.get(model.name)
             if model.name in self.score_stats:
-                raw = batch.terms[model.name]
                 batch.rewards = batch.rewards + model.weight * (normalize_scores(raw, *self.score_stats[model.name]) - raw)
+            elif model.name in self.score_platt:
+                a, b = self.score_platt[model.name]
+                batch.rewards = batch.rewards + model.weight * (torch.sigmoid(a * raw.float() + b) - raw)
         if self.reward.gated is not None:
             raw = batch.terms["gated"]
             batch.rewards = batch.rewards + self.reward.gated.weight * (whiten_scores(raw, self.layout.dp_group) - raw)

@@ -33,8 +33,9 @@ import os
 from typing import Literal, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from megalign.algos import reward_model_loss
+from megalign.algos import platt_fit, reward_model_loss
 from megalign.algos.preference import REFERENCE_FREE, PairLogps, PreferenceAlgoConfig, pair_losses, wpo_weights
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
@@ -219,7 +220,8 @@ class RewardModelObjective(Objective[PreferenceExample]):
 
     At export the reward mean and std over the held-out responses (chosen and rejected) are written
     beside the weights (`megalign.roles.reward_exports.write_reward_stats`), so a later stage (PPO) can
-    normalise the rewards, as OpenRLHF stores them with its reward models. Without held-out pairs to score
+    normalise the rewards, as OpenRLHF stores them with its reward models, with the Platt scaling of the same
+    scores (chosen 1, rejected 0: `megalign.algos.platt_fit`) for PPO's calibrated reward. Without held-out pairs to score
     (no eval_path, or eval.max_samples=0) they come from the training pairs, scored once more by the
     final model, and the file says so (`source`: "train").
     """
@@ -269,26 +271,26 @@ class RewardModelObjective(Objective[PreferenceExample]):
                                                center_coef=self.cfg.algo.center_coef)
         return losses.sum(), pair_stats.metrics()
 
-    _scored: Optional[tuple[int, Optional[dict[str, float]]]] = None
-    """(step, sums) of the last held-out pass: the export and the closing evaluation at the same step share it."""
+    _scored: Optional[tuple[int, Optional[tuple[dict[str, float], torch.Tensor]]]] = None
+    """(step, (sums, scores)) of the last held-out pass: the export and the closing evaluation at the same step
+    share it."""
 
     @torch.no_grad()
-    def _held_out_sums(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:
-        """Sums over the held-out pairs (dp-split): correct pairs, pairs, reward sum and sum of squares."""
+    def _held_out_scores(self, trainer: "SupervisedTrainer") -> Optional[tuple[dict[str, float], torch.Tensor]]:
+        """`_score_pairs` of the held-out pairs (dp-split), None when there are none to score."""
         step = trainer.progress["step"]
         if self._scored is None or self._scored[0] != step:
-            self._scored = (step, self._score_held_out(trainer))
+            n = eval_count(self.cfg.eval, trainer.held_out)
+            self._scored = (step, self._score_pairs(trainer, trainer.held_out[:n]) if n else None)
         return self._scored[1]
 
-    def _score_held_out(self, trainer: "SupervisedTrainer") -> Optional[dict[str, float]]:
-        n = eval_count(self.cfg.eval, trainer.held_out)
-        return self._score_pairs(trainer, trainer.held_out[:n]) if n else None
-
-    def _score_pairs(self, trainer: "SupervisedTrainer", pairs: Sequence[PreferenceExample]) -> dict[str, float]:
+    def _score_pairs(self, trainer: "SupervisedTrainer",
+                     pairs: Sequence[PreferenceExample]) -> tuple[dict[str, float], torch.Tensor]:
         """Sums over `pairs` (the same list on every rank, dp-split; every rank calls this): correct pairs (chosen
-        scored above rejected), pairs, and the sum and sum of squares of the 2 x pairs rewards."""
+        scored above rejected), pairs, and the sum and sum of squares of the 2 x pairs rewards; and this rank's
+        scores, [n, 2] float64 on the CPU (chosen, rejected)."""
         cfg, layout = self.cfg.eval, trainer.layout
-        sums = MetricSums()
+        sums, scores = MetricSums(), [torch.zeros(0, 2, dtype=torch.float64)]
         mine = [pairs[i] for i in range(layout.dp_rank, len(pairs), layout.dp)]
         model = trainer.policy.model
         was_training = model.training
@@ -303,26 +305,32 @@ class RewardModelObjective(Objective[PreferenceExample]):
                 chosen, rejected = rewards[:len(chunk)], rewards[len(chunk):]
                 both = torch.cat([chosen, rejected]).double()
                 values = ((chosen > rejected).sum(), len(chunk), both.sum(), (both ** 2).sum())
+                scores.append(torch.stack([chosen, rejected], dim=1).double().cpu())
             else:
                 values = (0, 0, 0.0, 0.0)
             for name, value in zip(("correct", "pairs", "reward", "reward_sq"), values):
                 sums.add(name, value)
         model.train(was_training)
-        return sums.reduce(layout.dp_group, layout.device)
+        return sums.reduce(layout.dp_group, layout.device), torch.cat(scores)
 
     def evaluate(self, trainer: "SupervisedTrainer") -> Optional[float]:
-        totals = self._held_out_sums(trainer)
-        return None if totals is None else totals["correct"] / max(totals["pairs"], 1.0)
+        scored = self._held_out_scores(trainer)
+        return None if scored is None else scored[0]["correct"] / max(scored[0]["pairs"], 1.0)
 
     def eval_label(self, count: int) -> str:
         return f"held-out pairwise accuracy ({count} pairs, chosen scored above rejected)"
 
     def after_export(self, trainer: "SupervisedTrainer", path: str) -> None:
-        totals, source = self._held_out_sums(trainer), "held_out"
-        if totals is None:  # no held-out pairs scored: the training pairs instead (class doc)
-            totals, source = self._score_pairs(trainer, trainer.train_set), "train"
+        scored, source = self._held_out_scores(trainer), "held_out"
+        if scored is None:  # no held-out pairs scored: the training pairs instead (class doc)
+            scored, source = self._score_pairs(trainer, trainer.train_set), "train"
+        totals, mine = scored
+        parts = [None] * trainer.layout.dp
+        dist.all_gather_object(parts, mine, group=trainer.layout.dp_group)
+        scores = torch.cat(parts)  # [pairs, 2]: chosen, rejected
         if trainer.rank == 0:
-            write_reward_stats(path, totals["reward"], totals["reward_sq"], int(2 * totals["pairs"]), source)
+            platt = platt_fit(scores.flatten(), torch.tensor([1.0, 0.0]).repeat(len(scores))) if len(scores) else None
+            write_reward_stats(path, totals["reward"], totals["reward_sq"], int(2 * totals["pairs"]), source, platt)
 
 
 def train_rm(cfg: RMConfig) -> TrainResult:

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from megalign.roles.reward_exports import load_prm_info, reward_stats, write_prm_info, write_reward_stats
+from megalign.roles.reward_exports import (load_prm_info, reward_calibration, reward_stats, write_prm_info,
+                                          write_reward_stats)
 
 
 def test_reward_stats_are_the_population_mean_and_std(tmp_path):
@@ -25,6 +26,17 @@ def test_reward_stats_refuse_a_missing_file_or_a_zero_std(tmp_path):
     write_reward_stats(str(tmp_path), 6.0, 12.0, 3)  # three rewards of 2: std 0, normalising would divide by it
     with pytest.raises(ValueError, match="reward_std must be > 0, got 0.0"):
         reward_stats(str(tmp_path))
+
+
+def test_platt_scaling_is_read_as_written_and_its_absence_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="reward_calibrate=true needs .*reward_stats.json"):
+        reward_calibration(str(tmp_path))
+    write_reward_stats(str(tmp_path), 10.0, 30.0, 4)  # an export without a fit (older, or one-sided)
+    with pytest.raises(ValueError, match="has no Platt scaling"):
+        reward_calibration(str(tmp_path))
+    write_reward_stats(str(tmp_path), 10.0, 30.0, 4, platt=(1.25, -0.5))
+    assert reward_calibration(str(tmp_path)) == (1.25, -0.5)
+    assert reward_stats(str(tmp_path)) == (2.5, math.sqrt(1.25))
 
 
 def test_prm_info_is_read_as_written(tmp_path):

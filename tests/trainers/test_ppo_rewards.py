@@ -1,9 +1,11 @@
 """Reward sources of the online trainer: several named reward models (each its own term, against
 transformers), Llama 2's gate inside the reward, a PRM's step rewards at the step ends with the PRM's own
-`step_probs` on the stepwise encoding it was trained on, and PPO runs with per-model normalisation, the
-whitened gated score and PRM step rewards."""
+`step_probs` on the stepwise encoding it was trained on, and PPO runs with per-model normalisation or
+Platt calibration, the whitened gated score and PRM step rewards."""
 import json
+import math
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +28,7 @@ from megalign.roles.reward import (
     RewardModelConfig,
     step_probs,
 )
-from megalign.trainers.ppo import train_ppo
+from megalign.trainers.ppo import PPOTrainer, train_ppo
 from megalign.trainers.prm import PRMConfig, train_prm
 
 TOK = CharTokenizer()
@@ -182,6 +184,39 @@ def test_ppo_normalises_each_model_and_whitens_the_gated_score(models, tmp_path)
         run_distributed(_ppo, models["policy"], str(tmp_path / "bad"), "reward.terms=[]", f"data.path={bad}",
                         f"reward.models=[{{name: s, path: {models['s']}}}, {{name: h, path: {models['h']}}}]",
                         "reward.gated={safety: s, helpful: h}", world_size=1)
+
+
+def test_a_calibrated_reward_is_the_platt_probability_by_hand():
+    # verifier term (weight 1) 1, 0, 1; RM "a" (weight 2) scores 0.5, -1, 2 with Platt (a, b) = (2, -1):
+    # 1 + 2 sigmoid(0), 0 + 2 sigmoid(-3), 1 + 2 sigmoid(3), then clipped at 1.9
+    raw = torch.tensor([0.5, -1.0, 2.0])
+    batch = SimpleNamespace(terms={"check": torch.tensor([1.0, 0.0, 1.0]), "a": raw},
+                            rewards=torch.tensor([1.0, 0.0, 1.0]) + 2 * raw)
+    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=1.9)), score_stats={},
+                            score_platt={"a": (2.0, -1.0)},
+                            reward=SimpleNamespace(outcome=[SimpleNamespace(name="a", weight=2.0)], gated=None))
+    PPOTrainer.shape_rewards(owner, batch)
+    sig = [1 / (1 + math.exp(-z)) for z in (0.0, -3.0, 3.0)]
+    expected = [min(1 + 2 * sig[0], 1.9), 2 * sig[1], min(1 + 2 * sig[2], 1.9)]
+    assert batch.rewards.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def _calibrated(policy, path, run_dir):
+    _ppo(policy, run_dir, "reward.terms=[]", "algo.reward_calibrate=true", f"reward.model.path={path}")
+
+
+def test_ppo_reads_the_platt_scaling_of_the_export(models, tmp_path):
+    # slope 0: every response's reward is sigmoid(b) whatever the RM scores, so the step's mean reward is exactly that
+    path = tmp_path / "rm"
+    shutil.copytree(models["a"], path)
+    with pytest.raises(RankFailure, match="has no Platt scaling"):
+        run_distributed(_calibrated, models["policy"], str(path), str(tmp_path / "none"), world_size=1)
+    (path / "reward_stats.json").write_text(json.dumps({"reward_mean": 0.2, "reward_std": 0.5, "platt_a": 0.0,
+                                                        "platt_b": 0.7}))
+    run_distributed(_calibrated, models["policy"], str(path), str(tmp_path / "run"), world_size=1, timeout_s=120)
+    row = metric_rows(str(tmp_path / "run"))[-1]
+    assert row["reward/mean"] == pytest.approx(1 / (1 + math.exp(-0.7)), rel=1e-6)
+    assert row["reward/reward_model/mean"] != pytest.approx(row["reward/mean"], rel=1e-3)  # the raw score is logged
 
 
 def _pairwise_sums_on_a_rank():

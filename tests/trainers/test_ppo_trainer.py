@@ -163,6 +163,10 @@ def test_start_up_checks(policy, tmp_path):
         run_distributed(_train, policy, str(tmp_path / "run"), f"critic.path={other}", world_size=1)
     with pytest.raises(ValueError, match="reward_normalize=true needs a reward model"):
         train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true"))
+    with pytest.raises(ValueError, match="reward_calibrate=true needs a reward model"):
+        train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_calibrate=true"))
+    with pytest.raises(ValueError, match="two readings of the RM's score; set one"):
+        tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true", "algo.reward_calibrate=true")
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
         tiny_ppo_config(policy, str(tmp_path / "run"), "algo.kl_in=loss", "algo.kl_estimator=k1")
 

@@ -3,7 +3,7 @@
 It silently wrote none, so a later PPO run with `algo.reward_normalize=true` failed only then. Now the statistics
 come from the training pairs, scored by the final model, and the file says so (`source: train`). The reference:
 the exported sequence classifier scored by `transformers` on every training response, one row at a time, and the
-population mean and std of those rewards written out here.
+population mean and std of those rewards written out here, and the Platt scaling fitted on them (chosen 1, rejected 0).
 """
 import json
 import math
@@ -16,7 +16,8 @@ from trainers.grpo_helpers import tiny_policy
 
 from megalign.config import load_config
 from megalign.data import CharTokenizer, load_preferences
-from megalign.roles.reward_exports import reward_stats
+from megalign.algos import platt_fit
+from megalign.roles.reward_exports import reward_calibration, reward_stats
 from megalign.trainers.preference import RMConfig, train_rm
 
 PAIRS = [("1+1=", "\\boxed{2}", "\\boxed{3}"), ("2*3=", "\\boxed{6}", "\\boxed{5}"), ("4-1=", "\\boxed{3}", "\\boxed{1}"),
@@ -53,6 +54,10 @@ def test_stats_come_from_the_training_pairs_without_held_out_data(tmp_path, worl
     assert stats["reward_mean"] == pytest.approx(mean, abs=1e-5)
     assert stats["reward_std"] == pytest.approx(std, rel=1e-4) and std > 0
     assert reward_stats(str(hf)) == (stats["reward_mean"], stats["reward_std"])
+    # Platt scaling over the same responses, chosen 1 and rejected 0, from transformers' rewards
+    platt = platt_fit(torch.tensor(rewards), torch.tensor([1.0, 0.0] * len(PAIRS)))
+    assert (stats["platt_a"], stats["platt_b"]) == pytest.approx(platt, rel=1e-3, abs=1e-4)
+    assert reward_calibration(str(hf)) == (stats["platt_a"], stats["platt_b"])
 
 
 def test_the_reader_takes_files_written_before_source_existed(tmp_path):
