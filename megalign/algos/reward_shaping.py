@@ -1,6 +1,6 @@
 """Rewards beyond one weighted score per response, as pure tensor functions: Llama 2's gated safety /
-helpfulness pair, sequence-level whitening over every dp rank, and process (step) rewards placed where
-each step of a response ends.
+helpfulness pair, a reward-model ensemble's mean or minimum, sequence-level whitening over every dp rank, and
+process (step) rewards placed where each step of a response ends.
 
 Gated pair (Touvron et al. 2023, Llama 2, §3.2.2 and §3.2.4):
 
@@ -16,6 +16,13 @@ R = sigmoid(x): the gate compares sigmoid(x_s) with the threshold (equivalently 
 and LOGIT(R_c) is the chosen model's raw score exactly, logit(sigmoid(x)) = x, without the round trip
 (which saturates in fp32 once sigmoid rounds to 1, |x| > ~17). `gated_reward` returns that LOGIT(R_c);
 `whiten_scores` is WHITEN over the global batch.
+
+Ensemble (Coste et al. 2024, "Reward Model Ensembles Help Mitigate Overoptimization"): K reward models trained
+apart (seeds, data) err apart, so a policy that climbs one model's error is not rewarded by the others. Each
+member's score is first standardised with its own held-out mean and std (the scales of separately trained
+Bradley-Terry models are arbitrary), then reduced over the members: the mean, or the minimum (their "worst-case
+optimisation", the conservative one). The members' spread (population std of the standardised scores) is their
+disagreement, the uncertainty a user watches.
 
 Process rewards (Lightman et al. 2023; Math-Shepherd, Wang et al. 2024, whose PPO rewards each step at
 its end): a PRM (`megalign.trainers.prm`) gives p(correct) at the token that ends a step, so the
@@ -56,6 +63,28 @@ def gated_reward(safety: torch.Tensor, helpful: torch.Tensor, is_safety: torch.T
                          f"{tuple(helpful.shape)} and {tuple(is_safety.shape)}")
     use_safety = is_safety.bool() | (torch.sigmoid(safety.double()) < threshold)
     return torch.where(use_safety, safety.float(), helpful.float()), use_safety
+
+
+ENSEMBLE_REDUCTIONS = ("mean", "min")
+"""How `ensemble_reward` combines the members' standardised scores (module doc)."""
+
+
+def ensemble_reward(scores: torch.Tensor, means: Sequence[float], stds: Sequence[float],
+                    reduce: str = "min") -> tuple[torch.Tensor, torch.Tensor]:
+    """(reduced [N], spread [N]) fp32 of K reward models' raw scores `scores` [K, N] (module doc): each row
+    standardised (s_k - mean_k) / std_k with its model's statistics, then the mean or the minimum over k, and the
+    population std over k."""
+    if reduce not in ENSEMBLE_REDUCTIONS:
+        raise ValueError(f"ensemble_reward: reduce must be one of {ENSEMBLE_REDUCTIONS}, got {reduce!r}")
+    if scores.dim() != 2 or not len(means) == len(stds) == scores.shape[0] >= 2:
+        raise ValueError(f"ensemble_reward: scores must be [K >= 2, N] with K means and stds, got "
+                         f"{tuple(scores.shape)}, {len(means)} means and {len(stds)} stds")
+    if not all(std > 0 for std in stds):
+        raise ValueError(f"ensemble_reward: every std must be > 0, got {list(stds)}")
+    mean, std = (torch.tensor(v, dtype=torch.float64)[:, None] for v in (means, stds))
+    z = (scores.double() - mean) / std
+    reduced = z.mean(0) if reduce == "mean" else z.min(0).values
+    return reduced.float(), z.std(0, correction=0).float()
 
 
 def whiten_scores(scores: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:

@@ -26,6 +26,10 @@ any batch size; the scores reach every rank of its pp group, which holds one bat
   their scores then enter the total only through the gated term LOGIT(R_c) ("gated", with the gate's
   weight; "gated_safety_branch" logs the fraction of responses that took the safety branch). The
   whitening of that term over the global batch is the algorithm's (PPO's `shape_rewards`).
+- `reward.ensemble`: the mean or minimum of several outcome models' scores, each standardised with its own
+  `reward_stats.json` (`megalign.algos.reward_shaping.ensemble_reward`, Coste et al. 2024), as one term `<name>`
+  (and `<name>_spread`, the members' disagreement); the members enter the total only through it
+  (`megalign.roles.reward_combine`).
 
 - `reward.judges`: judge and rubric terms (`megalign.rewards.judge`), each read from its own judge role
   (`megalign.roles.judge`: a causal LM with its own tokenizer, tp, dtype and offload switch) that the
@@ -49,7 +53,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 
-from megalign.algos.reward_shaping import STEP_SCORES, gated_reward, place_step_scores, prm_inputs, step_ends
+from megalign.algos.reward_shaping import (STEP_SCORES, ensemble_reward, gated_reward, place_step_scores, prm_inputs,
+                                          step_ends)
 from megalign.config import option
 from megalign.data import CharTokenizer, Tokenizer
 from megalign.models import CausalLM
@@ -60,9 +65,10 @@ from megalign.rewards.registry import reward_label
 from megalign.rewards.judge import JudgeTemplate, RubricReward, TemplateOnly
 from megalign.roles.base import ModelRoleConfig, Role, module_slots
 from megalign.roles.judge import Judge, JudgeRewardConfig, judge_reward
+from megalign.roles.reward_combine import (GATED_TERMS, EnsembleRewardConfig, GatedRewardConfig, check_combined,
+                                          combined_members)
+from megalign.roles.reward_exports import reward_stats
 
-GATED_TERMS = ("gated", "gated_safety_branch")
-"""Term names of the gated reward (module doc); no reward model may take them."""
 RESERVED_NAMES = ("actor", "critic", "reference", "reward", *GATED_TERMS)
 """Role and term names a reward model's `name` may not take."""
 REWARD_MICROBATCHES_PER_STAGE = 2
@@ -101,27 +107,6 @@ class RewardModelConfig(ModelRoleConfig):
 
 
 @dataclasses.dataclass
-class GatedRewardConfig:
-    """Llama 2's gated pair (Touvron et al. 2023, §3.2.2 / §3.2.4; `megalign.algos.reward_shaping`)."""
-
-    safety: str = option(doc="name of the safety reward model (an outcome model of reward.models)")
-    helpful: str = option(doc="name of the helpfulness reward model (an outcome model of reward.models)")
-    threshold: float = option(0.15, doc="the safety branch is taken when sigmoid(safety score) < threshold (Llama 2: 0.15)")
-    safety_field: str = option("is_safety", doc="the prompt rows' boolean field marking a safety prompt (always the safety branch)")
-    weight: float = option(1.0, doc="weight of the gated score LOGIT(R_c) in the total")
-
-    def __post_init__(self):
-        if self.safety == self.helpful:
-            raise ValueError(f"safety and helpful must name two different reward models, both are {self.safety!r}")
-        if not 0 < self.threshold < 1:
-            raise ValueError(f"threshold must be in (0, 1) (a probability), got {self.threshold}")
-        if not self.safety_field:
-            raise ValueError("safety_field must name a field of the prompt rows")
-        if not math.isfinite(self.weight):
-            raise ValueError(f"weight must be finite, got {self.weight}")
-
-
-@dataclasses.dataclass
 class RewardConfig:
     """The total reward: a weighted sum of verifier / user-function terms and reward models, [gated]."""
 
@@ -134,6 +119,8 @@ class RewardConfig:
     models: list[RewardModelConfig] = option([], doc="reward-model roles, each with its name, path, tp, dtype, offload, "
                                                      "weight and kind (outcome or process)")
     gated: Optional[GatedRewardConfig] = option(None, doc="Llama 2's gate over two outcome models of `models`; null: off")
+    ensemble: Optional[EnsembleRewardConfig] = option(
+        None, doc="the mean or minimum of outcome models' standardised scores as one term (module doc); null: off")
     judges: list[JudgeRewardConfig] = option([], doc="judge / rubric terms, each read from its own judge role (name, "
                                                      "weight, kind judge | rubric, judge: {path, tp, template, mode...})")
     check_with: Optional[str] = option(
@@ -168,13 +155,7 @@ class RewardConfig:
                 raise ValueError(f"reward.judges[{i}].name {j.name!r} is reserved; not one of {list(RESERVED_NAMES)}")
             # the template against the fields its term supplies, now: a misspelt field fails before any model loads
             judge_reward(j, TemplateOnly(JudgeTemplate(j.judge.template, f"reward.judges[{i}].judge.template")))
-        if self.gated is not None:
-            kinds = {m.name: m.kind for _, m in self.reward_models()}
-            for key in ("safety", "helpful"):
-                name = getattr(self.gated, key)
-                if kinds.get(name) != "outcome":
-                    raise ValueError(f"gated.{key}={name!r} must name an outcome reward model of reward.models; "
-                                     f"outcome models: {[n for n, k in kinds.items() if k == 'outcome']}")
+        check_combined(self.gated, self.ensemble, {m.name: m.kind for _, m in self.reward_models()})
         if self.check_with is not None:
             labels = [t.label or reward_label(t.name) for t in self.terms]
             if self.check_with not in labels:
@@ -361,7 +342,10 @@ class Reward:
         self.models = list(models) + self.judges
         self.outcome = [m for m in self.models if isinstance(m, OutcomeReward)]
         self.process = [m for m in self.models if isinstance(m, ProcessReward)]
-        self.gated = cfg.gated
+        self.gated, self.ensemble = cfg.gated, cfg.ensemble
+        paths = {m.name: m.path for _, m in cfg.reward_models()}
+        self.ensemble_stats = [reward_stats(paths[name], "reward.ensemble") for name in cfg.ensemble.models] \
+            if cfg.ensemble is not None else []
         self.check_with = cfg.check_with
         self.max_failure_fraction = cfg.max_failure_fraction
         term_names = [name for name, _, _ in self.functions.terms] if self.functions is not None else []
@@ -383,7 +367,8 @@ class Reward:
         Text inputs feed the verifier terms; `sequences` / `attention_mask` [N, P + R] (prompt +
         response token ids) feed the outcome reward models, except those with their own tokenizer, which read
         the texts re-tokenised (module doc). The two gated models enter the total only
-        through the gated term (module doc). Process models are scored by `step_rewards`.
+        through the gated term, an ensemble's members only through its term (module doc). Process models are
+        scored by `step_rewards`.
         """
         total = torch.zeros(len(responses))
         terms: dict[str, torch.Tensor] = {}
@@ -402,11 +387,16 @@ class Reward:
                 terms.update({f"{fn.name}_{k}": torch.tensor(v) for k, v in fn.category_scores.items()})
             if verifier is not None:
                 terms[f"{fn.name}_agreement"] = ((terms[fn.name] >= 0.5) == (torch.tensor(verifier) >= 0.5)).float()
-        gated = {self.gated.safety, self.gated.helpful} if self.gated is not None else set()
+        combined = combined_members(self.gated, self.ensemble)
         for m in self.outcome:
             terms[m.name] = m.score_batch(prompts, responses, sequences, attention_mask)
-            if m.name not in gated:
+            if m.name not in combined:
                 total += m.weight * terms[m.name]
+        if self.ensemble is not None:
+            name, spread = self.ensemble.terms()
+            terms[name], terms[spread] = ensemble_reward(torch.stack([terms[n] for n in self.ensemble.models]),
+                                                         *zip(*self.ensemble_stats), self.ensemble.reduce)
+            total += self.ensemble.weight * terms[name]
         if self.gated is not None:
             field = self.gated.safety_field
             missing = [i for i, row in enumerate(metadata) if not isinstance(row.get(field), bool)]

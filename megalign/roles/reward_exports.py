@@ -73,21 +73,22 @@ def write_reward_stats(path: str, reward_sum: float, reward_sq_sum: float, respo
                 responses, what)
 
 
-def _read_stats(path: str, flag: str) -> tuple[str, dict]:
-    """(file, contents) of the export's `reward_stats.json`, read for PPO's `algo.<flag>`; a clear error naming the
-    file and the flag when it is missing."""
+def _read_stats(path: str, needed_by: str) -> tuple[str, dict]:
+    """(file, contents) of the export's `reward_stats.json`, read for the option `needed_by`; a clear error naming
+    the file and the option when it is missing."""
     file = os.path.join(path, REWARD_STATS_FILE)
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"algo.{flag}=true needs {file} (written by the RM trainer's export); "
-                                f"train the RM with megalign or set algo.{flag}=false")
+        raise FileNotFoundError(f"{needed_by} needs {file} (written by the RM trainer's export); train the RM with "
+                                f"megalign or turn {needed_by} off")
     with open(file) as f:
         return file, json.load(f)
 
 
-def reward_stats(path: str) -> tuple[float, float]:
-    """(mean, std) from a reward-model export's `reward_stats.json` (`write_reward_stats`); a clear error when it is
-    missing or its std is not positive (normalising by it would divide by zero)."""
-    file, stats = _read_stats(path, "reward_normalize")
+def reward_stats(path: str, needed_by: str = "algo.reward_normalize=true") -> tuple[float, float]:
+    """(mean, std) from a reward-model export's `reward_stats.json` (`write_reward_stats`) for the option
+    `needed_by`; a clear error when it is missing or its std is not positive (normalising by it would divide by
+    zero)."""
+    file, stats = _read_stats(path, needed_by)
     if not stats.get("reward_std", 0) > 0:
         raise ValueError(f"{file}: reward_std must be > 0, got {stats.get('reward_std')!r}")
     return float(stats["reward_mean"]), float(stats["reward_std"])
@@ -96,7 +97,7 @@ def reward_stats(path: str) -> tuple[float, float]:
 def reward_calibration(path: str) -> tuple[float, float]:
     """Platt's (a, b) from a reward-model export's `reward_stats.json` (`write_reward_stats`): the reward
     sigmoid(a * s + b) of PPO's `algo.reward_calibrate`; a clear error when the file or the fit is missing."""
-    file, stats = _read_stats(path, "reward_calibrate")
+    file, stats = _read_stats(path, "algo.reward_calibrate=true")
     if "platt_a" not in stats or "platt_b" not in stats:
         raise ValueError(f"{file} has no Platt scaling (platt_a, platt_b): it was exported before megalign fitted "
                          f"one, or from pairs of one side only; re-export the RM or set algo.reward_calibrate=false")

@@ -6,11 +6,11 @@ exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the 
     keep_groups    with `algo.dynamic_sampling`, DAPO's filter of groups of equal rewards and more sampling rounds,
                    shared with GRPO (`megalign.trainers.dynamic_sampling`, which says why it applies to PPO)
 
-    shape_rewards  each outcome RM's score normalised with its own `reward_stats.json` (`algo.reward_normalize`,
-                   not the gated pair's) or read as its Platt-calibrated probability sigmoid(a * s + b) from the
-                   same file (`algo.reward_calibrate`: flat where the RM is sure, so its arbitrary order among the
-                   responses it ranks far below the boundary barely moves the reward), Llama 2's gated score
-                   WHITEN(LOGIT(R_c)) over dp, the total clipped
+    shape_rewards  each outcome RM's score (not those combined by reward.gated or reward.ensemble) normalised
+                   with its own `reward_stats.json` (`algo.reward_normalize`) or read as its Platt-calibrated
+                   probability sigmoid(a * s + b) from the same file (`algo.reward_calibrate`: flat where the RM is
+                   sure, so its arbitrary order among the responses it ranks far below the boundary barely moves the
+                   reward), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, the total clipped
     advantages     the critic's values -> per-token rewards (the score at the last response token, the process
                    RMs' step rewards at the tokens that end each step, with `rollout.env.reward_placement=per_turn`
                    each episode turn's reward at the turn's last policy token, -beta * KL_t when `algo.kl_in` is
@@ -53,6 +53,7 @@ from megalign.models import LoRAConfig, ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConfig
+from megalign.roles.reward_combine import combined_members
 from megalign.roles.reward_exports import reward_calibration, reward_stats
 from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult, check_model_path, check_stages
@@ -101,10 +102,11 @@ class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
     kl_target: Optional[float] = option(None, doc="adaptive KL controller target (Ziegler et al. 2019); null: fixed beta")
     kl_horizon: float = option(10000.0, doc="adaptive KL controller horizon (samples)")
     reward_normalize: bool = option(False, doc="normalise each outcome reward model's score with its own reward_stats.json "
-                                               "(not the gated pair's, module doc)")
-    reward_calibrate: bool = option(False, doc="score each outcome reward model (not the gated pair) as its Platt-"
-                                               "calibrated probability sigmoid(a * s + b), (a, b) from its "
-                                               "reward_stats.json (module doc); excludes reward_normalize")
+                                               "(not those of reward.gated or reward.ensemble, module doc)")
+    reward_calibrate: bool = option(False, doc="score each outcome reward model (not those of reward.gated or "
+                                               "reward.ensemble) as its Platt-calibrated probability sigmoid(a * s + "
+                                               "b), (a, b) from its reward_stats.json (module doc); excludes "
+                                               "reward_normalize")
     reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
     critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
 
@@ -168,13 +170,13 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
 
     def __init__(self, cfg: PPOConfig):
         algo = cfg.algo
-        gated = {cfg.reward.gated.safety, cfg.reward.gated.helpful} if cfg.reward.gated is not None else set()
+        combined = combined_members(cfg.reward.gated, cfg.reward.ensemble)
         outcome = [m for _, m in cfg.reward.reward_models() if m.kind == "outcome"]
-        normalized = [m for m in outcome if m.name not in gated]
+        normalized = [m for m in outcome if m.name not in combined]
         for flag in ("reward_normalize", "reward_calibrate"):
             if getattr(algo, flag) and not normalized:
                 raise ValueError(f"algo.{flag}=true needs a reward model (reward.model or an outcome model of "
-                                 "reward.models outside reward.gated)")
+                                 "reward.models outside reward.gated and reward.ensemble)")
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         self.score_platt = {m.name: reward_calibration(m.path) for m in normalized} if algo.reward_calibrate else {}
         super().__init__(cfg)

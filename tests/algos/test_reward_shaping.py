@@ -8,6 +8,7 @@ from parallel.dist_utils import run_distributed
 
 from megalign.algos.ppo import token_rewards
 from megalign.algos.reward_shaping import (
+    ensemble_reward,
     gated_reward,
     place_step_scores,
     prm_inputs,
@@ -34,6 +35,25 @@ def test_gated_reward_takes_each_branch():
     assert gated_reward(SAFETY, HELPFUL, IS_SAFETY, 0.16)[0].tolist() == pytest.approx([2.0, -2.0, -1.0, -3.0, -1.7])
     with pytest.raises(ValueError, match="threshold must be in"):
         gated_reward(SAFETY, HELPFUL, IS_SAFETY, 1.5)
+
+
+def test_ensemble_reward_by_hand():
+    # model 0 (mean 1, std 2): 3, -1, 1 -> 1, -1, 0; model 1 (mean 0, std 0.5): 0.25, 0.5, -1 -> 0.5, 1, -2;
+    # model 2 (mean -1, std 1): -1, 0, 2 -> 0, 1, 3
+    scores = torch.tensor([[3.0, -1.0, 1.0], [0.25, 0.5, -1.0], [-1.0, 0.0, 2.0]])
+    means, stds = (1.0, 0.0, -1.0), (2.0, 0.5, 1.0)
+    low, spread = ensemble_reward(scores, means, stds, "min")
+    assert low.tolist() == [0.0, -1.0, -2.0]
+    z = [[1.0, 0.5, 0.0], [-1.0, 1.0, 1.0], [0.0, -2.0, 3.0]]  # per response, the three members
+    assert spread.tolist() == pytest.approx([math.sqrt(sum((v - sum(r) / 3) ** 2 for v in r) / 3) for r in z])
+    mean, _ = ensemble_reward(scores, means, stds, "mean")
+    assert mean.tolist() == pytest.approx([0.5, 1 / 3, 1 / 3])
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        ensemble_reward(scores, means, stds, "max")
+    with pytest.raises(ValueError, match="K >= 2"):
+        ensemble_reward(scores[:1], means[:1], stds[:1])
+    with pytest.raises(ValueError, match="std must be > 0"):
+        ensemble_reward(scores, means, (2.0, 0.0, 1.0))
 
 
 def test_whiten_scores_by_hand():

@@ -1,6 +1,6 @@
 """Reward sources of the online trainer: several named reward models (each its own term, against
-transformers), Llama 2's gate inside the reward, a PRM's step rewards at the step ends with the PRM's own
-`step_probs` on the stepwise encoding it was trained on, and PPO runs with per-model normalisation or
+transformers), Llama 2's gate and a min-ensemble inside the reward, a PRM's step rewards at the step ends with
+the PRM's own `step_probs` on the stepwise encoding it was trained on, and PPO runs with per-model normalisation or
 Platt calibration, the whitened gated score and PRM step rewards."""
 import json
 import math
@@ -88,6 +88,28 @@ def test_each_reward_model_is_a_term_and_the_gate_picks_per_row(models):
         reward.score(["p"] * 4, texts, [0] * 4, [{}] * 4, ids, att)
 
 
+def test_an_ensemble_is_one_term_of_its_members_standardised_scores(models, tmp_path):
+    # a (mean 0.2, std 0.5) and b (mean -0.1, std 2) in a min-ensemble of weight 2, beside the digit verifier
+    cfg = load_config(RewardConfig, None, [
+        f"terms=[{{name: '{HERE}/grpo_helpers.py:digit_fraction', weight: 1.0}}]", f"model.path={models['a']}",
+        f"models=[{{name: b, path: {models['b']}}}]", "ensemble={models: [reward_model, b], weight: 2.0}"])
+    roles = [OutcomeReward(m, from_pretrained(m.path, kind="reward"), CPU) for _, m in cfg.reward_models()]
+    prompts = [TOK.encode(t, add_bos=True) for t in ("1+1=", "2+3=", "4+4=")]
+    texts = ["2", "5a", "x"]
+    ids, att, _ = prompt_response_batch(prompts, [TOK.encode(t) + [TOK.eos_id] for t in texts])
+    total, terms = Reward(cfg, roles).score(["p"] * 3, texts, [0] * 3, [{}] * 3, ids, att)
+    za, zb = (terms["reward_model"] - 0.2) / 0.5, (terms["b"] + 0.1) / 2.0
+    torch.testing.assert_close(terms["ensemble"], torch.minimum(za, zb))
+    torch.testing.assert_close(terms["ensemble_spread"], (za - zb).abs() / 2)
+    # the members enter the total only through the ensemble's term
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.5, 0.0]) + 2 * terms["ensemble"])
+    # a member without reward_stats.json is named with the option that needs it
+    bad = load_config(RewardConfig, None, [f"model.path={models['a']}", f"models=[{{name: s, path: {models['s']}}}]",
+                                           "ensemble={models: [reward_model, s]}"])
+    with pytest.raises(FileNotFoundError, match="reward.ensemble needs .*s/reward_stats.json"):
+        Reward(bad, [OutcomeReward(m, from_pretrained(m.path, kind="reward"), CPU) for _, m in bad.reward_models()])
+
+
 def test_reward_config_checks():
     with pytest.raises(ConfigError, match="must name an outcome reward model"):
         load_config(RewardConfig, None, ["models=[{name: s, path: x}]", "gated={safety: s, helpful: nope}"])
@@ -97,6 +119,15 @@ def test_reward_config_checks():
         load_config(RewardConfig, None, ["models=[{name: gated, path: y}]"])
     with pytest.raises(ConfigError, match="path .* is required"):
         load_config(RewardConfig, None, ["models=[{name: m}]"])
+    two = "models=[{name: s, path: x}, {name: h, path: y}]"
+    with pytest.raises(ConfigError, match=r"ensemble.models\[1\]='nope' must name an outcome reward model"):
+        load_config(RewardConfig, None, [two, "ensemble={models: [s, nope]}"])
+    with pytest.raises(ConfigError, match="two or more different reward models"):
+        load_config(RewardConfig, None, [two, "ensemble={models: [s, s]}"])
+    with pytest.raises(ConfigError, match="through reward.gated or reward.ensemble, not both"):
+        load_config(RewardConfig, None, [two, "ensemble={models: [s, h]}", "gated={safety: s, helpful: h}"])
+    with pytest.raises(ConfigError, match="clash with a reward model's"):
+        load_config(RewardConfig, None, [two, "ensemble={models: [s, h], name: h}"])
 
 
 def test_process_reward_places_the_prm_step_probs_at_step_ends(models):

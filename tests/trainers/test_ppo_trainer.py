@@ -165,6 +165,11 @@ def test_start_up_checks(policy, tmp_path):
         train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true"))
     with pytest.raises(ValueError, match="reward_calibrate=true needs a reward model"):
         train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_calibrate=true"))
+    with pytest.raises(ValueError, match="reward_normalize=true needs a reward model .* outside reward.gated and "
+                                         "reward.ensemble"):  # an ensemble's members are standardised inside it
+        train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true",
+                                  f"reward.models=[{{name: a, path: {policy}}}, {{name: b, path: {policy}}}]",
+                                  "reward.ensemble={models: [a, b]}"))
     with pytest.raises(ValueError, match="two readings of the RM's score; set one"):
         tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true", "algo.reward_calibrate=true")
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
