@@ -28,10 +28,13 @@ def platt_nll(a: float, b: float, scores: torch.Tensor, labels: torch.Tensor) ->
     """The objective `platt_fit` minimises: sum_i cross-entropy(t_i, sigmoid(a * s_i + b)) with Platt's targets.
     `scores` [N], `labels` [N] in {0, 1}; float64 scalar."""
     s, y = scores.double(), labels.double()
-    positives, negatives = float(y.sum()), float(y.numel() - y.sum())
-    t = _targets(y, positives, negatives)
+    return _nll(a, b, s, _targets(y, float(y.sum()), float(y.numel() - y.sum())))
+
+
+def _nll(a: float, b: float, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """sum_i t_i * -log sigmoid(z_i) + (1 - t_i) * -log(1 - sigmoid(z_i)), z = a * s + b, in the stable form
+    softplus(z) - t * z."""
     z = a * s + b
-    # t * -log sigmoid(z) + (1 - t) * -log(1 - sigmoid(z)), in the stable form softplus(z) - t * z
     return (torch.nn.functional.softplus(z) - t * z).sum()
 
 
@@ -56,7 +59,7 @@ def platt_fit(scores: torch.Tensor, labels: torch.Tensor, max_iters: int = 100,
         raise ValueError("platt_fit: scores must be finite")
     t = _targets(y, positives, negatives)
     a, b = 0.0, float(torch.log(torch.tensor((positives + 1) / (negatives + 1))))
-    loss = platt_nll(a, b, s, y)
+    loss = _nll(a, b, s, t)
     for _ in range(max_iters):
         p = torch.sigmoid(a * s + b)
         r = p - t  # d loss / d z
@@ -70,7 +73,7 @@ def platt_fit(scores: torch.Tensor, labels: torch.Tensor, max_iters: int = 100,
         size = 1.0
         while size > 1e-10:
             a_new, b_new = a - size * float(step[0]), b - size * float(step[1])
-            new_loss = platt_nll(a_new, b_new, s, y)
+            new_loss = _nll(a_new, b_new, s, t)
             if new_loss <= loss + 1e-13 * abs(float(loss)):  # within rounding: near the minimum the full step is right
                 break
             size /= 2

@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megalign.algos.ppo import whiten
+from megalign.algos.ppo import normalize_scores, whiten
 
 
 def gated_reward(safety: torch.Tensor, helpful: torch.Tensor, is_safety: torch.Tensor,
@@ -72,19 +72,16 @@ ENSEMBLE_REDUCTIONS = ("mean", "min")
 def ensemble_reward(scores: torch.Tensor, means: Sequence[float], stds: Sequence[float],
                     reduce: str = "min") -> tuple[torch.Tensor, torch.Tensor]:
     """(reduced [N], spread [N]) fp32 of K reward models' raw scores `scores` [K, N] (module doc): each row
-    standardised (s_k - mean_k) / std_k with its model's statistics, then the mean or the minimum over k, and the
-    population std over k."""
+    standardised (s_k - mean_k) / std_k with its model's statistics (`megalign.algos.ppo.normalize_scores`, which
+    refuses a std <= 0), then the mean or the minimum over k, and the population std over k."""
     if reduce not in ENSEMBLE_REDUCTIONS:
         raise ValueError(f"ensemble_reward: reduce must be one of {ENSEMBLE_REDUCTIONS}, got {reduce!r}")
     if scores.dim() != 2 or not len(means) == len(stds) == scores.shape[0] >= 2:
         raise ValueError(f"ensemble_reward: scores must be [K >= 2, N] with K means and stds, got "
                          f"{tuple(scores.shape)}, {len(means)} means and {len(stds)} stds")
-    if not all(std > 0 for std in stds):
-        raise ValueError(f"ensemble_reward: every std must be > 0, got {list(stds)}")
-    mean, std = (torch.tensor(v, dtype=torch.float64)[:, None] for v in (means, stds))
-    z = (scores.double() - mean) / std
+    z = torch.stack([normalize_scores(row, mean, std) for row, mean, std in zip(scores, means, stds)])
     reduced = z.mean(0) if reduce == "mean" else z.min(0).values
-    return reduced.float(), z.std(0, correction=0).float()
+    return reduced, z.std(0, correction=0)
 
 
 def whiten_scores(scores: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:

@@ -287,8 +287,7 @@ class RewardModelObjective(Objective[PreferenceExample]):
     def _score_pairs(self, trainer: "SupervisedTrainer",
                      pairs: Sequence[PreferenceExample]) -> tuple[dict[str, float], torch.Tensor]:
         """Sums over `pairs` (the same list on every rank, dp-split; every rank calls this): correct pairs (chosen
-        scored above rejected), pairs, and the sum and sum of squares of the 2 x pairs rewards; and this rank's
-        scores, [n, 2] float64 on the CPU (chosen, rejected)."""
+        scored above rejected) and pairs; and this rank's scores, [n, 2] float64 on the CPU (chosen, rejected)."""
         cfg, layout = self.cfg.eval, trainer.layout
         sums, scores = MetricSums(), [torch.zeros(0, 2, dtype=torch.float64)]
         mine = [pairs[i] for i in range(layout.dp_rank, len(pairs), layout.dp)]
@@ -303,12 +302,11 @@ class RewardModelObjective(Objective[PreferenceExample]):
                                                  lambda hidden, rows: model.head(hidden, rows["mask"]),
                                                  {"mask": batch.attention_mask})
                 chosen, rejected = rewards[:len(chunk)], rewards[len(chunk):]
-                both = torch.cat([chosen, rejected]).double()
-                values = ((chosen > rejected).sum(), len(chunk), both.sum(), (both ** 2).sum())
+                values = ((chosen > rejected).sum(), len(chunk))
                 scores.append(torch.stack([chosen, rejected], dim=1).double().cpu())
             else:
-                values = (0, 0, 0.0, 0.0)
-            for name, value in zip(("correct", "pairs", "reward", "reward_sq"), values):
+                values = (0, 0)
+            for name, value in zip(("correct", "pairs"), values):
                 sums.add(name, value)
         model.train(was_training)
         return sums.reduce(layout.dp_group, layout.device), torch.cat(scores)
@@ -324,13 +322,12 @@ class RewardModelObjective(Objective[PreferenceExample]):
         scored, source = self._held_out_scores(trainer), "held_out"
         if scored is None:  # no held-out pairs scored: the training pairs instead (class doc)
             scored, source = self._score_pairs(trainer, trainer.train_set), "train"
-        totals, mine = scored
         parts = [None] * trainer.layout.dp
-        dist.all_gather_object(parts, mine, group=trainer.layout.dp_group)
-        scores = torch.cat(parts)  # [pairs, 2]: chosen, rejected
+        dist.all_gather_object(parts, scored[1], group=trainer.layout.dp_group)
+        scores = torch.cat(parts)  # [pairs, 2]: chosen, rejected, every rank's
         if trainer.rank == 0:
             platt = platt_fit(scores.flatten(), torch.tensor([1.0, 0.0]).repeat(len(scores))) if len(scores) else None
-            write_reward_stats(path, totals["reward"], totals["reward_sq"], int(2 * totals["pairs"]), source, platt)
+            write_reward_stats(path, float(scores.sum()), float((scores ** 2).sum()), scores.numel(), source, platt)
 
 
 def train_rm(cfg: RMConfig) -> TrainResult:

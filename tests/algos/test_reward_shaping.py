@@ -52,7 +52,7 @@ def test_ensemble_reward_by_hand():
         ensemble_reward(scores, means, stds, "max")
     with pytest.raises(ValueError, match="K >= 2"):
         ensemble_reward(scores[:1], means[:1], stds[:1])
-    with pytest.raises(ValueError, match="std must be > 0"):
+    with pytest.raises(ValueError, match="std must be > 0, got 0.0"):
         ensemble_reward(scores, means, (2.0, 0.0, 1.0))
 
 
