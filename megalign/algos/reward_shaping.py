@@ -84,6 +84,12 @@ def ensemble_reward(scores: torch.Tensor, means: Sequence[float], stds: Sequence
     return reduced, z.std(0, correction=0)
 
 
+def missing_eos_penalty(rewards: torch.Tensor, finished: torch.Tensor, penalty: float) -> torch.Tensor:
+    """[N] `rewards` less `penalty` where bool [N] `finished` is False (a response cut before its EOS; TRL's
+    `missing_eos_penalty`, `megalign.trainers.online_config.MissingEOSPenalty`)."""
+    return rewards - penalty * (~finished).to(rewards.dtype)
+
+
 def whiten_scores(scores: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """[N] fp32: WHITEN of sequence scores over the responses of every rank of `group`.
 

@@ -190,6 +190,21 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
+class MissingEOSPenalty:
+    """TRL's `missing_eos_penalty` (PPOConfig, RLOOConfig, OnlineDPOConfig): a fixed amount subtracted from the score of
+    every response cut at `rollout.max_response_length` before it ended with EOS. A learned reward model never saw
+    such a cut response in its pairs (their replies end with EOS), so its score there is an extrapolation, and a
+    policy that stops finishing can climb it (measured: BENCHMARKS.md, "Embedded SFT -> RM -> PPO")."""
+
+    missing_eos_penalty: Optional[float] = option(
+        None, doc="subtracted from the score of responses cut at max_response_length without EOS (TRL's); null: off")
+
+    def check_missing_eos_penalty(self) -> None:
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            raise ValueError(f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
+
+
+@dataclasses.dataclass
 class UpdateSchedule:
     """How one step's samples become optimizer updates: `ppo_epochs` passes, each of `mini_batches` updates, each
     accumulated over micro-batches of `micro_batch_size` rows per rank, the loss aggregated by `loss_agg` over the

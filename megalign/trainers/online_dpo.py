@@ -44,6 +44,7 @@ import torch
 
 from megalign.algos.preference import PairLogps, PreferenceAlgoConfig, pair_losses
 from megalign.algos.registry import algorithm_option
+from megalign.algos.reward_shaping import missing_eos_penalty
 from megalign.config import option, set_defaults
 from megalign.data import IGNORE_INDEX
 from megalign.models.lora import adapters_disabled
@@ -55,18 +56,17 @@ from megalign.rollout import RolloutBatch
 from megalign.trainers.base import MetricSums, TrainResult
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.updates import RoleLoss
-from megalign.trainers.online_config import OnlineConfig, RolloutConfig, UpdateSchedule, check_pipeline_batch
+from megalign.trainers.online_config import (MissingEOSPenalty, OnlineConfig, RolloutConfig, UpdateSchedule,
+                                             check_pipeline_batch)
 from megalign.trainers.preference import check_reference_used
 from megalign.roles.sequence_logps import PairBatch, hidden_sequence_logps, interleaved_pairs, sequence_logps
 
 
 @dataclasses.dataclass
-class OnlineDPOAlgoConfig(PreferenceAlgoConfig, UpdateSchedule):
+class OnlineDPOAlgoConfig(PreferenceAlgoConfig, MissingEOSPenalty, UpdateSchedule):
     """The pairwise loss on fresh pairs (the offline trainer's losses and defaults, as TRL's OnlineDPOConfig) and the
     update schedule over the pairs."""
 
-    missing_eos_penalty: Optional[float] = option(
-        None, doc="subtracted from the reward of responses cut at max_response_length before pairing (TRL's); null: off")
     micro_batch_size: int = option(32, doc="pairs per forward on each rank (gradient accumulation)")
 
     def __post_init__(self):
@@ -75,8 +75,7 @@ class OnlineDPOAlgoConfig(PreferenceAlgoConfig, UpdateSchedule):
         if self.loss_agg != "token-mean":
             raise ValueError(f"loss_agg={self.loss_agg!r}: online DPO has one loss per pair and takes their mean "
                              f"(token-mean over one unit a pair); leave loss_agg at token-mean")
-        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            raise ValueError(f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
+        self.check_missing_eos_penalty()
         if self.use_weighting:
             raise ValueError("use_weighting: online DPO does not compute WPO's weights (the offline DPO trainer does); "
                              "leave it false")
@@ -248,7 +247,7 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         if self.cfg.algo.missing_eos_penalty is not None:
-            batch.rewards = batch.rewards - self.cfg.algo.missing_eos_penalty * (~batch.finished).to(batch.rewards.dtype)
+            batch.rewards = missing_eos_penalty(batch.rewards, batch.finished, self.cfg.algo.missing_eos_penalty)
 
     def pair_logps(self, role, batch: RolloutBatch, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         """[b, 2] summed (chosen, rejected) log-probs of the pairs under `role` (actor or reference), as `sequence_logps`;

@@ -10,7 +10,8 @@ exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the 
                    with its own `reward_stats.json` (`algo.reward_normalize`) or read as its Platt-calibrated
                    probability sigmoid(a * s + b) from the same file (`algo.reward_calibrate`: flat where the RM is
                    sure, so its arbitrary order among the responses it ranks far below the boundary barely moves the
-                   reward), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, the total clipped
+                   reward), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, less `algo.missing_eos_penalty` for
+                   a response cut before its EOS (TRL's; in the shaped score's units), the total clipped
     advantages     the critic's values -> per-token rewards (the score at the last response token, the process
                    RMs' step rewards at the tokens that end each step, with `rollout.env.reward_placement=per_turn`
                    each episode turn's reward at the turn's last policy token, -beta * KL_t when `algo.kl_in` is
@@ -45,7 +46,7 @@ import torch
 from megalign.algos.ppo import (AdaptiveKL, advantages_and_returns, critic_diagnostic_sums, critic_diagnostics,
                                 normalize_scores, sequence_mean_kl, token_rewards, value_loss, whiten)
 from megalign.algos.policy_loss_options import PolicyLossOptions
-from megalign.algos.reward_shaping import whiten_scores
+from megalign.algos.reward_shaping import missing_eos_penalty, whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
@@ -61,7 +62,8 @@ from megalign.trainers.dynamic_sampling import DynamicSampling, DynamicSamplingO
 from megalign.trainers.model_checks import check_tokenizer
 from megalign.trainers.online import OnlineTrainer
 from megalign.trainers.updates import RoleLoss
-from megalign.trainers.online_config import OnlineConfig, UpdateSchedule, check_online_lora, check_pipeline_batch
+from megalign.trainers.online_config import (MissingEOSPenalty, OnlineConfig, UpdateSchedule, check_online_lora,
+                                             check_pipeline_batch)
 from megalign.trainers.online_lora import apply_role_lora, base_fingerprint
 from megalign.trainers.policy_gradient import PolicyGradient
 from megalign.trainers.optim import OptimConfig, build_optimizer
@@ -89,7 +91,7 @@ class CriticConfig(TrainedRoleConfig):
 
 
 @dataclasses.dataclass
-class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
+class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, MissingEOSPenalty, UpdateSchedule):
     """The objective: the update schedule, policy loss and KL, dynamic sampling (shared with GRPO), rewards, GAE,
     value clip, adaptive KL, warm-up."""
 
@@ -114,6 +116,7 @@ class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, UpdateSchedule):
         UpdateSchedule.__post_init__(self)
         self.check_policy_loss(token_rewards=True)
         self.check_dynamic_sampling()
+        self.check_missing_eos_penalty()
         if self.reward_normalize and self.reward_calibrate:
             raise ValueError("algo.reward_normalize and algo.reward_calibrate are two readings of the RM's score; "
                              "set one")
@@ -217,8 +220,8 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         """The sequence score PPO trains on (module doc): each normalised (calibrated) RM's share swapped for its
-        normalised score (its probability), the gated share for its whitened score (a collective over dp), then the
-        total clipped."""
+        normalised score (its probability), the gated share for its whitened score (a collective over dp), less
+        `algo.missing_eos_penalty` for a response cut before its EOS, then the total clipped."""
         algo = self.cfg.algo
         for model in self.reward.outcome:
             raw = batch.terms.get(model.name)
@@ -230,6 +233,8 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         if self.reward.gated is not None:
             raw = batch.terms["gated"]
             batch.rewards = batch.rewards + self.reward.gated.weight * (whiten_scores(raw, self.layout.dp_group) - raw)
+        if algo.missing_eos_penalty is not None:
+            batch.rewards = missing_eos_penalty(batch.rewards, batch.finished, algo.missing_eos_penalty)
         if algo.reward_clip is not None:
             batch.rewards = normalize_scores(batch.rewards, clip=algo.reward_clip)
 

@@ -1,7 +1,7 @@
 """Reward sources of the online trainer: several named reward models (each its own term, against
 transformers), Llama 2's gate and a min-ensemble inside the reward, a PRM's step rewards at the step ends with
 the PRM's own `step_probs` on the stepwise encoding it was trained on, and PPO runs with per-model normalisation or
-Platt calibration, the whitened gated score and PRM step rewards."""
+Platt calibration, the whitened gated score, TRL's missing-EOS penalty and PRM step rewards."""
 import json
 import math
 import os
@@ -223,13 +223,39 @@ def test_a_calibrated_reward_is_the_platt_probability_by_hand():
     raw = torch.tensor([0.5, -1.0, 2.0])
     batch = SimpleNamespace(terms={"check": torch.tensor([1.0, 0.0, 1.0]), "a": raw},
                             rewards=torch.tensor([1.0, 0.0, 1.0]) + 2 * raw)
-    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=1.9)), score_stats={},
+    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=1.9, missing_eos_penalty=None)),
+                            score_stats={},
                             score_platt={"a": (2.0, -1.0)},
                             reward=SimpleNamespace(outcome=[SimpleNamespace(name="a", weight=2.0)], gated=None))
     PPOTrainer.shape_rewards(owner, batch)
     sig = [1 / (1 + math.exp(-z)) for z in (0.0, -3.0, 3.0)]
     expected = [min(1 + 2 * sig[0], 1.9), 2 * sig[1], min(1 + 2 * sig[2], 1.9)]
     assert batch.rewards.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_missing_eos_penalty_comes_after_the_normalised_score_and_before_the_clip_by_hand():
+    # RM "a" (weight 1, stats mean 1, std 2) scores 3, -1, 9, 5; rows 2 and 4 were cut before their EOS; penalty 1.5:
+    # normalised 1, -1, 4, 2 -> less the penalty 1, -2.5, 4, 0.5 -> clipped at 3: 1, -2.5, 3, 0.5 (TRL subtracts it
+    # from the score it trains on)
+    raw = torch.tensor([3.0, -1.0, 9.0, 5.0])
+    batch = SimpleNamespace(terms={"a": raw}, rewards=raw.clone(), finished=torch.tensor([True, False, True, False]))
+    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=3.0, missing_eos_penalty=1.5)),
+                            score_stats={"a": (1.0, 2.0)}, score_platt={},
+                            reward=SimpleNamespace(outcome=[SimpleNamespace(name="a", weight=1.0)], gated=None))
+    PPOTrainer.shape_rewards(owner, batch)
+    assert batch.rewards.tolist() == pytest.approx([1.0, -2.5, 3.0, 0.5], rel=1e-6)
+
+
+def test_ppo_subtracts_the_missing_eos_penalty_from_cut_responses(models, tmp_path):
+    # a constant reward of 1 at 2-token responses: the step's mean reward is 1 - penalty x the fraction cut
+    run_distributed(_ppo, models["policy"], str(tmp_path), "algo.missing_eos_penalty=0.75",
+                    "rollout.max_response_length=2", f"reward.terms=[{{name: '{HERE}/grpo_helpers.py:constant_one', "
+                    f"weight: 1.0}}]", world_size=1, timeout_s=120)
+    row = metric_rows(str(tmp_path))[-1]
+    assert 0 < row["response_length/clip_ratio"]
+    assert row["reward/mean"] == pytest.approx(1.0 - 0.75 * row["response_length/clip_ratio"], rel=1e-6)
+    with pytest.raises(ConfigError, match="missing_eos_penalty must be >= 0"):
+        tiny_ppo_config(models["policy"], str(tmp_path / "bad"), "algo.missing_eos_penalty=-1")
 
 
 def _calibrated(policy, path, run_dir):
