@@ -13,10 +13,11 @@
 # them -> held-out best-of-16 reranked by each, ending with the PRM's change over greedy), or ppo (the
 # classic three stages: SFT -> RM on pairs of the SFT model's own samples labelled by the verifier
 # (launch/sample_pairs.py) -> PPO whose only reward is that RM, the critic started from the RM; ends
-# with PPO's before/after held-out accuracy table; iterated as Llama 2 did, PPO_ROUNDS rounds (default 6, ~16 min on 2
-# CPU processes): each round samples the current policy, continues the RM on those pairs and runs PPO (40 steps) from
-# the last round's policy and critic, in RUN_ROOT/{self_pairs,rm_self,ppo_arith}_rK; PPO_ROUNDS=1: one round,
-# without the _r1 suffix), or ppo_verifier (SFT -> PPO whose only reward is the
+# with PPO's before/after held-out accuracy table; iterated as Llama 2 did, PPO_ROUNDS rounds (default 6, ~23 min on 2
+# CPU processes): each round samples the current policy, continues the RM on those pairs (RM_PAIRS_FROM=all: on the
+# pairs of every round so far, as Llama 2 accumulated its data; default last) and runs PPO (100 steps,
+# examples/ppo_arith.yaml) from the last round's policy and critic, in RUN_ROOT/{self_pairs,rm_self,ppo_arith}_rK;
+# PPO_ROUNDS=1: one round, without the _r1 suffix), or ppo_verifier (SFT -> PPO whose only reward is the
 # verifier, at GRPO's budget: examples/ppo_verifier_arith.yaml, the critic a fresh head on the SFT trunk),
 # or judge (issue 27: SFT -> judge rows of (problem, candidate, criterion) -> Y/N with the SFT policy's own samples
 # and wrong answers one edit off the right one among the candidates (launch/judge_tools.py data) -> SFT of a judge from
@@ -157,13 +158,18 @@ case "$PIPELINE" in
     # iterated RLHF (Llama 2, section 3.2.3): PPO_ROUNDS rounds; before each, pairs of the current policy's own samples
     # labelled by the verifier (the human labellers' stand-in) and the RM continued on them from the last round's
     POLICY="$ROOT/sft_arith/hf" RM_INIT="$ROOT/sft_arith/hf" CRITIC=""
-    ROUNDS=${PPO_ROUNDS:-6}
+    ROUNDS=${PPO_ROUNDS:-6} PAIRS_SEEN=()
     for ROUND in $(seq 1 "$ROUNDS"); do
       SUFFIX=$([ "$ROUNDS" = 1 ] && echo "" || echo "_r$ROUND")
       run launch/sample_pairs.py model_path="$POLICY" out_dir="$ROOT/self_pairs$SUFFIX" seed=$((ROUND - 1)) \
           samples_per_prompt=16 pairs_per_prompt=16 ${PAIRS_OVERRIDES:-}
+      PAIRS_SEEN+=("$ROOT/self_pairs$SUFFIX/pairs.jsonl") RM_PAIRS="$ROOT/self_pairs$SUFFIX/pairs.jsonl"
+      if [ "${RM_PAIRS_FROM:-last}" = all ] && [ "$ROUND" -gt 1 ]; then
+        RM_PAIRS="$ROOT/self_pairs$SUFFIX/pairs_all_rounds.jsonl"
+        cat "${PAIRS_SEEN[@]}" > "$RM_PAIRS"
+      fi
       run launch/train_rm.py --config examples/rm_arith.yaml run_dir="$ROOT/rm_self$SUFFIX" \
-          model.path="$RM_INIT" data.path="$ROOT/self_pairs$SUFFIX/pairs.jsonl" \
+          model.path="$RM_INIT" data.path="$RM_PAIRS" \
           data.eval_path="$ROOT/self_pairs$SUFFIX/pairs_held_out.jsonl" algo.margin=false steps=400 ${RM_OVERRIDES:-}
       run launch/train_ppo.py --config examples/ppo_arith.yaml run_dir="$ROOT/ppo_arith$SUFFIX" \
           actor.path="$POLICY" reference.path="$ROOT/sft_arith/hf" critic.path="${CRITIC:-$ROOT/rm_self$SUFFIX/hf}" \
