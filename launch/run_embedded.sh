@@ -70,6 +70,10 @@ esac
 ROOT=${1:-runs}
 NPROC=${2:-2}
 PYTHON=${PYTHON:-python}
+case "${RM_PAIRS_FROM:-last}" in
+  all|last) ;;
+  *) echo "error: RM_PAIRS_FROM=$RM_PAIRS_FROM: expected 'all' (every round's pairs) or 'last' (the round's own)" >&2; exit 2 ;;
+esac
 run() { "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$@"; }
 if [ "$PIPELINE" = prm ]; then
   DATA="$ROOT/prm_data"
@@ -156,7 +160,8 @@ case "$PIPELINE" in
         model.path="$ROOT/sft_arith/hf" ${STAGE_OVERRIDES:-} ;;
   ppo)
     # iterated RLHF (Llama 2, section 3.2.3): PPO_ROUNDS rounds; before each, pairs of the current policy's own samples
-    # labelled by the verifier (the human labellers' stand-in) and the RM continued on them from the last round's
+    # labelled by the verifier (the human labellers' stand-in) and the RM continued on them from the last round's RM
+    # (RM_PAIRS_FROM=all: on the pairs of every round so far)
     POLICY="$ROOT/sft_arith/hf" RM_INIT="$ROOT/sft_arith/hf" CRITIC=""
     ROUNDS=${PPO_ROUNDS:-6} PAIRS_SEEN=()
     for ROUND in $(seq 1 "$ROUNDS"); do
