@@ -23,7 +23,7 @@ failure raises as usual.
 
 Design choice: a process group always exists. Under a launcher (torchrun, `srun` one task per GPU,
 `mpirun` with mpi4py; `megalign.parallel.launch` reads and checks their variables) it is an env://
-group; under plain `python` it is a one-rank group on a file store in a temporary folder. So
+group; under plain `python` it is a one-rank group on an in-memory store (`HashStore`: nothing left on disk). So
 the trainers have one code path (a `ParallelLayout`, ZeRO-1, DCP, collectives that return early on
 one rank) whether they run on 1 process or 64, and nothing branches on "distributed or not".
 Backend: gloo on CPU; on GPUs NCCL for CUDA tensors with gloo beside it for CPU tensors
@@ -36,7 +36,6 @@ import inspect
 import logging
 import os
 import sys
-import tempfile
 from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import torch
@@ -167,8 +166,7 @@ def init_distributed(device: str = "auto", rollout_ranks: int = 0) -> str:
     if rollout_ranks:
         init_side_group(backend, Split(launch.rank, launch.world_size, rollout_ranks), SIDE_TIMEOUT)
     elif launch.launcher == "single":
-        store = os.path.join(tempfile.mkdtemp(prefix="megalign-pg-"), "store")
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend)
     return device_type

@@ -3,6 +3,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -70,8 +71,9 @@ class _LaunchConfig:
     steps: int = option(1, doc="steps")
 
 
-def test_main_loads_config_runs_trainer_and_destroys_group(monkeypatch, capsys):
+def test_main_loads_config_runs_trainer_and_destroys_group(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the one-rank group's store left folders in /tmp
     seen = []
 
     def train(cfg):
@@ -79,7 +81,7 @@ def test_main_loads_config_runs_trainer_and_destroys_group(monkeypatch, capsys):
         return "done"
 
     assert main(_LaunchConfig, train, ["steps=3"]) == "done"
-    assert seen == [(3, 1)] and not dist.is_initialized()
+    assert seen == [(3, 1)] and not dist.is_initialized() and os.listdir(tmp_path) == []
 
     def boom(cfg):
         raise RuntimeError("trainer failed")

@@ -91,10 +91,10 @@ def test_a_critic_warmup_as_long_as_the_run_fails_at_start_up(policy, tmp_path):
 
 
 HOLDER = """
-import sys, tempfile, torch.distributed as dist
+import sys, torch.distributed as dist
 from trainers.test_sft import tiny_config
 from megalign.trainers.sft import train_sft
-dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 train_sft(tiny_config(sys.argv[1], "steps=100000", "save_every=0", "log_every=1"))
 """
 
