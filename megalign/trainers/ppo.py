@@ -53,7 +53,7 @@ from megalign.config import option, set_defaults
 from megalign.models import LoRAConfig, ModelConfig, scalar_head_from_pretrained
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
-from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, TrainedRoleConfig
+from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, RewardModelConfig, TrainedRoleConfig
 from megalign.roles.reward_combine import combined_members
 from megalign.roles.reward_exports import reward_calibration, reward_stats
 from megalign.rollout import RolloutBatch
@@ -148,6 +148,16 @@ class PPOConfig(OnlineConfig):
         if self.algo.critic_warmup >= self.steps:
             raise ValueError(f"algo.critic_warmup={self.algo.critic_warmup} >= steps={self.steps}: the actor would "
                              f"never be trained (the warm-up steps train only the critic)")
+        for flag in ("reward_normalize", "reward_calibrate"):
+            if getattr(self.algo, flag) and not self.normalized_models():
+                raise ValueError(f"algo.{flag}=true needs a reward model (reward.model or an outcome model of "
+                                 "reward.models outside reward.gated and reward.ensemble)")
+
+    def normalized_models(self) -> list[RewardModelConfig]:
+        """The outcome reward models whose scores `algo.reward_normalize` / `reward_calibrate` act on: those outside
+        `reward.gated` and `reward.ensemble` (an ensemble standardises its members itself)."""
+        combined = combined_members(self.reward.gated, self.reward.ensemble)
+        return [m for _, m in self.reward.reward_models() if m.kind == "outcome" and m.name not in combined]
 
 
 class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
@@ -173,13 +183,7 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
 
     def __init__(self, cfg: PPOConfig):
         algo = cfg.algo
-        combined = combined_members(cfg.reward.gated, cfg.reward.ensemble)
-        outcome = [m for _, m in cfg.reward.reward_models() if m.kind == "outcome"]
-        normalized = [m for m in outcome if m.name not in combined]
-        for flag in ("reward_normalize", "reward_calibrate"):
-            if getattr(algo, flag) and not normalized:
-                raise ValueError(f"algo.{flag}=true needs a reward model (reward.model or an outcome model of "
-                                 "reward.models outside reward.gated and reward.ensemble)")
+        normalized = cfg.normalized_models()
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         self.score_platt = {m.name: reward_calibration(m.path) for m in normalized} if algo.reward_calibrate else {}
         super().__init__(cfg)

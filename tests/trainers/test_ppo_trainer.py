@@ -10,7 +10,7 @@ from parallel.dist_utils import RankFailure, run_distributed
 from trainers.grpo_helpers import HERE, tiny_policy
 from trainers.helpers import ROUNDING_PROBES, capture_warnings, checkpoint_params, metric_rows
 
-from megalign.config import load_config
+from megalign.config import ConfigError, load_config
 from megalign.models import from_pretrained
 from megalign.trainers.base import SkippedUpdatesError
 from megalign.trainers.ppo import PPOConfig, train_ppo
@@ -161,15 +161,16 @@ def test_start_up_checks(policy, tmp_path):
     other = tiny_policy(tmp_path / "other", vocab_size=20)
     with pytest.raises(RankFailure, match="critic.path"):
         run_distributed(_train, policy, str(tmp_path / "run"), f"critic.path={other}", world_size=1)
-    with pytest.raises(ValueError, match="reward_normalize=true needs a reward model"):
-        train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true"))
-    with pytest.raises(ValueError, match="reward_calibrate=true needs a reward model"):
-        train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_calibrate=true"))
-    with pytest.raises(ValueError, match="reward_normalize=true needs a reward model .* outside reward.gated and "
-                                         "reward.ensemble"):  # an ensemble's members are standardised inside it
-        train_ppo(tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true",
-                                  f"reward.models=[{{name: a, path: {policy}}}, {{name: b, path: {policy}}}]",
-                                  "reward.ensemble={models: [a, b]}"))
+    # a normalisation with no reward model to normalise is a config error, raised as the config loads
+    with pytest.raises(ConfigError, match="reward_normalize=true needs a reward model"):
+        tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true")
+    with pytest.raises(ConfigError, match="reward_calibrate=true needs a reward model"):
+        tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_calibrate=true")
+    with pytest.raises(ConfigError, match="reward_normalize=true needs a reward model .* outside reward.gated and "
+                                          "reward.ensemble"):  # an ensemble's members are standardised inside it
+        tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true",
+                        f"reward.models=[{{name: a, path: {policy}}}, {{name: b, path: {policy}}}]",
+                        "reward.ensemble={models: [a, b]}")
     with pytest.raises(ValueError, match="two readings of the RM's score; set one"):
         tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true", "algo.reward_calibrate=true")
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
