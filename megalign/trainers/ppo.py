@@ -4,7 +4,11 @@
 exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the step:
 
     keep_groups    with `algo.dynamic_sampling`, DAPO's filter of groups of equal rewards and more sampling rounds,
-                   shared with GRPO (`megalign.trainers.dynamic_sampling`, which says why it applies to PPO)
+                   shared with GRPO (`megalign.trainers.dynamic_sampling`, which says why it applies to PPO); with
+                   `algo.dynamic_sampling_by=verdict` the test is the reward model's predicted pass / fail instead
+                   (its Platt-calibrated probability >= 1/2): a learned RM's continuous scores are never all equal,
+                   so DAPO's test would keep every group, among them those the RM itself judges all wrong, where
+                   the only signal left is its unconstrained order among wrong answers
 
     shape_rewards  each outcome RM's score (not those combined by reward.gated or reward.ensemble) normalised
                    with its own `reward_stats.json` (`algo.reward_normalize`) or read as its Platt-calibrated
@@ -45,6 +49,7 @@ import torch
 
 from megalign.algos.ppo import (AdaptiveKL, advantages_and_returns, critic_diagnostic_sums, critic_diagnostics,
                                 normalize_scores, sequence_mean_kl, token_rewards, value_loss, whiten)
+from megalign.algos.grpo import informative_groups
 from megalign.algos.policy_loss_options import PolicyLossOptions
 from megalign.algos.reward_shaping import missing_eos_penalty, whiten_scores
 from megalign.checkpoint import ModelState, OptimizerState, export_hf
@@ -111,6 +116,10 @@ class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, MissingEOSPenalty
                                                "reward_normalize")
     reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
     critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
+    dynamic_sampling_by: Literal["reward", "verdict"] = option(
+        "reward", doc="dynamic sampling's test of a group (module doc): 'reward', its rewards all equal (DAPO); "
+                      "'verdict', the one outcome reward model's Platt verdicts sigmoid(a * s + b) >= 1/2 all equal, "
+                      "(a, b) from its reward_stats.json")
 
     def __post_init__(self):
         UpdateSchedule.__post_init__(self)
@@ -148,6 +157,12 @@ class PPOConfig(OnlineConfig):
         if self.algo.critic_warmup >= self.steps:
             raise ValueError(f"algo.critic_warmup={self.algo.critic_warmup} >= steps={self.steps}: the actor would "
                              f"never be trained (the warm-up steps train only the critic)")
+        if self.algo.dynamic_sampling_by == "verdict" and (not self.algo.dynamic_sampling
+                                                            or len(self.normalized_models()) != 1):
+            raise ValueError("algo.dynamic_sampling_by=verdict needs algo.dynamic_sampling=true and exactly one outcome "
+                             "reward model outside reward.gated and reward.ensemble (whose verdicts it reads), got "
+                             f"dynamic_sampling={self.algo.dynamic_sampling} and "
+                             f"{len(self.normalized_models())} such models")
         for flag in ("reward_normalize", "reward_calibrate"):
             if getattr(self.algo, flag) and not self.normalized_models():
                 raise ValueError(f"algo.{flag}=true needs a reward model (reward.model or an outcome model of "
@@ -186,6 +201,8 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         normalized = cfg.normalized_models()
         self.score_stats = {m.name: reward_stats(m.path) for m in normalized} if algo.reward_normalize else {}
         self.score_platt = {m.name: reward_calibration(m.path) for m in normalized} if algo.reward_calibrate else {}
+        self.verdict = ((normalized[0].name, reward_calibration(normalized[0].path))
+                        if algo.dynamic_sampling_by == "verdict" else None)
         super().__init__(cfg)
         if self.rollout_side:  # a disaggregated run's rollout ranks only generate and score
             return
@@ -221,6 +238,14 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
 
     def prepare_checkpoint_io(self) -> None:
         self.place("checkpoint", actor=("weights", "optimizer"), critic=("weights", "optimizer"))
+
+    def keep_groups(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N / G] bool: DAPO's test (`DynamicSampling`), or with `algo.dynamic_sampling_by=verdict` the groups whose
+        responses the reward model does not judge all alike, a response passing when a * s + b >= 0 (module doc)."""
+        if self.verdict is None or not self.cfg.algo.dynamic_sampling:
+            return super().keep_groups(batch)
+        name, (a, b) = self.verdict
+        return informative_groups((a * batch.terms[name].float() + b >= 0).float(), batch.group_size)
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         """The sequence score PPO trains on (module doc): each normalised (calibrated) RM's share swapped for its

@@ -17,6 +17,7 @@ from trainers.helpers import metric_rows, prompt_response_batch
 from trainers.test_ppo_trainer import tiny_ppo_config
 
 from megalign.algos import IGNORE_INDEX
+from megalign.algos.grpo import informative_groups
 from megalign.config import ConfigError, load_config
 from megalign.data import CharTokenizer, collate_stepwise, encode_steps
 from megalign.models import RewardModel, from_pretrained
@@ -274,6 +275,44 @@ def test_ppo_reads_the_platt_scaling_of_the_export(models, tmp_path):
     row = metric_rows(str(tmp_path / "run"))[-1]
     assert row["reward/mean"] == pytest.approx(1 / (1 + math.exp(-0.7)), rel=1e-6)
     assert row["reward/reward_model/mean"] != pytest.approx(row["reward/mean"], rel=1e-3)  # the raw score is logged
+
+
+def test_verdict_dynamic_sampling_keeps_the_groups_the_reward_model_judges_both_ways():
+    # Platt (a, b) = (2, -1): a response passes when 2 s - 1 >= 0, s >= 1/2. Scores of 3 groups of G = 3: pass, fail,
+    # fail | pass x 3 | fail x 3 -> only the first group is kept; DAPO's test (scores all equal) would keep all three
+    scores = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.7, 0.6, 0.1, 0.2, 0.4])
+    batch = SimpleNamespace(terms={"a": scores}, rewards=scores.clone(), group_size=3)
+    owner = SimpleNamespace(verdict=("a", (2.0, -1.0)), cfg=SimpleNamespace(algo=SimpleNamespace(dynamic_sampling=True)))
+    assert PPOTrainer.keep_groups(owner, batch).tolist() == [True, False, False]
+    assert informative_groups(batch.rewards, 3).tolist() == [True, True, True]
+
+
+def _all_passing(policy, path, run_dir):
+    _ppo(policy, run_dir, "reward.terms=[]", f"reward.model.path={path}", "steps=2", "algo.dynamic_sampling=true",
+         "algo.dynamic_sampling_by=verdict", "algo.max_sampling_rounds=2", "save_every=1")
+
+
+def test_ppo_drops_the_groups_its_reward_model_passes_whole(models, tmp_path):
+    # Platt slope 0, intercept 0.7: every response's verdict is a pass however the random RM scores it, so every group
+    # is dropped in both sampling rounds of both steps and the run fails as one that never updated; the same run with
+    # DAPO's test keeps every group (the RM's scores are never all equal)
+    path = tmp_path / "rm"
+    shutil.copytree(models["a"], path)
+    (path / "reward_stats.json").write_text(json.dumps({"reward_mean": 0.2, "reward_std": 0.5, "platt_a": 0.0,
+                                                        "platt_b": 0.7}))
+    with pytest.raises(RankFailure, match="PPO: the policy was never updated: updated in 0 of 2 steps"):
+        run_distributed(_all_passing, models["policy"], str(path), str(tmp_path / "run"), world_size=1, timeout_s=120)
+    rows = [row for row in metric_rows(str(tmp_path / "run")) if "sampling/kept_groups" in row]
+    assert [(row["sampling/kept_groups"], row["sampling/dropped_groups"], row["sampling/rounds"]) for row in rows] == [
+        (0, 8, 2), (0, 8, 2)]
+    run_distributed(_ppo, models["policy"], str(tmp_path / "dapo"), "reward.terms=[]", f"reward.model.path={path}",
+                    "algo.dynamic_sampling=true", world_size=1, timeout_s=120)
+    assert metric_rows(str(tmp_path / "dapo"))[-1]["sampling/kept_groups"] == 4
+    for bad in (("algo.dynamic_sampling_by=verdict", f"reward.model.path={path}"),  # no dynamic sampling
+                ("algo.dynamic_sampling_by=verdict", "algo.dynamic_sampling=true")):  # no reward model
+        with pytest.raises(ConfigError, match="dynamic_sampling_by=verdict needs algo.dynamic_sampling=true and "
+                                              "exactly one outcome reward model"):
+            tiny_ppo_config(models["policy"], str(tmp_path / "bad"), *bad)
 
 
 def _pairwise_sums_on_a_rank():
