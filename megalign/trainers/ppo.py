@@ -14,8 +14,11 @@ exported to run_dir/critic_hf as HF `*ForTokenClassification`) and fills in the 
                    with its own `reward_stats.json` (`algo.reward_normalize`) or read as its Platt-calibrated
                    probability sigmoid(a * s + b) from the same file (`algo.reward_calibrate`: flat where the RM is
                    sure, so its arbitrary order among the responses it ranks far below the boundary barely moves the
-                   reward), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, less `algo.missing_eos_penalty` for
-                   a response cut before its EOS (TRL's; in the shaped score's units), the total clipped
+                   reward), Llama 2's gated score WHITEN(LOGIT(R_c)) over dp, with `algo.reward_group_center` less
+                   its group's mean (a Bradley-Terry RM is trained on differences only, so its score carries a
+                   constant per prompt that no pair constrains; centred, the critic need not learn it), less
+                   `algo.missing_eos_penalty` for a response cut before its EOS (TRL's; in the shaped score's
+                   units), the total clipped
     advantages     the critic's values -> per-token rewards (the score at the last response token, the process
                    RMs' step rewards at the tokens that end each step, with `rollout.env.reward_placement=per_turn`
                    each episode turn's reward at the turn's last policy token, -beta * KL_t when `algo.kl_in` is
@@ -115,6 +118,8 @@ class PPOAlgoConfig(PolicyLossOptions, DynamicSamplingOptions, MissingEOSPenalty
                                                "b), (a, b) from its reward_stats.json (module doc); excludes "
                                                "reward_normalize")
     reward_clip: Optional[float] = option(None, doc="clip the sequence score to +-reward_clip (e.g. 10); null: off")
+    reward_group_center: bool = option(False, doc="subtract each group's mean shaped score, before the missing-EOS "
+                                                  "penalty and the clip (module doc)")
     critic_warmup: int = option(0, doc="first steps that train only the critic (the actor waits), as verl's critic_warmup")
     dynamic_sampling_by: Literal["reward", "verdict"] = option(
         "reward", doc="dynamic sampling's test of a group (module doc): 'reward', its rewards all equal (DAPO); "
@@ -249,8 +254,9 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
 
     def shape_rewards(self, batch: RolloutBatch) -> None:
         """The sequence score PPO trains on (module doc): each normalised (calibrated) RM's share swapped for its
-        normalised score (its probability), the gated share for its whitened score (a collective over dp), less
-        `algo.missing_eos_penalty` for a response cut before its EOS, then the total clipped."""
+        normalised score (its probability), the gated share for its whitened score (a collective over dp), less its
+        group's mean (`algo.reward_group_center`), less `algo.missing_eos_penalty` for a response cut before its EOS,
+        then the total clipped."""
         algo = self.cfg.algo
         for model in self.reward.outcome:
             raw = batch.terms.get(model.name)
@@ -262,6 +268,9 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         if self.reward.gated is not None:
             raw = batch.terms["gated"]
             batch.rewards = batch.rewards + self.reward.gated.weight * (whiten_scores(raw, self.layout.dp_group) - raw)
+        if algo.reward_group_center:
+            groups = batch.rewards.view(-1, batch.group_size)
+            batch.rewards = (groups - groups.mean(-1, keepdim=True)).view(-1)
         if algo.missing_eos_penalty is not None:
             batch.rewards = missing_eos_penalty(batch.rewards, batch.finished, algo.missing_eos_penalty)
         if algo.reward_clip is not None:

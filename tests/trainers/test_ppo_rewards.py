@@ -224,7 +224,8 @@ def test_a_calibrated_reward_is_the_platt_probability_by_hand():
     raw = torch.tensor([0.5, -1.0, 2.0])
     batch = SimpleNamespace(terms={"check": torch.tensor([1.0, 0.0, 1.0]), "a": raw},
                             rewards=torch.tensor([1.0, 0.0, 1.0]) + 2 * raw)
-    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=1.9, missing_eos_penalty=None)),
+    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=1.9, missing_eos_penalty=None,
+                                                                  reward_group_center=False)),
                             score_stats={},
                             score_platt={"a": (2.0, -1.0)},
                             reward=SimpleNamespace(outcome=[SimpleNamespace(name="a", weight=2.0)], gated=None))
@@ -240,11 +241,26 @@ def test_the_missing_eos_penalty_comes_after_the_normalised_score_and_before_the
     # from the score it trains on)
     raw = torch.tensor([3.0, -1.0, 9.0, 5.0])
     batch = SimpleNamespace(terms={"a": raw}, rewards=raw.clone(), finished=torch.tensor([True, False, True, False]))
-    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=3.0, missing_eos_penalty=1.5)),
+    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=3.0, missing_eos_penalty=1.5,
+                                                                  reward_group_center=False)),
                             score_stats={"a": (1.0, 2.0)}, score_platt={},
                             reward=SimpleNamespace(outcome=[SimpleNamespace(name="a", weight=1.0)], gated=None))
     PPOTrainer.shape_rewards(owner, batch)
     assert batch.rewards.tolist() == pytest.approx([1.0, -2.5, 3.0, 0.5], rel=1e-6)
+
+
+def test_the_group_centred_score_comes_after_the_normalisation_and_before_the_penalty_by_hand():
+    # the case above in 2 groups of G = 2: normalised 1, -1 | 4, 2 -> less each group's mean (0 | 3) 1, -1 | 1, -1 ->
+    # less the penalty on rows 2 and 4: 1, -2.5 | 1, -2.5 -> clipped at 2: 1, -2 | 1, -2
+    raw = torch.tensor([3.0, -1.0, 9.0, 5.0])
+    batch = SimpleNamespace(terms={"a": raw}, rewards=raw.clone(), finished=torch.tensor([True, False, True, False]),
+                            group_size=2)
+    owner = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(reward_clip=2.0, missing_eos_penalty=1.5,
+                                                                     reward_group_center=True)),
+                            score_stats={"a": (1.0, 2.0)}, score_platt={},
+                            reward=SimpleNamespace(outcome=[SimpleNamespace(name="a", weight=1.0)], gated=None))
+    PPOTrainer.shape_rewards(owner, batch)
+    assert batch.rewards.tolist() == pytest.approx([1.0, -2.0, 1.0, -2.0], rel=1e-6)
 
 
 def test_ppo_subtracts_the_missing_eos_penalty_from_cut_responses(models, tmp_path):
