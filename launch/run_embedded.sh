@@ -74,6 +74,9 @@ case "${RM_PAIRS_FROM:-last}" in
   all|last) ;;
   *) echo "error: RM_PAIRS_FROM=$RM_PAIRS_FROM: expected 'all' (every round's pairs) or 'last' (the round's own)" >&2; exit 2 ;;
 esac
+# a rank killed by a fatal signal prints every thread's Python stack (a rank 1 SIGABRT at process exit after a finished
+# stage was seen three times and not reproduced since: BENCHMARKS.md, "A rank aborting at exit")
+export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
 run() { "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$@"; }
 if [ "$PIPELINE" = prm ]; then
   DATA="$ROOT/prm_data"
