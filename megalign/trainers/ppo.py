@@ -59,6 +59,7 @@ from megalign.checkpoint import ModelState, OptimizerState, export_hf
 from megalign.algos.registry import algorithm_option
 from megalign.config import option, set_defaults
 from megalign.models import LoRAConfig, ModelConfig, scalar_head_from_pretrained
+from megalign.ops.group_advantages import group_advantages
 from megalign.ops.kl_penalty import kl_penalty
 from megalign.parallel import MixedPrecision
 from megalign.roles import DTYPES, TOKEN_CLASSIFICATION, Critic, RewardModelConfig, TrainedRoleConfig
@@ -162,14 +163,13 @@ class PPOConfig(OnlineConfig):
         if self.algo.critic_warmup >= self.steps:
             raise ValueError(f"algo.critic_warmup={self.algo.critic_warmup} >= steps={self.steps}: the actor would "
                              f"never be trained (the warm-up steps train only the critic)")
-        if self.algo.dynamic_sampling_by == "verdict" and (not self.algo.dynamic_sampling
-                                                            or len(self.normalized_models()) != 1):
+        normalized = self.normalized_models()
+        if self.algo.dynamic_sampling_by == "verdict" and (not self.algo.dynamic_sampling or len(normalized) != 1):
             raise ValueError("algo.dynamic_sampling_by=verdict needs algo.dynamic_sampling=true and exactly one outcome "
                              "reward model outside reward.gated and reward.ensemble (whose verdicts it reads), got "
-                             f"dynamic_sampling={self.algo.dynamic_sampling} and "
-                             f"{len(self.normalized_models())} such models")
+                             f"dynamic_sampling={self.algo.dynamic_sampling} and {len(normalized)} such models")
         for flag in ("reward_normalize", "reward_calibrate"):
-            if getattr(self.algo, flag) and not self.normalized_models():
+            if getattr(self.algo, flag) and not normalized:
                 raise ValueError(f"algo.{flag}=true needs a reward model (reward.model or an outcome model of "
                                  "reward.models outside reward.gated and reward.ensemble)")
 
@@ -247,7 +247,7 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
     def keep_groups(self, batch: RolloutBatch) -> torch.Tensor:
         """[N / G] bool: DAPO's test (`DynamicSampling`), or with `algo.dynamic_sampling_by=verdict` the groups whose
         responses the reward model does not judge all alike, a response passing when a * s + b >= 0 (module doc)."""
-        if self.verdict is None or not self.cfg.algo.dynamic_sampling:
+        if self.verdict is None:  # the config allows a verdict only with dynamic sampling
             return super().keep_groups(batch)
         name, (a, b) = self.verdict
         return informative_groups((a * batch.terms[name].float() + b >= 0).float(), batch.group_size)
@@ -268,9 +268,8 @@ class PPOTrainer(DynamicSampling, PolicyGradient, OnlineTrainer):
         if self.reward.gated is not None:
             raw = batch.terms["gated"]
             batch.rewards = batch.rewards + self.reward.gated.weight * (whiten_scores(raw, self.layout.dp_group) - raw)
-        if algo.reward_group_center:
-            groups = batch.rewards.view(-1, batch.group_size)
-            batch.rewards = (groups - groups.mean(-1, keepdim=True)).view(-1)
+        if algo.reward_group_center:  # Dr. GRPO's advantage: r - its group's mean
+            batch.rewards = group_advantages(batch.rewards, group_size=batch.group_size, mode="dr_grpo")
         if algo.missing_eos_penalty is not None:
             batch.rewards = missing_eos_penalty(batch.rewards, batch.finished, algo.missing_eos_penalty)
         if algo.reward_clip is not None:
