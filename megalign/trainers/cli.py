@@ -99,8 +99,12 @@ def algorithms_help() -> str:
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
-    """Print `error: message` (one line) on stderr and exit with `status`."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    """Print `error: message` (one line) on stderr and exit with `status`.
+
+    One `write` of the whole line: stderr is unbuffered (write-through), so `print` would issue the text and its
+    newline as two writes, and two ranks failing at once on a shared pipe interleave into `...missingerror: ...`."""
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
     raise SystemExit(status)
 
 

@@ -106,7 +106,7 @@ class Watchdog:
                    f"(watchdog_minutes={self.timeout_s / 60:g}); stopping the job with exit status "
                    f"{WATCHDOG_EXIT_STATUS}. Every thread's stack follows:")
         logger.error("%s", message)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {message}\n")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(WATCHDOG_EXIT_STATUS)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megalign.checkpoint import RunDirLocked
 from megalign.config import ConfigError, option
 from megalign.trainers.base import SkippedUpdatesError
+from megalign.trainers import cli
 from megalign.trainers.cli import DEBUG_ENV, main, parse_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,6 +32,24 @@ def test_help_lists_every_config_key_and_exits_0(tmp_path):
     assert "  optim.lr (float, default 0.003): peak learning rate, reached at the end of warm-up\n" in out
     assert "  data.arith.max_operand (int, default 20):" in out and "  resume (str, default 'auto'):" in out
     assert not os.listdir(tmp_path)  # nothing ran
+
+
+def test_an_error_line_is_one_write_so_ranks_on_one_pipe_cannot_interleave(monkeypatch):
+    """Two ranks failing together on torchrun's shared stderr once printed `...missingerror: ...` (CI, 2026-12-07):
+    `print` wrote the text and its newline separately to the unbuffered stream."""
+    writes = []
+
+    class Stream:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stream())
+    with pytest.raises(SystemExit) as stop:
+        cli._fail("model.path: no   such\n directory")
+    assert stop.value.code == 2 and writes == ["error: model.path: no such directory\n"]
 
 
 def test_bad_key_in_yaml_is_one_line_naming_file_and_key_exit_2(tmp_path):
