@@ -12,6 +12,12 @@ clamped low_var_kl) or in the per-token reward as -beta * KL_t (PPO, REINFORCE++
 placement defaults to the reward for PPO and the reinforce_plus_plus* estimators (which train on per-token
 rewards) and to the loss for the group estimators, which have no per-token reward to put it in.
 
+`positive_nll_coef` adds VAPO's positive-example LM loss (Yue et al. 2025, "VAPO", eq. 9: L = L_PPO + mu * L_NLL,
+L_NLL the mean negative log-likelihood over the tokens of the step's right samples, here those whose reward is at
+least `positive_reward`): an imitation term on the policy's own right answers that needs no baseline, which the
+paper adds because a value model's noisy baseline wastes them. `positive_nll_weights` gives its per-token weights,
+scaled so that the token-mean aggregation of the policy loss turns them into the mean over the positive tokens.
+
 `off_policy` (`megalign.algos.offpolicy`) weighs the policy-gradient term by the proximal / behaviour importance
 weight (TIS, MIS, sequence masking, AReaL's decoupled PPO); its default, none, leaves the loss untouched.
 
@@ -25,6 +31,7 @@ import dataclasses
 from typing import ClassVar, Literal, Optional
 
 import torch
+import torch.distributed as dist
 
 from megalign.algos.offpolicy import OffPolicyConfig, weighted_policy_loss
 from megalign.algos.policy_losses import POLICY_LOSSES, select_policy_loss
@@ -70,6 +77,11 @@ class PolicyLossOptions:
                                                    f"in the reward one of {', '.join(KL_ESTIMATORS['reward'])}; "
                                                    f"null: k3 in the loss, k1 in the reward")
     entropy_coef: float = option(0.0, doc="entropy bonus: loss -= entropy_coef * entropy per token")
+    positive_nll_coef: float = option(0.0, doc="VAPO's positive-example LM loss: + coef x the mean NLL over the tokens "
+                                               "of the samples whose reward is >= positive_reward (module doc; the "
+                                               "paper's 0.1); 0: off")
+    positive_reward: float = option(1.0, doc="the reward (after the algorithm's shaping) from which a sample is "
+                                             "positive for positive_nll_coef; 1.0: a 0/1 verifier's right answers")
     off_policy: OffPolicyConfig = option(OffPolicyConfig(), doc="off-policy correction {mode: none|tis|mis|seq_mask|"
                                                                 "decoupled, cap, band, seq_ratio} between the recomputed "
                                                                 "and the rollout's log-probs (`megalign.algos.offpolicy`)")
@@ -84,7 +96,7 @@ class PolicyLossOptions:
         self.kl_beta = self.kl_coef if self.kl_coef is not None else (REWARD_KL_COEF if self.kl_where == "reward" else 0.0)
         self.kl_kind = self.kl_estimator or KL_ESTIMATORS[self.kl_where][0]
         for name in ("eps_low", "eps_high", "cispo_eps_low", "cispo_eps_high", "gspo_eps_low", "gspo_eps_high",
-                     "kl_beta", "entropy_coef"):
+                     "kl_beta", "entropy_coef", "positive_nll_coef"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -96,6 +108,9 @@ class PolicyLossOptions:
         if self.policy_loss == "gspo" and self.loss_agg != GSPO_AGGREGATION:
             raise ValueError(f"policy_loss='gspo' is a sequence-level objective: it needs loss_agg={GSPO_AGGREGATION!r}, "
                              f"got loss_agg={self.loss_agg!r}")
+        if self.positive_nll_coef and self.loss_agg != "token-mean":
+            raise ValueError(f"positive_nll_coef is VAPO's token-level NLL mean: it needs loss_agg='token-mean', got "
+                             f"loss_agg={self.loss_agg!r}")
         if self.kl_where == "reward" and not token_rewards:
             raise ValueError("kl_in='reward' needs per-token rewards, which this advantage estimator does not use "
                              "(reinforce_plus_plus and reinforce_plus_plus_baseline do); use kl_in='loss'")
@@ -127,3 +142,19 @@ class PolicyLossOptions:
                                                       self.dual_clip)
         kl = kl_penalty(logp, ref_logp, self.kl_kind) * mask
         return loss + beta * kl, stats._replace(kl_mean=kl.detach().sum() / stats.count.clamp(min=1))
+
+
+def positive_nll_weights(rewards: torch.Tensor, mask: torch.Tensor, threshold: float, coef: float,
+                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """[N, R] per-token weights of the positive-example NLL (module doc): coef * T / T_pos on the `mask` [N, R]
+    tokens of the samples whose `rewards` [N] are >= `threshold`, 0 elsewhere, T and T_pos the step's masked and
+    positive tokens summed over `group` (dp). Token-mean over T turns sum(w * -logp) into coef * the mean NLL over
+    the positive tokens (VAPO's mu * L_NLL): exact with one mini-batch; with several, each takes the step's ratio.
+    All zeros when no sample of the step is positive."""
+    positive = (rewards >= threshold).to(mask.dtype)[:, None] * mask
+    counts = torch.stack([mask.sum(), positive.sum()]).double()
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(counts, group=group)
+    if counts[1] == 0:
+        return torch.zeros_like(mask)
+    return positive * (coef * counts[0] / counts[1]).to(mask.dtype)

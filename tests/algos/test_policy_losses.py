@@ -157,3 +157,22 @@ def test_registry_and_bad_arguments():
         cispo_loss(logp, old, adv, mask, None, -1.0)
     with pytest.raises(TypeError, match="old_logp"):
         gspo_loss(logp, old.float(), adv, mask, 3e-4, 4e-4)
+
+
+def test_positive_nll_weights_give_vapo_mean_over_positive_tokens_under_token_mean():
+    from megalign.algos.policy_loss_options import positive_nll_weights
+    # rows 0 and 2 are right (reward >= 1): 3 + 1 = 4 positive tokens of the 3 + 2 + 1 = 6 masked ones
+    rewards = torch.tensor([1.0, 0.0, 1.5])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -4.0, 9.0], [-0.25, 7.0, 7.0]], dtype=torch.float64,
+                        requires_grad=True)
+    w = positive_nll_weights(rewards, mask, threshold=1.0, coef=0.1)
+    torch.testing.assert_close(w, 0.1 * 6 / 4 * torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]],
+                                                             dtype=torch.float64))
+    term = aggregate_loss(-w * logp, mask, "token-mean", loss_normalizer(mask, "token-mean"), 3)
+    # VAPO eq. 9: mu x the mean NLL over the positive tokens = 0.1 x (1 + 2 + 0.5 + 0.25) / 4
+    assert term.item() == pytest.approx(0.1 * 3.75 / 4, rel=1e-12)
+    term.backward()
+    expected = -0.1 / 4 * torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, expected)
+    assert not positive_nll_weights(torch.zeros(3), mask, threshold=1.0, coef=0.1).any()  # no right sample: no term

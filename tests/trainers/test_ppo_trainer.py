@@ -173,6 +173,8 @@ def test_start_up_checks(policy, tmp_path):
                         "reward.ensemble={models: [a, b]}")
     with pytest.raises(ValueError, match="two readings of the RM's score; set one"):
         tiny_ppo_config(policy, str(tmp_path / "run"), "algo.reward_normalize=true", "algo.reward_calibrate=true")
+    with pytest.raises(ValueError, match="positive_nll_coef is VAPO's token-level NLL mean: it needs loss_agg"):
+        tiny_ppo_config(policy, str(tmp_path / "run"), "algo.positive_nll_coef=0.1", "algo.loss_agg=seq-mean-token-mean")
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
         tiny_ppo_config(policy, str(tmp_path / "run"), "algo.kl_in=loss", "algo.kl_estimator=k1")
 
@@ -181,6 +183,8 @@ def _loss_terms(policy, other, root):
     common = ("steps=1", "algo.mini_batches=1", "export_hf=false")
     _train(policy, f"{root}/plain", *common, "algo.kl_coef=0")
     _train(policy, f"{root}/entropy", *common, "algo.kl_coef=0", "algo.entropy_coef=0.01")
+    _train(policy, f"{root}/positive_nll", *common, "algo.kl_coef=0", "algo.positive_nll_coef=0.1",
+           "algo.positive_reward=0.5")
     _train(policy, f"{root}/kl_loss", *common, "algo.kl_in=loss", "algo.kl_estimator=k3", "algo.kl_coef=0.1",
            f"reference.path={other}")
 
@@ -190,9 +194,13 @@ def test_entropy_bonus_and_kl_loss_term(policy, tmp_path):
     # update the losses differ by exactly the added terms at the same weights
     other = tiny_policy(tmp_path / "other_ref", seed=1)
     run_distributed(_loss_terms, policy, other, str(tmp_path), world_size=1)
-    plain, entropy, kl = (_rows(f"{tmp_path}/{name}")[1] for name in ("plain", "entropy", "kl_loss"))
-    assert plain["reward/mean"] == entropy["reward/mean"] == kl["reward/mean"]
+    plain, entropy, kl, nll = (_rows(f"{tmp_path}/{name}")[1] for name in ("plain", "entropy", "kl_loss",
+                                                                             "positive_nll"))
+    assert plain["reward/mean"] == entropy["reward/mean"] == kl["reward/mean"] == nll["reward/mean"]
     assert entropy["actor/loss"] - plain["actor/loss"] == pytest.approx(-0.01 * plain["actor/entropy"], rel=1e-4)
+    # VAPO's term: 0.1 x the mean NLL over the tokens of the samples rewarded >= 0.5 (some, not all, here)
+    assert 0 < nll["actor/positive_token_frac"] < 1 and nll["actor/positive_nll"] > 0
+    assert nll["actor/loss"] - plain["actor/loss"] == pytest.approx(0.1 * nll["actor/positive_nll"], rel=1e-4)
     assert kl["actor/kl"] > 0.01
     assert kl["actor/loss"] - plain["actor/loss"] == pytest.approx(0.1 * kl["actor/kl"], rel=1e-4)
     # the KL of the update's forward is the rollout's (same weights at step 1), measured on another path
