@@ -28,43 +28,37 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalign.data.preference import encode_prompt_and_replies  # noqa: E402
+from megalign.data.preference import load_unpaired  # noqa: E402
+from megalign.data.prompts import DataError  # noqa: E402
 from megalign.data.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
 from megalign.models import scalar_head_from_pretrained  # noqa: E402
 from megalign.parallel import ParallelLayout  # noqa: E402
 from megalign.rewards.ranking import ranking_pairs  # noqa: E402
 
 
-def read_groups(path: str) -> dict[str, list[tuple[list[int], bool]]]:
-    """prompt -> [(completion row index, verdict)] in file order; SystemExit naming the row when one is malformed."""
+def read_groups(path: str, tokenizer, max_length: int) -> dict[tuple, list[tuple[list[int], bool]]]:
+    """prompt ids -> [(prompt + completion ids, verdict)] in row order, read and checked by the KTO loader
+    (`megalign.data.preference.load_unpaired`: a bad row is an error naming the file and row)."""
+    try:
+        examples, _ = load_unpaired(path, tokenizer, max_length)
+    except DataError as exc:
+        raise SystemExit(f"error: {exc}") from None
     groups = defaultdict(list)
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                row = json.loads(line)
-                prompt, completion, label = row["prompt"], row["completion"], row["label"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"error: {path}:{line_no}: not an unpaired row with prompt, completion, label ({exc})")
-            if not isinstance(label, bool):
-                raise SystemExit(f"error: {path}:{line_no}: 'label' must be true or false, got {label!r}")
-            groups[prompt].append((completion, label))
+    for e in examples:
+        groups[tuple(e.prompt_ids)].append((e.prompt_ids + e.completion_ids, e.label))
     if not groups:
         raise SystemExit(f"error: {path}: no rows")
     return groups
 
 
 @torch.no_grad()
-def rm_scores(rm, tokenizer, groups: dict, batch_size: int) -> dict[str, list[float]]:
+def rm_scores(rm, groups: dict, batch_size: int) -> dict[tuple, list[float]]:
     """prompt -> the RM's score of each of its samples, in the rows' order (sequences of one length batched)."""
-    seqs = []
-    for prompt, samples in groups.items():
-        for k, (completion, _) in enumerate(samples):
-            prompt_ids, (reply,) = encode_prompt_and_replies(prompt, {"completion": completion}, tokenizer)
-            seqs.append((prompt, k, prompt_ids + reply))
     scores = {prompt: [0.0] * len(samples) for prompt, samples in groups.items()}
     by_length = defaultdict(list)
-    for item in seqs:
-        by_length[len(item[2])].append(item)
+    for prompt, samples in groups.items():
+        for k, (ids, _) in enumerate(samples):
+            by_length[len(ids)].append((prompt, k, ids))
     for items in by_length.values():
         for start in range(0, len(items), batch_size):
             chunk = items[start:start + batch_size]
@@ -101,13 +95,13 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.n) < 1:
         raise SystemExit(f"error: --n must be >= 1, got {min(args.n)}")
-    groups = read_groups(args.rows)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     layout = ParallelLayout.build(tp=1, device_type="cpu")
     rm, fresh = scalar_head_from_pretrained(args.rm, "reward", layout, seed=0)
     if fresh:
         raise SystemExit(f"error: --rm {args.rm!r} has no reward head (score.weight): give a train_rm run's hf/")
-    scores = rm_scores(rm.eval(), build_tokenizer(TokenizerConfig(), args.rm), groups, args.batch_size)
+    groups = read_groups(args.rows, build_tokenizer(TokenizerConfig(), args.rm), rm.config.max_position_embeddings)
+    scores = rm_scores(rm.eval(), groups, args.batch_size)
     u, pairs = 0.0, 0
     for prompt, samples in groups.items():
         part_u, part_pairs = ranking_pairs(scores[prompt], [y for _, y in samples])

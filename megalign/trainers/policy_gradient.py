@@ -1,8 +1,9 @@
 """The policy-gradient actor loss GRPO and PPO share (`PolicyGradient`, a mixin of their trainers): the clipped
 surrogate of `algo.policy_loss` on the batch's advantages, the KL to the reference when `algo.kl_in` is the loss,
-the entropy bonus, VAPO's positive-example NLL (`algo.positive_nll_coef`), and the actor metrics they log (`megalign.algos.policy_loss_options` holds the options). With
-`algo.off_policy` the step's importance weights (`megalign.algos.offpolicy`: recomputed over rollout log-probs) weigh
-the policy-gradient term, the tokens they drop leave the loss and its denominator, and `offpolicy/*` is logged.
+the entropy bonus, VAPO's positive-example NLL (`algo.positive_nll_coef`), and the actor metrics they log
+(`megalign.algos.policy_loss_options` holds the options). With `algo.off_policy` the step's importance weights
+(`megalign.algos.offpolicy`: recomputed over rollout log-probs) weigh the policy-gradient term, the tokens they drop
+leave the loss and its denominator, and `offpolicy/*` is logged.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ class PolicyGradient:
         `kl_coef` x KL to the reference per token when `algo.kl_in` is "loss"), minus `algo.entropy_coef` x entropy
         per token, plus `algo.positive_nll_coef` x the mean NLL of the positive samples' tokens, the policy-gradient
         term weighed by `algo.off_policy` (module doc); its sums are `POLICY_STATS` (token counts and totals), and
-        `POSITIVE_NLL_STATS` with the NLL term. `hidden`: the last pipeline stage's output for the rows at actor.pp > 1
-        (`accumulate`)."""
+        `POSITIVE_NLL_STATS` with the NLL term. `hidden`: the last pipeline stage's output for the rows at
+        actor.pp > 1 (`accumulate`)."""
         algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
         beta = kl_coef if algo.kl_where == "loss" else 0.0  # in the reward, the KL is only measured here
         off = (off_policy_weights(batch.old_logp, batch.rollout_logp, batch.response_mask, algo.off_policy)

@@ -7,6 +7,7 @@ import torch
 
 from megalign.algos import POLICY_LOSSES, cispo_loss, gspo_loss, select_policy_loss
 from megalign.algos.aggregation import aggregate_loss, loss_normalizer
+from megalign.algos.policy_loss_options import positive_nll_weights
 from megalign.ops.policy_loss import policy_loss
 
 LN15, LN05 = math.log(1.5), math.log(0.5)
@@ -160,7 +161,6 @@ def test_registry_and_bad_arguments():
 
 
 def test_positive_nll_weights_give_vapo_mean_over_positive_tokens_under_token_mean():
-    from megalign.algos.policy_loss_options import positive_nll_weights
     # rows 0 and 2 are right (reward >= 1): 3 + 1 = 4 positive tokens of the 3 + 2 + 1 = 6 masked ones
     rewards = torch.tensor([1.0, 0.0, 1.5])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
